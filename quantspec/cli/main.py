@@ -1,0 +1,75 @@
+"""The ``quantspec`` command: a thin layer of subcommands over the library.
+
+Each subcommand lives in its own module that exposes ``add_parser(subparsers)``, which
+registers the parser and sets ``func`` to a ``run(args) -> int`` function.
+Exit codes: 0 success, 2 bad input (QuantspecError, one line), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from ..errors import QuantspecError
+
+SUBCOMMANDS = [
+    "quantize",
+    "eval",
+    "generate",
+    "inspect",
+    "bench",
+    "bench_specdec",
+    "profile",
+    "sweep",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantspec",
+        description="Quantize, run, speculate and measure Hugging Face causal LMs.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f".{name}", __package__)
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__package__}.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except QuantspecError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"quantspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("quantspec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # internal error
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(
+                f"quantspec: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+                file=sys.stderr,
+            )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

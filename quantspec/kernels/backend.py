@@ -1,0 +1,105 @@
+"""The contract of a kernel backend, and the choice of one for a layer.
+
+A backend declares what it supports (``cannot_run`` gives the reason it cannot), repacks a
+layer's canonical ``QuantResult`` once at load into the layout it wants (``prepare``), and
+computes ``y = x @ W.T + bias`` from that layout (``linear``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..errors import QuantspecError
+from ..quant.scheme import QuantResult, QuantScheme
+
+
+class Backend(Protocol):
+    name: str
+
+    def cannot_run(
+        self,
+        scheme: QuantScheme,
+        out_features: int,
+        in_features: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> str | None:
+        """None when this backend can run such a layer here, else the reason it cannot."""
+
+    def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Repack once at load; the returned tensors are kept as non-persistent buffers."""
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        prepared: dict[str, torch.Tensor],
+        scheme: QuantScheme,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x`` [..., K] -> [..., N] in ``x.dtype``."""
+
+
+def _registry() -> dict[str, Backend]:
+    """Backends in order of preference (fastest first); imported lazily."""
+    from .reference import ReferenceBackend
+
+    backends: dict[str, Backend] = {}
+    try:
+        from .triton_backend import TritonBackend
+
+        backends["triton"] = TritonBackend()
+    except ImportError:
+        pass
+    try:
+        from .cpu import CpuBackend
+
+        backends["cpu"] = CpuBackend()
+    except ImportError:
+        pass
+    backends["reference"] = ReferenceBackend()
+    return backends
+
+
+def available_backends() -> list[str]:
+    return list(_registry())
+
+
+def get_backend(name: str) -> Backend:
+    reg = _registry()
+    if name not in reg:
+        raise QuantspecError(
+            f"unknown kernel backend {name!r}.", f"use one of {sorted(reg)} or 'auto'."
+        )
+    return reg[name]
+
+
+def choose_backend(
+    scheme: QuantScheme,
+    out_features: int,
+    in_features: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    requested: str = "auto",
+) -> tuple[Backend, str]:
+    """The backend for one layer and why: the requested one, or the first that can run it."""
+    if requested != "auto":
+        backend = get_backend(requested)
+        reason = backend.cannot_run(scheme, out_features, in_features, device, dtype)
+        if reason:
+            raise QuantspecError(
+                f"backend {requested!r} cannot run a {out_features}x{in_features} "
+                f"{scheme.short_name} layer on {device}: {reason}.",
+                "use --backend auto (or 'reference', which runs everything).",
+            )
+        return backend, "requested"
+    skipped = []
+    for name, backend in _registry().items():
+        reason = backend.cannot_run(scheme, out_features, in_features, device, dtype)
+        if reason is None:
+            return backend, ("fastest available" if not skipped else "; ".join(skipped))
+        skipped.append(f"{name}: {reason}")
+    raise RuntimeError("the reference backend refused a layer")  # reference runs everything

@@ -1,0 +1,99 @@
+"""QuantLinear: a Linear whose weight is stored in a checkpoint format and run by a backend.
+
+Built on any device (the meta device included) with the format's tensors as buffers, so that
+``state_dict()`` has exactly the checkpoint's names. ``prepare()`` unpacks them once to the
+canonical ``QuantResult`` and hands it to the chosen backend, whose layout is kept in
+non-persistent buffers (they move with ``.to()`` but are not saved).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..formats import get_format
+from ..quant.scheme import QuantResult, QuantScheme
+from .backend import choose_backend
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        fmt: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme
+        self.fmt = fmt
+        self.compute_dtype = dtype
+        specs = get_format(fmt).tensor_specs(scheme, out_features, in_features)
+        for name, (shape, tdtype) in specs.items():
+            self.register_buffer(name, torch.empty(shape, dtype=tdtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self._backend = None
+        self.backend_name: str | None = None
+        self.backend_reason: str = ""
+        self._prepared_names: list[str] = []
+
+    def format_tensors(self) -> dict[str, torch.Tensor]:
+        names = get_format(self.fmt).tensor_specs(self.scheme, self.out_features, self.in_features)
+        return {n: getattr(self, n) for n in names}
+
+    def quant_result(self) -> QuantResult:
+        return get_format(self.fmt).unpack(
+            self.format_tensors(), self.scheme, self.out_features, self.in_features
+        )
+
+    @classmethod
+    def from_result(
+        cls, result: QuantResult, fmt: str, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> "QuantLinear":
+        n, k = result.shape
+        mod = cls(k, n, bias is not None, result.scheme, fmt, device="meta", dtype=dtype)
+        for name, t in get_format(fmt).pack(result).items():
+            setattr(mod, name, t)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        return mod
+
+    def prepare(self, backend: str = "auto") -> str:
+        """Repack for a backend (chosen for this device and dtype unless named). Returns its name."""
+        device = next(iter(self.format_tensors().values())).device
+        chosen, why = choose_backend(
+            self.scheme, self.out_features, self.in_features, device, self.compute_dtype, backend
+        )
+        for name in self._prepared_names:
+            delattr(self, name)
+        prepared = chosen.prepare(self.quant_result(), self.compute_dtype)
+        self._prepared_names = []
+        for name, t in prepared.items():
+            attr = f"_p_{name}"
+            self.register_buffer(attr, t, persistent=False)
+            self._prepared_names.append(attr)
+        self._backend = chosen
+        self.backend_name = chosen.name
+        self.backend_reason = why
+        return chosen.name
+
+    def prepared(self) -> dict[str, torch.Tensor]:
+        return {n[3:]: getattr(self, n) for n in self._prepared_names}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend_name is None:
+            self.prepare()
+        return self._backend.linear(
+            x, self.prepared(), self.scheme, self.out_features, self.in_features, self.bias
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"scheme={self.scheme.short_name}, format={self.fmt}, backend={self.backend_name}"
+        )

@@ -1,0 +1,53 @@
+"""The reference backend: dequantize, then a dense matmul. Runs every scheme on any device.
+
+It is the oracle of every test: slow, simple, and obviously correct. W8A8 layers also quantize
+their activations per token (symmetric int8, dynamic) so the reference matches what the fast
+W8A8 kernels compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.scheme import QuantResult, QuantScheme
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> int8 codes [M, K] and fp32 scales [M, 1] (symmetric, absmax / 127)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    scale = (amax / 127.0).clamp(min=1e-10)
+    q = torch.round(x.to(torch.float32) / scale).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def cannot_run(self, scheme, out_features, in_features, device, dtype):
+        return None
+
+    def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        # Kept dequantized-on-the-fly from the canonical tensors; nothing dense is stored.
+        out = {"codes": result.qweight, "scales": result.scales, "group": result.group_index()}
+        if result.zeros is not None:
+            out["zeros"] = result.zeros
+        return out
+
+    def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
+        g = prepared["group"]
+        s = prepared["scales"].to(torch.float32)[:, g]
+        if "zeros" in prepared:
+            z = prepared["zeros"].to(torch.float32)[:, g]
+        else:
+            z = float(scheme.sym_zero)
+        w = (prepared["codes"].to(torch.float32) - z) * s
+        if scheme.activations == "int8-token-dynamic":
+            flat = x.reshape(-1, in_features)
+            qx, sx = quantize_per_token_int8(flat)
+            y = (qx.to(torch.float32) @ w.T) * sx
+            y = y.reshape(*x.shape[:-1], out_features)
+        else:
+            y = x.to(torch.float32) @ w.T
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(x.dtype)

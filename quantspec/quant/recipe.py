@@ -1,0 +1,202 @@
+"""Recipes: what to quantize, how, and into which format. YAML maps 1:1 onto ``Recipe``.
+
+Example (recipes/gptq-w4g128.yaml)::
+
+    name: gptq-w4g128
+    method: gptq
+    format: gptq
+    scheme: {bits: 4, group_size: 128, symmetric: true, act_order: false}
+    ignore: [lm_head]
+    calibration: {data: c4, samples: 128, seqlen: 2048, seed: 0}
+    gptq: {damp_percent: 0.01, block_size: 128}
+
+Unknown keys are errors (a typo must not silently fall back to a default). The resolved recipe
+is saved as recipe.yaml in every checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import QuantspecError
+from .scheme import QuantScheme
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "awq+gptq")
+FORMATS = ("gptq", "awq", "compressed-tensors")
+
+
+def _strict(cls, data: dict[str, Any] | None, where: str):
+    data = dict(data or {})
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise QuantspecError(
+            f"unknown field(s) {sorted(unknown)} in {where}.", f"use only {sorted(known)}."
+        )
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Calibration data: a data name (wikitext2, c4, pydoc) or a .txt/.jsonl path."""
+
+    data: str = "c4"
+    samples: int | None = None  # None: 128 on a GPU, 64 on a CPU
+    seqlen: int | None = None  # None: 2048 on a GPU, 512 on a CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "seqlen"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise QuantspecError(
+                    f"calibration {name}={v!r} must be a positive integer.",
+                    f"set calibration.{name} to e.g. 128 (samples) or 2048 (seqlen).",
+                )
+
+    def resolved(self, on_gpu: bool) -> "CalibrationConfig":
+        return replace(
+            self,
+            samples=self.samples or (128 if on_gpu else 64),
+            seqlen=self.seqlen or (2048 if on_gpu else 512),
+        )
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp_percent: float = 0.01
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 < self.damp_percent < 1:
+            raise QuantspecError(
+                f"gptq.damp_percent={self.damp_percent} must lie in (0, 1).", "use e.g. 0.01."
+            )
+        if self.block_size < 1:
+            raise QuantspecError("gptq.block_size must be positive.", "use e.g. 128.")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    grid: int = 20
+    clip: bool = True
+    save_scales: str | None = None
+    load_scales: str | None = None
+
+
+@dataclass(frozen=True)
+class SmoothQuantOptions:
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise QuantspecError(
+                f"smoothquant.alpha={self.alpha} must lie in [0, 1].", "use e.g. 0.5."
+            )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "gptq-w4g128"
+    method: str = "gptq"
+    format: str = "gptq"
+    scheme: QuantScheme = field(default_factory=QuantScheme)
+    targets: tuple[str, ...] = ()  # regexes of Linear names; empty = every Linear in the blocks
+    ignore: tuple[str, ...] = ("lm_head",)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    awq: AWQOptions = field(default_factory=AWQOptions)
+    smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantspecError(
+                f"unknown method {self.method!r}.", f"use one of {list(METHODS)}."
+            )
+        if self.format not in FORMATS:
+            raise QuantspecError(
+                f"unknown format {self.format!r}.", f"use one of {list(FORMATS)}."
+            )
+        if self.method == "smoothquant" and self.scheme.activations is None:
+            raise QuantspecError(
+                "smoothquant is a W8A8 method but the scheme has no activation quantization.",
+                "set scheme.bits=8, group_size=-1, activations='int8-token-dynamic'.",
+            )
+        if self.scheme.activations is not None and self.format != "compressed-tensors":
+            raise QuantspecError(
+                f"W8A8 cannot be written in the {self.format!r} format.",
+                "use --format compressed-tensors.",
+            )
+        if self.method == "rtn" and self.scheme.act_order:
+            raise QuantspecError(
+                "act_order needs a Hessian: it is a GPTQ option, not an RTN one.",
+                "use --method gptq or drop --act-order.",
+            )
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "rtn"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        d["ignore"] = list(self.ignore)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise QuantspecError(
+                f"unknown recipe field(s) {sorted(unknown)}.", f"use only {sorted(known)}."
+            )
+        nested = {
+            "scheme": QuantScheme,
+            "calibration": CalibrationConfig,
+            "gptq": GPTQOptions,
+            "awq": AWQOptions,
+            "smoothquant": SmoothQuantOptions,
+        }
+        for key, sub in nested.items():
+            if key in data and not isinstance(data[key], sub):
+                if not isinstance(data[key], dict):
+                    raise QuantspecError(
+                        f"recipe field {key!r} must be a mapping.", f"write {key}: {{...}}."
+                    )
+                data[key] = _strict(sub, data[key], f"recipe.{key}")
+        for key in ("targets", "ignore"):
+            if key in data:
+                if not isinstance(data[key], (list, tuple)):
+                    raise QuantspecError(
+                        f"recipe field {key!r} must be a list.", f"write {key}: [lm_head]."
+                    )
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Recipe":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise QuantspecError(f"recipe file {p} does not exist.", "check the path.")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise QuantspecError(f"recipe {p} is not valid YAML: {exc}.", "fix the YAML.") from exc
+        if not isinstance(data, dict):
+            raise QuantspecError(f"recipe {p} must be a YAML mapping.", "see recipes/*.yaml.")
+        return cls.from_dict(data)
+
+
+def default_recipe_name(method: str, scheme: QuantScheme) -> str:
+    return f"{method.replace('+', '-')}-{scheme.short_name}"

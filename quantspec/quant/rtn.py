@@ -1,0 +1,85 @@
+"""Round-to-nearest (RTN): the baseline, and the grid helpers every algorithm shares.
+
+Pure tensor functions. ``qparams`` finds the scale (and zero) of a group of columns from its
+min/max, ``quantize_codes`` maps weights to codes on a given grid, ``rtn`` does both for a
+whole [N, K] weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .scheme import QuantResult, QuantScheme
+
+
+def qparams(
+    w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero of each row of ``w`` ([N, C] -> [N], [N] or None), from min/max.
+
+    Symmetric: ``scale = 2 * max|w| / maxq`` with the implicit zero ``2**(bits-1)`` (GPTQ's
+    convention). Asymmetric: ``scale = (max - min) / maxq``, ``zero = round(-min / scale)``.
+    Scales are rounded to ``scale_dtype`` (the stored dtype) before they are returned.
+    """
+    w = w.to(torch.float32)
+    wmin = w.amin(dim=1).clamp(max=0)
+    wmax = w.amax(dim=1).clamp(min=0)
+    if scheme.symmetric:
+        amax = torch.maximum(wmin.abs(), wmax)
+        scale = 2 * amax / scheme.maxq
+    else:
+        scale = (wmax - wmin) / scheme.maxq
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = scale.to(scale_dtype).to(torch.float32)
+    # fp16 may round a tiny scale down to zero: keep the smallest normal number instead.
+    tiny = torch.finfo(scale_dtype).tiny
+    scale = scale.clamp(min=tiny)
+    if scheme.symmetric:
+        return scale.to(scale_dtype), None
+    zero = torch.round(-wmin / scale).clamp(0, scheme.maxq)
+    return scale.to(scale_dtype), zero.to(torch.uint8)
+
+
+def quantize_codes(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme
+) -> torch.Tensor:
+    """Codes of ``w`` ([N, C]) on the grid (scale, zero) given per row ([N]) -> uint8 [N, C]."""
+    s = scale.to(torch.float32).unsqueeze(1)
+    z = float(scheme.sym_zero) if zero is None else zero.to(torch.float32).unsqueeze(1)
+    q = torch.round(w.to(torch.float32) / s) + z
+    return q.clamp(0, scheme.maxq).to(torch.uint8)
+
+
+def dequantize_codes(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme
+) -> torch.Tensor:
+    """Inverse of ``quantize_codes`` (fp32)."""
+    s = scale.to(torch.float32).unsqueeze(1)
+    z = float(scheme.sym_zero) if zero is None else zero.to(torch.float32).unsqueeze(1)
+    return (q.to(torch.float32) - z) * s
+
+
+def rtn(
+    weight: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype = torch.float16
+) -> QuantResult:
+    """Round-to-nearest quantization of a [N, K] weight, group by group along K.
+
+    A last group shorter than ``group_size`` (K not divisible) is quantized on its own; whether
+    a format can store it is the format's question, not the algorithm's.
+    """
+    n, k = weight.shape
+    glen = scheme.group_len(k)
+    codes, scales, zeros = [], [], []
+    for start in range(0, k, glen):
+        block = weight[:, start : start + glen]
+        s, z = qparams(block, scheme, scale_dtype)
+        codes.append(quantize_codes(block, s, z, scheme))
+        scales.append(s)
+        zeros.append(z)
+    return QuantResult(
+        qweight=torch.cat(codes, dim=1),
+        scales=torch.stack(scales, dim=1),
+        zeros=None if scheme.symmetric else torch.stack(zeros, dim=1),  # type: ignore[arg-type]
+        g_idx=None,
+        scheme=scheme,
+    )
