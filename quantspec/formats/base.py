@@ -28,6 +28,17 @@ class FormatConfig:
     scheme: QuantScheme
     ignore: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    # (regex fully matching a module name, scheme) pairs that override ``scheme`` per layer,
+    # e.g. a group size that divides the layer's K; first match wins.
+    overrides: list[tuple[str, QuantScheme]] = field(default_factory=list)
+
+    def scheme_for(self, module_name: str) -> QuantScheme:
+        import re
+
+        for pattern, scheme in self.overrides:
+            if re.fullmatch(pattern, module_name):
+                return scheme
+        return self.scheme
 
 
 class Format(Protocol):

@@ -1,0 +1,6 @@
+"""Model sources: hub ids, local HF folders, GGUF files and built-in aliases -> dense HF models."""
+
+from .aliases import ALIASES, DEFAULT_ALIAS
+from .source import ModelInfo, dense_folder, load_dense, model_slug, resolve_dtype
+
+__all__ = ["ALIASES", "DEFAULT_ALIAS", "ModelInfo", "dense_folder", "load_dense", "model_slug", "resolve_dtype"]

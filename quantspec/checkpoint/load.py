@@ -1,0 +1,197 @@
+"""Load a quantized checkpoint as a transformers model whose quantized Linears are QuantLinear.
+
+The model is built on the meta device (parameters only; buffers such as rotary frequencies stay
+real), the Linears that the checkpoint stores quantized are swapped for QuantLinear modules,
+and the checkpoint's tensors are assigned in place: no dense copy of the model is materialised.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import QuantspecError
+from ..formats import read_quantization_config
+from ..kernels.quant_linear import QuantLinear
+from .reader import CheckpointReader
+
+
+def read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise QuantspecError(
+            f"{path} has no config.json.", "point to a checkpoint folder written by `quantspec quantize`."
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QuantspecError(f"{cfg_path} is not valid JSON ({exc}).", "rewrite the checkpoint.") from exc
+    if not isinstance(cfg, dict):
+        raise QuantspecError(f"{cfg_path} is not a JSON object.", "rewrite the checkpoint.")
+    return cfg
+
+
+def is_quantized_folder(path: str | Path) -> bool:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return False
+    try:
+        return "quantization_config" in json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        out = getattr(torch, dtype)
+    except AttributeError:
+        out = None
+    if not isinstance(out, torch.dtype) or not out.is_floating_point:
+        raise QuantspecError(
+            f"unknown dtype {dtype!r}.", "use auto, float32, bfloat16 or float16."
+        )
+    return out
+
+
+def _empty_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    model_type = plain.get("model_type")
+    if not model_type:
+        raise QuantspecError("config.json has no model_type.", "rewrite the checkpoint.")
+    try:
+        config = AutoConfig.for_model(**plain)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise QuantspecError(
+            f"config.json describes a model transformers cannot build ({exc}).",
+            "upgrade transformers or rewrite the checkpoint.",
+        ) from exc
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) -> list[str]:
+    """Replace every nn.Linear whose tensors the checkpoint stores quantized; return the names."""
+    swapped = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        scheme = fcfg.scheme_for(name)
+        specs = fmt.tensor_specs(scheme, mod.out_features, mod.in_features)
+        if not all(f"{name}.{t}" in keys for t in specs):
+            continue  # stored dense
+        qmod = QuantLinear(
+            mod.in_features, mod.out_features, mod.bias is not None, scheme, fmt.name,
+            device="meta", dtype=dtype,
+        )
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, qmod)
+        swapped.append(name)
+    return swapped
+
+
+def load_quantized(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+) -> nn.Module:
+    """Load a quantized checkpoint folder (GPTQ, AWQ or compressed-tensors).
+
+    dtype: the compute dtype of activations and dense layers ("auto": fp32 on CPU, bf16 on GPU).
+    backend: the kernel backend of every QuantLinear ("auto" picks the fastest that can run it).
+    Returns the transformers model in eval mode; ``model.quantspec_backends`` maps each
+    quantized layer to the backend it uses.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise QuantspecError(f"checkpoint folder {path} does not exist.", "check the path.")
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    cfg = read_config(path)
+    qcfg = cfg.get("quantization_config")
+    if not isinstance(qcfg, dict):
+        raise QuantspecError(
+            f"{path}/config.json has no quantization_config: this is not a quantized checkpoint.",
+            "load it as a dense model, or quantize it first with `quantspec quantize`.",
+        )
+    fmt, fcfg = read_quantization_config(qcfg)
+    reader = CheckpointReader(path)
+    model = _empty_model(cfg, dtype)
+    swapped = _swap_quantized_linears(model, fcfg, fmt, reader.keys(), dtype)
+    if not swapped:
+        raise QuantspecError(
+            f"{path} says it is {fmt.name}-quantized but holds no quantized layer tensors.",
+            "rewrite the checkpoint; it may be truncated or mislabelled.",
+        )
+    state = reader.load_all(model, dtype)
+    _assign(model, state, path)
+    model.tie_weights()
+    model.to(device)
+    model.eval()
+    backends = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            backends[name] = mod.prepare(backend)
+    model.quantspec_backends = backends
+    model.quantspec_format = fmt.name
+    model.name_or_path = str(path)
+    return model
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = _tied_keys(model)
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - tied)
+    if unexpected or missing:
+        raise QuantspecError(
+            f"{path} does not match its config.json: "
+            + (f"unexpected tensors {unexpected[:4]}{'...' if len(unexpected) > 4 else ''} " if unexpected else "")
+            + (f"missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}" if missing else ""),
+            "rewrite the checkpoint (it may be truncated or written for another model).",
+        )
+    for name, t in state.items():
+        ref = expected[name]
+        if tuple(ref.shape) != tuple(t.shape):
+            raise QuantspecError(
+                f"tensor {name} in {path} has shape {tuple(t.shape)} but the config implies "
+                f"{tuple(ref.shape)}.",
+                "rewrite the checkpoint; its tensors and config.json disagree.",
+            )
+        if ref.dtype.is_floating_point != t.dtype.is_floating_point:
+            raise QuantspecError(
+                f"tensor {name} in {path} has dtype {t.dtype}, expected a {ref.dtype}-like tensor.",
+                "rewrite the checkpoint; its tensors and quantization_config disagree.",
+            )
+    model.load_state_dict(state, strict=False, assign=True)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    leftover += [n for n, b in model.named_buffers() if b.is_meta]
+    if leftover:
+        raise QuantspecError(
+            f"{path} is missing tensors for {leftover[:4]}.", "rewrite the checkpoint."
+        )
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """State-dict keys that tie_weights() fills (e.g. lm_head.weight tied to the embeddings)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    out = model.get_output_embeddings()
+    if out is None or isinstance(out, QuantLinear):
+        return set()
+    for name, mod in model.named_modules():
+        if mod is out:
+            return {f"{name}.weight"}
+    return set()

@@ -1,0 +1,67 @@
+"""``quantspec eval MODEL_OR_DIR``: perplexity (fixed protocol), lm-eval tasks, speed."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import load_any, write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity / lm-eval tasks / speed of a model or checkpoint")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder, model id, folder or .gguf (default: smollm2-135m)")
+    p.add_argument("--ppl", action="append", default=None, metavar="DATA",
+                   help="wikitext2, c4, pydoc or a .txt/.jsonl path (repeatable; default wikitext2 unless --tasks/--speed)")
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--windows", type=int, default=40, help="first N windows (0 = all)")
+    p.add_argument("--stride", type=int, default=None)
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks (needs quantspec[lm-eval])")
+    p.add_argument("--tasks-path", help="folder of local lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, help="lm-eval: examples per task")
+    p.add_argument("--speed", action="store_true", help="also measure speed against the dense baseline")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="auto", help="kernel backend of quantized layers")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", help="write the results as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..eval.perplexity import perplexity
+
+    out: dict = {"model": args.model}
+    datas = args.ppl if args.ppl is not None else ([] if (args.tasks or args.speed) else ["wikitext2"])
+    if datas:
+        model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
+        out["model"] = label
+        out["ppl"] = {}
+        for data in datas:
+            r = perplexity(
+                model, tok, data, seqlen=args.seqlen, windows=args.windows or None,
+                stride=args.stride, progress=args.progress,
+            )
+            out["ppl"][data] = r["ppl"]
+            out.update({"seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"]})
+            out.setdefault("ppl_details", {})[data] = r
+            print(
+                f"{label}: ppl {r['ppl']:.3f} on {r['data']} "
+                f"(seqlen {r['seqlen']}, {r['windows']} windows, {r['tokens']} tokens)"
+            )
+        del model
+    if args.tasks:
+        from ..eval.lmeval_adapter import run_lm_eval
+
+        res = run_lm_eval(
+            args.model, [t for t in args.tasks.split(",") if t], limit=args.limit,
+            include_path=args.tasks_path, device=args.device,
+        )
+        out["tasks"] = res
+        print(res)
+    if args.speed:
+        from ..eval.speed import speed_report
+
+        out["speed"] = speed_report(args.model, device=args.device)
+    if args.json:
+        write_json(args.json, out)
+    return 0

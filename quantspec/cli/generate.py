@@ -1,0 +1,78 @@
+"""``quantspec generate MODEL_OR_DIR --prompt TEXT``: generate text, optionally speculatively."""
+
+from __future__ import annotations
+
+import time
+
+from ._common import load_any, write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a model or checkpoint")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--json")
+    try:
+        from .bench_specdec import add_specdec_args
+
+        add_specdec_args(p)
+    except ImportError:
+        pass
+    p.set_defaults(func=run)
+
+
+def _encode(tok, prompt: str, chat: bool):
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+            return_dict=True,
+        )
+        return ids["input_ids"]
+    return tok(prompt, return_tensors="pt").input_ids
+
+
+def run(args) -> int:
+    import torch
+
+    model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
+    input_ids = _encode(tok, args.prompt, args.chat).to(args.device)
+    draft = getattr(args, "draft", None)
+    out: dict = {"model": label, "prompt": args.prompt}
+    t0 = time.perf_counter()
+    if draft:
+        from ..specdec import make_proposer, speculative_generate
+        from ..specdec.sampling import SamplingConfig
+
+        proposer = make_proposer(draft, model, tok)
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        ids, stats = speculative_generate(
+            model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
+            adaptive=args.adaptive, sampling=sampling, eos_token_id=tok.eos_token_id,
+            seed=getattr(args, "seed", None),
+        )
+        out["specdec"] = stats.to_dict()
+    else:
+        temperature = getattr(args, "temperature", 0.0) or 0.0
+        kw = {"do_sample": temperature > 0}
+        if temperature > 0:
+            kw.update(temperature=temperature, top_p=getattr(args, "top_p", None) or 1.0,
+                      top_k=getattr(args, "top_k", None) or 0)
+        with torch.inference_mode():
+            ids = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id, **kw,
+            )
+    seconds = time.perf_counter() - t0
+    new = ids[0, input_ids.shape[1]:]
+    text = tok.decode(new, skip_special_tokens=True)
+    print(text)
+    out.update({"text": text, "new_tokens": int(new.numel()), "seconds": round(seconds, 3),
+                "tokens_per_s": round(new.numel() / seconds, 2) if seconds > 0 else None})
+    if args.json:
+        write_json(args.json, out)
+    return 0

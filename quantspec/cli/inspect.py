@@ -1,0 +1,38 @@
+"""``quantspec inspect DIR``: what a checkpoint holds and how it will run here."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ._common import write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a quantized checkpoint")
+    p.add_argument("path")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..checkpoint.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(args.path, device=args.device, dtype=args.dtype)
+    s = info["scheme"]
+    print(f"{info['path']}: {info['format']} format, model_type {info['model_type']}, "
+          f"{info['size_bytes'] / 1e6:.1f} MB of weights")
+    print(f"scheme: {s['bits']}-bit, group {s['group_size']}, "
+          f"{'symmetric' if s['symmetric'] else 'asymmetric'}"
+          f"{', act-order' if s['act_order'] else ''}"
+          f"{', W8A8 ' + s['activations'] if s.get('activations') else ''}")
+    quant = {n: v for n, v in info["layers"].items() if not v.get("dense")}
+    kinds = Counter((v["bits"], v["group_size"], v["backend"]) for v in quant.values())
+    for (bits, g, backend), n in sorted(kinds.items()):
+        print(f"  {n:4d} layers: {bits}-bit group {g} -> backend {backend}")
+    for name in info["dense_layers"]:
+        print(f"  dense: {name} ({info['layers'][name]['reason']})")
+    if args.json:
+        write_json(args.json, info)
+    return 0

@@ -1,0 +1,135 @@
+"""``quantspec quantize [MODEL]``: quantize a model into a checkpoint folder.
+
+Flags override the recipe's fields. With no arguments it quantizes the built-in default model
+with the default recipe and prints a before/after table (perplexity, size, decode tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ._common import write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="quantize a model (hub id, local folder, .gguf, or the built-in default)",
+        description=__doc__,
+    )
+    p.add_argument("model", nargs="?", default=None, help="HF hub id, local folder, .gguf file or alias (default: smollm2-135m)")
+    p.add_argument("--recipe", help="recipe name (recipes/NAME.yaml) or a YAML path (default: gptq-w4g128)")
+    p.add_argument("--method", choices=["rtn", "gptq", "awq", "smoothquant", "awq+gptq"])
+    p.add_argument("--bits", type=int, choices=[2, 3, 4, 8])
+    p.add_argument("--group-size", type=int, choices=[-1, 32, 64, 128])
+    p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None, help="symmetric (no zero point)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None, help="GPTQ desc_act")
+    p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--w8a8", action="store_true", help="int8 weights and dynamic per-token int8 activations")
+    p.add_argument("--format", choices=["gptq", "awq", "compressed-tensors"])
+    p.add_argument("--calib", help="calibration data: wikitext2, c4, pydoc or a .txt/.jsonl path")
+    p.add_argument("--calib-samples", type=int)
+    p.add_argument("--calib-seqlen", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--alpha", type=float, help="SmoothQuant migration strength")
+    p.add_argument("--save-scales", help="AWQ: save the searched scales to this file")
+    p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
+    p.add_argument("--out", help="output folder (default: ./quantspec-out/<model>-<recipe>/)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
+    p.add_argument("--device", help="device for the per-block work (default: cuda if present, else cpu)")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="print a dense vs quantized table (default: on when MODEL is omitted)")
+    p.add_argument("--compare-data", default="wikitext2")
+    p.add_argument("--compare-windows", type=int, default=40)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", help="write the result (paths, report summary) as JSON")
+    p.set_defaults(func=run)
+
+
+def recipe_from_args(args):
+    from ..quant.pipeline import resolve_recipe
+    from ..quant.recipe import default_recipe_name
+
+    recipe = resolve_recipe(args.recipe)
+    scheme_fields = {
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "symmetric": args.sym,
+        "act_order": args.act_order,
+        "static_groups": args.static_groups,
+    }
+    if args.w8a8:
+        scheme_fields.update(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
+    changes = {k: v for k, v in scheme_fields.items() if v is not None}
+    top: dict = {}
+    if args.method:
+        top["method"] = args.method
+    if args.format:
+        top["format"] = args.format
+    elif args.w8a8:
+        top["format"] = "compressed-tensors"
+    calib = {
+        k: v
+        for k, v in {
+            "data": args.calib, "samples": args.calib_samples,
+            "seqlen": args.calib_seqlen, "seed": args.seed,
+        }.items()
+        if v is not None
+    }
+    if changes or top or calib or args.alpha is not None or args.save_scales or args.load_scales:
+        data = recipe.to_dict()
+        data["scheme"] = {**data["scheme"], **changes}
+        data.update(top)
+        data["calibration"] = {**data["calibration"], **calib}
+        if args.alpha is not None:
+            data["smoothquant"] = {**data["smoothquant"], "alpha": args.alpha}
+        if args.save_scales or args.load_scales:
+            data["awq"] = {**data["awq"], "save_scales": args.save_scales, "load_scales": args.load_scales}
+        recipe = type(recipe).from_dict(data)
+        if changes or top:
+            recipe = replace(recipe, name=default_recipe_name(recipe.method, recipe.scheme))
+    return recipe
+
+
+def run(args) -> int:
+    from ..quant.pipeline import quantize
+
+    recipe = recipe_from_args(args)
+    compare = args.compare if args.compare is not None else args.model is None
+    outcome = quantize(
+        args.model, recipe, args.out, overwrite=args.overwrite, device=args.device,
+        resume=args.resume, progress=args.progress,
+    )
+    rep = outcome.report
+    n_q = sum(1 for v in rep["layers"].values() if v.get("status") == "quantized")
+    print(
+        f"wrote {outcome.out}  ({recipe.name}: {recipe.method}, {recipe.format}, "
+        f"{recipe.scheme.short_name}; {n_q} layers quantized, {len(rep['dense_layers'])} dense, "
+        f"{len(rep['regrouped_layers'])} regrouped; {rep['quantize_seconds']:.1f} s)"
+    )
+    summary = {
+        "out": str(outcome.out),
+        "recipe": recipe.to_dict(),
+        "quantize_seconds": rep["quantize_seconds"],
+        "load_seconds": rep["load_seconds"],
+        "layers_quantized": n_q,
+        "dense_layers": rep["dense_layers"],
+        "regrouped_layers": rep["regrouped_layers"],
+    }
+    if compare:
+        from ..eval.compare import compare_dense_quantized, format_table
+
+        table = compare_dense_quantized(
+            args.model, outcome.out, data=args.compare_data, windows=args.compare_windows,
+            progress=args.progress,
+        )
+        print(format_table(table))
+        summary["compare"] = table
+    if args.json:
+        write_json(args.json, summary)
+    return 0
+
+
+__all__ = ["add_parser", "run", "recipe_from_args"]

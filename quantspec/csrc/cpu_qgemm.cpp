@@ -1,0 +1,400 @@
+// Quantized-weight matmul for the CPU backend: int8 activations (quantized per block on the
+// fly) times 4-bit or 8-bit weight codes, integer dot products, fp32 accumulation.
+//
+// Layout (built once by quantspec/kernels/cpu.py, see its docstring):
+//   K is permuted (act-order) and padded to Kp = G * L: group g holds columns [g*L, (g+1)*L).
+//   Activations are quantized per block of B columns (B divides L; B is 32 or a multiple of 64).
+//   w4:    uint8 [N, Kp/2]. 64-column chunk c lives in bytes [32c, 32c+32): byte j holds column
+//          64c+j in its low nibble and column 64c+32+j in its high nibble. Codes in [0, 15].
+//   w8:    int8  [N, Kp], code - 128.
+//   scales fp16  [N, G]; zeros int8 [N, G] (z for 4-bit, z - 128 for 8-bit).
+//   y[m, n] = sum_b sw[n,g(b)] * sx[m,b] * dot_b(q, xq) - sum_g sw[n,g] * z[n,g] * X[m,g],
+//   X[m, g] = sum_{b in g} sx[m,b] * sum(xq[m, b]).
+// AVX2 (maddubs/madd, the int8 dot used by llama.cpp's Q4_0 x Q8_0) is chosen at run time when
+// the CPU has it; a portable scalar path serves every other CPU.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QS_X86 1
+#endif
+
+namespace {
+
+struct Geometry {
+  int64_t M, N, K, Kp, G, B;
+  int64_t nblk() const { return Kp / B; }
+  int64_t bpg() const { return (Kp / G) / B; }
+};
+
+// Per-block activation operands for one matmul call.
+struct Acts {
+  const int8_t* xq;  // [M, Kp]
+  const float* sx;   // [M, nblk]
+  const float* xg;   // [M, G]
+};
+
+// x (float [M, K]) -> int8 codes per block of B (absmax / 127, round half to even), the block
+// scales, and the per-group sums X. src (int32 [Kp], or null) gathers columns; src >= K is zero.
+void quantize_activations(const float* x, const int32_t* src, const Geometry& g, int8_t* xq,
+                          float* sx, float* xg) {
+  const int64_t nblk = g.nblk(), bpg = g.bpg();
+  std::vector<float> buf(g.B);
+  for (int64_t m = 0; m < g.M; ++m) {
+    const float* xm = x + m * g.K;
+    for (int64_t gi = 0; gi < g.G; ++gi) xg[m * g.G + gi] = 0.f;
+    for (int64_t b = 0; b < nblk; ++b) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < g.B; ++i) {
+        const int64_t k = b * g.B + i;
+        const int64_t s = src ? src[k] : k;
+        buf[i] = s < g.K ? xm[s] : 0.f;
+        amax = std::max(amax, std::fabs(buf[i]));
+      }
+      const float scale = std::max(amax / 127.0f, 1e-10f);
+      int32_t sum = 0;
+      int8_t* q = xq + m * g.Kp + b * g.B;
+      for (int64_t i = 0; i < g.B; ++i) {
+        const float r = std::nearbyint(buf[i] / scale);
+        const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+        q[i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      sx[m * nblk + b] = scale;
+      xg[m * g.G + b / bpg] += scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// One output row n: fp16 scales and int8 zeros -> fp32 scales and scale * zero.
+void row_scales(const c10::Half* sw, const int8_t* z, int64_t G, float* swf, float* szf) {
+  for (int64_t gi = 0; gi < G; ++gi) {
+    swf[gi] = static_cast<float>(sw[gi]);
+    szf[gi] = swf[gi] * static_cast<float>(z[gi]);
+  }
+}
+
+float zero_correction(const float* szf, const float* xg, int64_t G) {
+  float c = 0.f;
+  for (int64_t gi = 0; gi < G; ++gi) c += szf[gi] * xg[gi];
+  return c;
+}
+
+// ---- portable path ----------------------------------------------------------------------
+
+template <int BITS>
+inline int32_t code_at(const uint8_t* w, int64_t k) {
+  if (BITS == 8) return static_cast<int8_t>(w[k]);
+  const int64_t c = k / 64, j = k % 64;
+  const uint8_t byte = w[32 * c + (j % 32)];
+  return j < 32 ? (byte & 0x0F) : (byte >> 4);
+}
+
+template <int BITS>
+void row_scalar(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
+                const Geometry& g, int64_t m0, int64_t mt, float* y) {
+  const int64_t nblk = g.nblk(), bpg = g.bpg();
+  for (int64_t m = m0; m < m0 + mt; ++m) {
+    const int8_t* xm = a.xq + m * g.Kp;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nblk; ++b) {
+      int32_t isum = 0;
+      for (int64_t i = b * g.B; i < (b + 1) * g.B; ++i) isum += code_at<BITS>(w, i) * xm[i];
+      acc += swf[b / bpg] * a.sx[m * nblk + b] * static_cast<float>(isum);
+    }
+    y[m * g.N] = acc - zero_correction(szf, a.xg + m * g.G, g.G);
+  }
+}
+
+// ---- AVX2 path --------------------------------------------------------------------------
+#ifdef QS_X86
+#define QS_AVX2 __attribute__((target("avx2,fma")))
+
+QS_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+QS_AVX2 float zero_correction_avx2(const float* szf, const float* xg, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t gi = 0;
+  for (; gi + 8 <= G; gi += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(szf + gi), _mm256_loadu_ps(xg + gi), acc);
+  float c = hsum(acc);
+  for (; gi < G; ++gi) c += szf[gi] * xg[gi];
+  return c;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void row_scales_f16c(const c10::Half* sw,
+                                                              const int8_t* z, int64_t G,
+                                                              float* swf, float* szf) {
+  int64_t gi = 0;
+  for (; gi + 8 <= G; gi += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sw + gi)));
+    const __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + gi));
+    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(z8));
+    _mm256_storeu_ps(swf + gi, s);
+    _mm256_storeu_ps(szf + gi, _mm256_mul_ps(s, zf));
+  }
+  row_scales(sw + gi, z + gi, G - gi, swf + gi, szf + gi);
+}
+
+QS_AVX2 inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// 4-bit codes, MT activation rows at once (weights unpacked once per chunk).
+template <int MT>
+QS_AVX2 void row4_avx2(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
+                       const Geometry& g, int64_t m0, float* y) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nblk = g.nblk(), bpg = g.bpg();
+  const int8_t* x[MT];
+  const float* sx[MT];
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    x[m] = a.xq + (m0 + m) * g.Kp;
+    sx[m] = a.sx + (m0 + m) * nblk;
+    acc[m] = _mm256_setzero_ps();
+  }
+  int64_t gi = 0, in_group = 0;  // group of the current block
+  if (g.B == 32) {  // each chunk is two blocks: low nibbles block 2c, high nibbles block 2c+1
+    for (int64_t c = 0; c < g.Kp / 64; ++c) {
+      const __m256i v = load32(w + 32 * c);
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      const __m256 s0 = _mm256_set1_ps(swf[gi]);
+      if (++in_group == bpg) in_group = 0, ++gi;
+      const __m256 s1 = _mm256_set1_ps(swf[gi]);
+      if (++in_group == bpg) in_group = 0, ++gi;
+      for (int m = 0; m < MT; ++m) {
+        const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x[m] + 64 * c)), ones);
+        const __m256i d1 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x[m] + 64 * c + 32)), ones);
+        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sx[m][2 * c]));
+        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(sx[m][2 * c + 1]));
+        acc[m] = _mm256_fmadd_ps(f0, s0, acc[m]);
+        acc[m] = _mm256_fmadd_ps(f1, s1, acc[m]);
+      }
+    }
+  } else {
+    const int64_t cpb = g.B / 64;
+    for (int64_t b = 0; b < nblk; ++b) {
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      for (int64_t c = b * cpb; c < (b + 1) * cpb; ++c) {
+        const __m256i v = load32(w + 32 * c);
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(x[m] + 64 * c)),
+                                             _mm256_maddubs_epi16(hi, load32(x[m] + 64 * c + 32)));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));
+        }
+      }
+      const __m256 s = _mm256_set1_ps(swf[gi]);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(sx[m][b]));
+        acc[m] = _mm256_fmadd_ps(f, s, acc[m]);
+      }
+      if (++in_group == bpg) in_group = 0, ++gi;
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    y[(m0 + m) * g.N] = hsum(acc[m]) - zero_correction_avx2(szf, a.xg + (m0 + m) * g.G, g.G);
+}
+
+// 8-bit signed codes: |w| * sign(x, w) keeps maddubs' unsigned x signed operands exact.
+template <int MT>
+QS_AVX2 void row8_avx2(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
+                       const Geometry& g, int64_t m0, float* y) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nblk = g.nblk(), bpg = g.bpg(), spb = g.B / 32;
+  const int8_t* x[MT];
+  const float* sx[MT];
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    x[m] = a.xq + (m0 + m) * g.Kp;
+    sx[m] = a.sx + (m0 + m) * nblk;
+    acc[m] = _mm256_setzero_ps();
+  }
+  int64_t gi = 0, in_group = 0;
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m256i isum[MT];
+    for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+    for (int64_t s = b * spb; s < (b + 1) * spb; ++s) {
+      const __m256i v = load32(w + 32 * s);
+      const __m256i av = _mm256_abs_epi8(v);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xs = _mm256_sign_epi8(load32(x[m] + 32 * s), v);
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(av, xs), ones));
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(swf[gi]);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(sx[m][b]));
+      acc[m] = _mm256_fmadd_ps(f, sc, acc[m]);
+    }
+    if (++in_group == bpg) in_group = 0, ++gi;
+  }
+  for (int m = 0; m < MT; ++m)
+    y[(m0 + m) * g.N] = hsum(acc[m]) - zero_correction_avx2(szf, a.xg + (m0 + m) * g.G, g.G);
+}
+
+template <int BITS, int MT>
+QS_AVX2 void row_avx2(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
+                      const Geometry& g, int64_t m0, float* y) {
+  if (BITS == 4) row4_avx2<MT>(w, swf, szf, a, g, m0, y);
+  else row8_avx2<MT>(w, swf, szf, a, g, m0, y);
+}
+
+bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+#endif
+
+// One output row n against every activation row, tiled 4 rows at a time.
+template <int BITS>
+void row_all_m(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
+               const Geometry& g, bool simd, float* y) {
+  int64_t m0 = 0;
+#ifdef QS_X86
+  if (simd) {
+    for (; m0 + 4 <= g.M; m0 += 4) row_avx2<BITS, 4>(w, swf, szf, a, g, m0, y);
+    switch (g.M - m0) {
+      case 3: row_avx2<BITS, 3>(w, swf, szf, a, g, m0, y); break;
+      case 2: row_avx2<BITS, 2>(w, swf, szf, a, g, m0, y); break;
+      case 1: row_avx2<BITS, 1>(w, swf, szf, a, g, m0, y); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  row_scalar<BITS>(w, swf, szf, a, g, 0, g.M, y);
+}
+
+void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                  const torch::Tensor& zeros, int64_t bits, int64_t B) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+              "w must be a contiguous uint8 [N, Kp/2 or Kp] tensor");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2,
+              "scales must be contiguous fp16 [N, G]");
+  TORCH_CHECK(zeros.scalar_type() == torch::kInt8 && zeros.sizes() == scales.sizes() &&
+                  zeros.is_contiguous(), "zeros must be contiguous int8 [N, G]");
+  TORCH_CHECK(scales.size(0) == w.size(0), "scales and w disagree on N");
+  const int64_t Kp = bits == 4 ? 2 * w.size(1) : w.size(1);
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(G > 0 && Kp % G == 0 && (Kp / G) % B == 0, "Kp=", Kp, " is not G=", G,
+              " groups of whole blocks of ", B);
+  TORCH_CHECK(B == 32 || B % 64 == 0 || (bits == 8 && B % 32 == 0), "bad block length ", B);
+  TORCH_CHECK(bits == 8 || Kp % 64 == 0, "4-bit Kp must be a multiple of 64");
+}
+
+}  // namespace
+
+// y = x @ W^T (+ bias): x [M, K] float/bf16/fp16 -> y [M, N] in x's dtype.
+// src: int32 [Kp] column gather (act-order / padding) or an empty tensor for identity + zero pad.
+torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                    const torch::Tensor& zeros, const torch::Tensor& src,
+                    const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t block,
+                    bool allow_simd) {
+  check_layout(x, w, scales, zeros, bits, block);
+  Geometry g{x.size(0), w.size(0), x.size(1), bits == 4 ? 2 * w.size(1) : w.size(1),
+             scales.size(1), block};
+  const bool has_src = src.numel() > 0;
+  TORCH_CHECK(!has_src || (src.scalar_type() == torch::kInt && src.numel() == g.Kp),
+              "src must be int32 [Kp]");
+  TORCH_CHECK(has_src || g.K <= g.Kp, "x has more columns than the layout");
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  auto i8 = torch::TensorOptions().dtype(torch::kInt8);
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  torch::Tensor xq = torch::empty({g.M, g.Kp}, i8);
+  torch::Tensor sx = torch::empty({g.M, g.nblk()}, f32);
+  torch::Tensor xg = torch::empty({g.M, g.G}, f32);
+  quantize_activations(xf.data_ptr<float>(), has_src ? src.data_ptr<int32_t>() : nullptr, g,
+                       xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>());
+  torch::Tensor y = torch::empty({g.M, g.N}, f32);
+  const Acts acts{xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>()};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const int8_t* zp = zeros.data_ptr<int8_t>();
+  const int64_t row_bytes = w.size(1);
+  float* yp = y.data_ptr<float>();
+  bool simd = false;
+#ifdef QS_X86
+  simd = allow_simd && cpu_has_avx2();
+#endif
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, g.Kp * g.M / 64));
+  at::parallel_for(0, g.N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> swf(g.G), szf(g.G);
+    for (int64_t n = n0; n < n1; ++n) {
+#ifdef QS_X86
+      if (simd) row_scales_f16c(sp + n * g.G, zp + n * g.G, g.G, swf.data(), szf.data());
+      else
+#endif
+        row_scales(sp + n * g.G, zp + n * g.G, g.G, swf.data(), szf.data());
+      if (bits == 4)
+        row_all_m<4>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
+      else
+        row_all_m<8>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(torch::kFloat));
+  return y.to(x.scalar_type());
+}
+
+// The dense weight rows [n0, n1) in the layout's permuted, padded column order: float [n1-n0, Kp].
+torch::Tensor dequant_rows(const torch::Tensor& w, const torch::Tensor& scales,
+                           const torch::Tensor& zeros, int64_t bits, int64_t n0, int64_t n1) {
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.size(0), "bad row range");
+  const int64_t Kp = bits == 4 ? 2 * w.size(1) : w.size(1), G = scales.size(1), L = Kp / G;
+  torch::Tensor out = torch::empty({n1 - n0, Kp}, torch::TensorOptions().dtype(torch::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const int8_t* zp = zeros.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+      const uint8_t* wr = wp + n * w.size(1);
+      float* o = op + (n - n0) * Kp;
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const float s = static_cast<float>(sp[n * G + gi]);
+        const float z = static_cast<float>(zp[n * G + gi]);
+        for (int64_t k = gi * L; k < (gi + 1) * L; ++k) {
+          const int32_t q = bits == 4 ? code_at<4>(wr, k) : code_at<8>(wr, k);
+          o[k] = (static_cast<float>(q) - z) * s;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool has_avx2() {
+#ifdef QS_X86
+  return cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm", &qgemm, "int8-activation x 4/8-bit weight matmul (see cpu_qgemm.cpp)");
+  m.def("dequant_rows", &dequant_rows, "dense fp32 rows of a prepared layout");
+  m.def("has_avx2", &has_avx2, "whether the AVX2 path runs on this CPU");
+}

@@ -1,0 +1,63 @@
+"""Calibration samples: ``n`` token windows of ``seqlen`` tokens, deterministic in ``seed``.
+
+Document sets (c4, .jsonl): as in the GPTQ paper's C4 sampling (Frantar et al. 2022,
+datautils.get_c4), each sample is a random window of a random document with at least
+``seqlen`` tokens (documents drawn without replacement here); when too few documents are that
+long, the rest are random windows of all documents concatenated with "\\n\\n".
+Running text (wikitext2, pydoc, .txt): random windows of the whole tokenized text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import QuantspecError
+from .sources import TextSource, load_text
+from .tokens import cached_token_ids, encode_text
+
+
+def _check(n: int, seqlen: int) -> None:
+    if n < 1 or seqlen < 2:
+        raise QuantspecError(f"need at least 1 sample of at least 2 tokens, got n={n}, seqlen={seqlen}.",
+                             "pass a positive number of samples and a sequence length >= 2.")
+
+
+def _random_windows(ids: torch.Tensor, n: int, seqlen: int, gen: torch.Generator, label: str) -> torch.Tensor:
+    """``n`` windows [n, seqlen] at uniform random starts of the 1-D ``ids``."""
+    total = ids.numel()
+    if total < n * seqlen:
+        raise QuantspecError(
+            f"calibration data '{label}' has {total} tokens, fewer than n x seqlen = {n} x {seqlen} = {n * seqlen}.",
+            f"lower the number of samples or the sequence length (at most {total // seqlen} samples of {seqlen} "
+            "tokens fit), or use a larger dataset.",
+        )
+    starts = torch.randint(0, total - seqlen + 1, (n,), generator=gen)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+
+
+def _document_windows(tokenizer, source: TextSource, n: int, seqlen: int, gen: torch.Generator) -> torch.Tensor:
+    docs = source.documents or []
+    samples = []
+    for index in torch.randperm(len(docs), generator=gen).tolist():
+        ids = encode_text(tokenizer, docs[index])
+        if ids.numel() >= seqlen:
+            start = int(torch.randint(0, ids.numel() - seqlen + 1, (1,), generator=gen))
+            samples.append(ids[start : start + seqlen])
+            if len(samples) == n:
+                return torch.stack(samples)
+    rest = _random_windows(cached_token_ids(tokenizer, source), n - len(samples), seqlen, gen, source.label)
+    return torch.cat([torch.stack(samples), rest]) if samples else rest
+
+
+def calibration_samples(tokenizer, data: str | TextSource, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """Token windows for calibration: LongTensor [n, seqlen]; same (data, n, seqlen, seed) -> same ids.
+
+    ``data`` is a name for ``load_text`` (wikitext2, c4, pydoc, a .txt/.jsonl path) or a
+    TextSource. Too little data raises QuantspecError saying how much there is.
+    """
+    _check(n, seqlen)
+    source = data if isinstance(data, TextSource) else load_text(data)
+    gen = torch.Generator().manual_seed(seed)
+    if source.documents:
+        return _document_windows(tokenizer, source, n, seqlen, gen).long()
+    return _random_windows(cached_token_ids(tokenizer, source), n, seqlen, gen, source.label).long()

@@ -1,0 +1,371 @@
+"""Speed bench: prefill and decode throughput, latency and memory, always against the dense model.
+
+Protocol (stated in every result under "protocol"):
+
+* Prompts are random token ids (seeded), so every model sees the same input.
+* Prefill: one forward pass over a batch-1 prompt of each length, logits of the last position only.
+* Decode: a manual greedy loop over the HF KV cache (``DynamicCache``), one ``model()`` call per
+  token, each step timed alone (device synchronised), so per-token latency is exact.
+  TTFT = prefill of the decode prompt + the first argmax; TPOT = time of each later step.
+* ``warmup`` runs are thrown away, then ``repeats`` runs are timed; medians are reported
+  (TPOT p50/p95 pool the steps of every timed run).
+* Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process RSS, sampled
+  every few milliseconds from before the load to the end of the runs (it includes the Python
+  and torch runtime: compare ``rss_delta_mb``).
+* The quantized model is measured first, then the dense baseline, in the same process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import QuantspecError
+from .machine import describe_machine
+
+Progress = Callable[[str], None]
+
+PROTOCOL = (
+    "random seeded prompts; prefill = one batch-1 forward per prompt length (last-position logits); "
+    "decode = manual greedy loop over DynamicCache, each step timed alone with the device synchronised; "
+    "TTFT = prefill + first argmax, TPOT = each later step; warm-up runs excluded, medians of the timed "
+    "runs (TPOT p50/p95 over all timed steps); peak memory = CUDA max allocated or sampled process RSS; "
+    "quantized model measured first, then its dense baseline, in the same process"
+)
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """What the bench measures. Lengths are prompt tokens; batch sizes apply to decode."""
+
+    prompt_lengths: tuple[int, ...] = (128, 512)
+    batch_sizes: tuple[int, ...] = (1, 8)
+    decode_prompt_length: int = 64
+    new_tokens: int = 32
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_lengths or min(self.prompt_lengths) < 1:
+            raise QuantspecError("prompt lengths must be positive.", "use e.g. --prompt-lengths 128 512.")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise QuantspecError("batch sizes must be positive.", "use e.g. --batch-sizes 1 8.")
+        if self.new_tokens < 2:
+            raise QuantspecError("new_tokens must be at least 2 (TTFT + one TPOT).", "use e.g. 32.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise QuantspecError("repeats must be >= 1 and warmup >= 0.", "use --repeats 3.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def is_quantized_dir(path: str | Path) -> bool:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return False
+    try:
+        return "quantization_config" in json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def dense_source(path: str | Path) -> str | None:
+    """The dense model a quantized folder was made from (quant_report.json, then recipe.yaml)."""
+    p = Path(path)
+    candidates: list[Any] = []
+    if (p / "quant_report.json").is_file():
+        try:
+            report = json.loads((p / "quant_report.json").read_text())
+            candidates += [report.get("source"), report.get("model"), report.get("base_model")]
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    if (p / "recipe.yaml").is_file():
+        import yaml
+
+        data = yaml.safe_load((p / "recipe.yaml").read_text()) or {}
+        if isinstance(data, dict):
+            candidates += [data.get("source"), data.get("model")]
+    for c in candidates:
+        if isinstance(c, dict):
+            c = c.get("model") or c.get("spec") or c.get("path") or c.get("name")
+        if isinstance(c, str) and c:
+            return c
+    return None
+
+
+def load_for_eval(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu", backend: str = "auto"):
+    """Load a quantized folder (QuantLinear model) or any dense model spec.
+
+    Returns (model, tokenizer, description dict with kind, path, dtype and backends).
+    """
+    from transformers import AutoTokenizer
+
+    if is_quantized_dir(model):
+        from ..checkpoint.load import load_quantized
+
+        lm = load_quantized(model, dtype=dtype, device=device, backend=backend)
+        tok = AutoTokenizer.from_pretrained(model)
+        backends = sorted(set(getattr(lm, "quantspec_backends", {}).values()))
+        desc = {"kind": "quantized", "path": str(model), "format": getattr(lm, "quantspec_format", None),
+                "backend": ",".join(backends) or None}
+    else:
+        from ..models import load_dense
+
+        lm, tok, info = load_dense(model, dtype=dtype, device=device)
+        desc = {"kind": "dense", "path": str(info.path), "format": None, "backend": "torch dense"}
+    desc["dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    desc["device"] = str(device)
+    return lm, tok, desc
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer (tied tensors counted once)."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + [b for _, b in model.named_buffers()]
+    for t in tensors:
+        if t.data_ptr() in seen or t.device.type == "meta":
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def disk_bytes(path: str | Path) -> int | None:
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    if not p.is_dir():
+        return None
+    files = list(p.glob("*.safetensors")) or list(p.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) or None
+
+
+# ---------------------------------------------------------------- measuring
+
+
+class PeakMemory:
+    """Peak memory during a ``with`` block: CUDA allocator peak, or sampled process RSS."""
+
+    def __init__(self, device: str, interval_s: float = 0.005):
+        self.device = torch.device(device)
+        self.interval_s = interval_s
+        self.peak_mb = 0.0
+        self.before_mb = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _rss_mb(self) -> float:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_mb = max(self.peak_mb, self._rss_mb())
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before_mb = torch.cuda.memory_allocated(self.device) / 2**20
+        else:
+            self.before_mb = self.peak_mb = self._rss_mb()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = max(self.peak_mb, self._rss_mb())
+
+    def result(self) -> dict[str, Any]:
+        kind = "cuda_max_allocated" if self.device.type == "cuda" else "process_rss"
+        return {"kind": kind, "peak_mb": round(self.peak_mb, 1), "before_mb": round(self.before_mb, 1),
+                "delta_mb": round(self.peak_mb - self.before_mb, 1)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompt(vocab_size: int, batch: int, length: int, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + length * 131 + batch)
+    low = min(10, vocab_size - 1)  # keep clear of special tokens at the low ids
+    return torch.randint(low, vocab_size, (batch, length), generator=gen).to(device)
+
+
+@torch.inference_mode()
+def prefill_seconds(model, ids: torch.Tensor) -> float:
+    from transformers import DynamicCache
+
+    device = ids.device
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    out.logits[:, -1].argmax(-1)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def decode_run(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
+    """Greedy decode ``new_tokens`` tokens: returns (TTFT seconds, per-step seconds)."""
+    from transformers import DynamicCache
+
+    device = ids.device
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    ttft = time.perf_counter() - start
+    steps = []
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        steps.append(time.perf_counter() - t)
+    return ttft, steps
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    pos = (len(s) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _timed(fn: Callable[[], Any], cfg: SpeedConfig) -> list[Any]:
+    for _ in range(cfg.warmup):
+        fn()
+    return [fn() for _ in range(cfg.repeats)]
+
+
+def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Progress | None = None) -> dict[str, Any]:
+    """Prefill tokens/s per prompt length, decode tokens/s per batch size, TTFT and TPOT."""
+    say = progress or (lambda _msg: None)
+    dev = torch.device(device)
+    vocab = model.config.vocab_size
+    prefill = {}
+    for length in config.prompt_lengths:
+        say(f"prefill {length} tokens")
+        ids = random_prompt(vocab, 1, length, config.seed, dev)
+        secs = statistics.median(_timed(lambda: prefill_seconds(model, ids), config))
+        prefill[str(length)] = {"seconds": round(secs, 6), "tokens_per_s": round(length / secs, 2)}
+    decode = {}
+    for batch in config.batch_sizes:
+        say(f"decode batch {batch}, {config.new_tokens} tokens")
+        ids = random_prompt(vocab, batch, config.decode_prompt_length, config.seed, dev)
+        runs = _timed(lambda: decode_run(model, ids, config.new_tokens), config)
+        steps = [s for _, run_steps in runs for s in run_steps]
+        tps = statistics.median(batch * len(r) / sum(r) for _, r in runs)
+        decode[str(batch)] = {
+            "tokens_per_s": round(tps, 2),
+            "ttft_ms": round(1000 * statistics.median(t for t, _ in runs), 3),
+            "tpot_ms_p50": round(1000 * _percentile(steps, 0.5), 3),
+            "tpot_ms_p95": round(1000 * _percentile(steps, 0.95), 3),
+        }
+    return {"prefill": prefill, "decode": decode}
+
+
+def measure_model(spec: str, config: SpeedConfig, dtype="auto", device="cpu", backend="auto",
+                  progress: Progress | None = None) -> dict[str, Any]:
+    """Load one model and measure it; the model is freed before returning."""
+    say = progress or (lambda _msg: None)
+    with PeakMemory(device) as mem:
+        start = time.perf_counter()
+        model, _tok, desc = load_for_eval(spec, dtype=dtype, device=device, backend=backend)
+        load_s = time.perf_counter() - start
+        say(f"loaded {desc['kind']} {spec} in {load_s:.1f}s")
+        result = measure_speed(model, config, device, lambda m: say(f"{desc['kind']}: {m}"))
+        wbytes = weight_bytes(model)
+    del model
+    gc.collect()
+    return {"model": spec, **desc, "load_s": round(load_s, 3), "weights_mb": round(wbytes / 2**20, 3),
+            "disk_mb": None if disk_bytes(spec) is None else round(disk_bytes(spec) / 2**20, 3),
+            "memory": mem.result(), **result}
+
+
+def speedups(model: dict[str, Any], dense: dict[str, Any]) -> dict[str, Any]:
+    """Ratios quantized / dense (throughput) and dense / quantized (latency)."""
+    out: dict[str, Any] = {"decode": {}, "prefill": {}}
+    for b, d in model["decode"].items():
+        if b in dense["decode"]:
+            out["decode"][b] = round(d["tokens_per_s"] / dense["decode"][b]["tokens_per_s"], 3)
+    for n, p in model["prefill"].items():
+        if n in dense["prefill"]:
+            out["prefill"][n] = round(p["tokens_per_s"] / dense["prefill"][n]["tokens_per_s"], 3)
+    out["weights"] = round(dense["weights_mb"] / model["weights_mb"], 3) if model["weights_mb"] else None
+    return out
+
+
+def speed_report(model: str, baseline: str | None = None, config: SpeedConfig | None = None,
+                 dtype: str = "auto", device: str | None = None, backend: str = "auto",
+                 measure_baseline: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+    """Measure ``model`` and (for a quantized folder) its dense baseline in the same run.
+
+    The baseline is ``baseline`` or the source named in the folder's quant_report.json /
+    recipe.yaml. Returns {"protocol", "machine", "config", "model", "dense", "speedup"};
+    "dense" is None when ``model`` is itself dense or ``measure_baseline`` is False.
+    """
+    config = config or SpeedConfig()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if measure_baseline and baseline is None and is_quantized_dir(model):
+        baseline = dense_source(model)
+        if baseline is None:
+            raise QuantspecError(
+                f"{model} does not name the dense model it came from.", "pass --baseline DENSE_MODEL."
+            )
+    result = measure_model(model, config, dtype, device, backend, progress)
+    dense = None
+    if measure_baseline and baseline is not None and result["kind"] == "quantized":
+        dense = measure_model(baseline, config, dtype, device, "auto", progress)
+    return {
+        "protocol": PROTOCOL,
+        "machine": describe_machine(),
+        "config": asdict(config),
+        "device": device,
+        "model": result,
+        "dense": dense,
+        "speedup": speedups(result, dense) if dense else None,
+    }
+
+
+def speed_markdown(report: dict[str, Any]) -> str:
+    """A small table: one row per measured model."""
+    rows = [("model", report["model"])] + ([("dense", report["dense"])] if report["dense"] else [])
+    first = rows[0][1]
+    pl = list(first["prefill"])
+    bs = list(first["decode"])
+    head = ["", "backend", "weights MB", "peak MB"] + [f"prefill {n} tok/s" for n in pl]
+    head += [f"decode b{b} tok/s" for b in bs] + ["TTFT ms", "TPOT p50 ms", "TPOT p95 ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in rows:
+        d1 = r["decode"][bs[0]]
+        cells = [label, str(r["backend"]), f"{r['weights_mb']:.1f}", f"{r['memory']['peak_mb']:.0f}"]
+        cells += [f"{r['prefill'][n]['tokens_per_s']:.1f}" for n in pl]
+        cells += [f"{r['decode'][b]['tokens_per_s']:.1f}" for b in bs]
+        cells += [f"{d1['ttft_ms']:.1f}", f"{d1['tpot_ms_p50']:.2f}", f"{d1['tpot_ms_p95']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if report.get("speedup"):
+        sp = report["speedup"]["decode"]
+        lines.append("")
+        lines.append("decode speed-up vs dense: " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in sp.items()))
+    return "\n".join(lines)

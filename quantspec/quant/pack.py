@@ -1,0 +1,87 @@
+"""Turn a quantized float model plus its QuantResults into a checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.save import write_checkpoint
+from .plan import LayerPlan, override_patterns
+from .recipe import Recipe
+from .scheme import QuantResult
+
+
+def checkpoint_state(
+    model: nn.Module, results: dict[str, QuantResult], fmt, save_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Dense tensors (cast to ``save_dtype``) plus each quantized layer's packed tensors.
+
+    A tied output embedding is stored once (under the input embedding's name), as
+    transformers and vLLM expect for ``tie_word_embeddings``.
+    """
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    quantized_weights = {f"{n}.weight" for n in results}
+    for name, t in model.state_dict().items():
+        if name in quantized_weights:
+            continue
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel() > 0:
+            continue  # tied tensor, already stored under its first name
+        seen[ptr] = name
+        state[name] = t.to(save_dtype) if t.is_floating_point() else t
+    for name, result in results.items():
+        for tname, tensor in fmt.pack(result).items():
+            state[f"{name}.{tname}"] = tensor
+    return state
+
+
+def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[str]) -> dict:
+    """The format's config, with per-layer overrides for regrouped layers."""
+    from ..formats import with_overrides
+
+    cfg = fmt.quantization_config(recipe.scheme, sorted(plan.dense))
+    overrides = plan.overrides(recipe.scheme)
+    if overrides:
+        groups: dict[Any, list[str]] = {}
+        for name, scheme in overrides.items():
+            groups.setdefault(scheme, []).append(name)
+        patterns = [
+            (override_patterns(names, all_linears), scheme) for scheme, names in groups.items()
+        ]
+        cfg = with_overrides(fmt.name, cfg, patterns)
+    return cfg
+
+
+def build_checkpoint(
+    out: Path,
+    model: nn.Module,
+    tokenizer,
+    results: dict[str, QuantResult],
+    plan: LayerPlan,
+    recipe: Recipe,
+    fmt,
+    save_dtype: torch.dtype,
+    report: dict[str, Any],
+    overwrite: bool,
+) -> Path:
+    state = checkpoint_state(model, results, fmt, save_dtype)
+    all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config(fmt, recipe, plan, all_linears)
+    config["torch_dtype"] = str(save_dtype).replace("torch.", "")
+    config["dtype"] = config["torch_dtype"]
+    config.pop("_name_or_path", None)
+    return write_checkpoint(
+        out,
+        state,
+        config,
+        tokenizer=tokenizer,
+        generation_config=getattr(model, "generation_config", None),
+        recipe_yaml=recipe.to_yaml(),
+        report=report,
+        overwrite=overwrite,
+    )

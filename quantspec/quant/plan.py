@@ -1,0 +1,110 @@
+"""Which Linears get quantized, with which scheme, and which stay dense and why.
+
+The documented rule for a layer the format cannot hold with the recipe's scheme:
+
+1. K not divisible by the group size: the layer is *regrouped* to the largest smaller group
+   size that divides K (128 -> 64 -> 32), else to one group per output channel, provided the
+   format holds that; the checkpoint records it as a per-layer override (GPTQ ``dynamic``,
+   compressed-tensors config groups), so loaders read the true group size. Real engines
+   (vLLM, Marlin) reject partial groups, so a partial last group is never written.
+2. Anything else the format cannot hold (AWQ and N not divisible by 8, say) stays dense.
+
+Both are reported per layer in quant_report.json; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from ..errors import QuantspecError
+from .scheme import QuantScheme
+
+
+@dataclass
+class LayerPlan:
+    quantize: dict[str, QuantScheme] = field(default_factory=dict)
+    dense: dict[str, str] = field(default_factory=dict)  # name -> reason
+    regrouped: dict[str, str] = field(default_factory=dict)  # name -> reason
+
+    def overrides(self, base: QuantScheme) -> dict[str, QuantScheme]:
+        return {n: s for n, s in self.quantize.items() if s != base}
+
+
+def _matches(name: str, patterns) -> bool:
+    for p in patterns:
+        if p == name or name.endswith("." + p) or re.fullmatch(p, name):
+            return True
+    return False
+
+
+def make_plan(
+    model: nn.Module, scheme: QuantScheme, fmt, targets=(), ignore=("lm_head",)
+) -> LayerPlan:
+    """Plan every nn.Linear of ``model``: targets (regexes; empty = all) minus ignore."""
+    plan = LayerPlan()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if targets and not _matches(name, targets):
+            continue
+        if _matches(name, ignore):
+            plan.dense[name] = "ignored by the recipe"
+            continue
+        n, k = mod.out_features, mod.in_features
+        chosen, note = _fit(scheme, fmt, n, k)
+        if chosen is None:
+            plan.dense[name] = note
+        else:
+            plan.quantize[name] = chosen
+            if note:
+                plan.regrouped[name] = note
+    if not plan.quantize:
+        raise QuantspecError(
+            "no Linear layer of the model can be quantized with this recipe "
+            f"({len(plan.dense)} left dense: {next(iter(plan.dense.values()), 'none found')}).",
+            "check the recipe's targets/ignore, scheme and format.",
+        )
+    return plan
+
+
+def _fit(scheme: QuantScheme, fmt, n: int, k: int) -> tuple[QuantScheme | None, str]:
+    reason = fmt.cannot_hold(scheme, n, k)
+    if reason is None:
+        return scheme, ""
+    if scheme.group_size != -1 and k % scheme.group_size != 0 and not scheme.act_order:
+        for g in (128, 64, 32, -1):
+            if g != -1 and (g >= scheme.group_size or k % g != 0):
+                continue
+            alt = replace(scheme, group_size=g)
+            if fmt.cannot_hold(alt, n, k) is None:
+                gname = "per channel" if g == -1 else f"group size {g}"
+                return alt, (
+                    f"K={k} is not divisible by group size {scheme.group_size}: {gname} instead"
+                )
+    return None, reason
+
+
+def override_patterns(names: list[str], all_names: list[str]) -> list[str]:
+    """Compact full-match regexes for ``names``: one per layer-role across blocks when every
+    block's layer of that role is in ``names``, else one per exact name."""
+    generic = lambda n: re.sub(r"\.\d+\.", ".#.", n)  # noqa: E731
+    chosen = set(names)
+    by_role: dict[str, list[str]] = {}
+    for n in all_names:
+        by_role.setdefault(generic(n), []).append(n)
+    out = []
+    done = set()
+    for n in names:
+        role = generic(n)
+        members = by_role.get(role, [n])
+        if role in done:
+            continue
+        if len(members) > 1 and all(m in chosen for m in members):
+            out.append(re.escape(role).replace(r"\#", r"\d+").replace("#", r"\d+"))
+            done.add(role)
+        else:
+            out.append(re.escape(n))
+    return out

@@ -1,0 +1,91 @@
+"""A causal LM with its own KV cache over a batch of sequences that advance unevenly.
+
+The cache stays rectangular ([B, L] columns) while each row holds its own number of real
+tokens: a row's new tokens are right-aligned in each forward chunk (left-padded inside the
+chunk), and dropping a row's last tokens masks their columns out instead of moving the others.
+Columns that no row uses any more at the right end are cropped (``DynamicCache.crop(-n)``).
+Masked columns are holes: the 2D attention mask hides them and the position ids count only
+real tokens, so each row computes what it would compute alone. Nothing is ever recomputed.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+class KVDecoder:
+    """Incremental forward passes of ``model`` for a batch of B rows.
+
+    ``lengths[b]`` is the number of real tokens row b holds in the cache.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # int64 [B, L]
+        self.lengths: list[int] = []
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed past_key_values to cache (5.x); use whichever the model takes.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def reset(self) -> None:
+        self.cache, self.mask, self.lengths = None, None, []
+
+    def _ensure(self, batch_size: int) -> None:
+        if self.mask is None or self.mask.shape[0] != batch_size:
+            self.cache = DynamicCache(config=self.model.config)
+            self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
+            self.lengths = [0] * batch_size
+
+    def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:
+        """Feed ``chunks[b]`` (int64 [T_b], T_b may be 0) to row b; returns logits [B, T, V].
+
+        T = max T_b; row b's logits are the last T_b positions (right-aligned). ``keep`` > 0
+        computes only the last ``keep`` positions' logits.
+        """
+        self._ensure(len(chunks))
+        t = max(int(c.numel()) for c in chunks)
+        dev = self.device
+        ids = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
+        new_mask = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
+        for b, c in enumerate(chunks):
+            if c.numel():
+                ids[b, t - c.numel() :] = c.to(dev)
+                new_mask[b, t - c.numel() :] = 1
+                self.lengths[b] += int(c.numel())
+        mask = torch.cat([self.mask, new_mask], dim=1)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, -t:]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{self._cache_kw: self.cache},
+        )
+        self.mask = mask
+        return out.logits
+
+    def drop_last(self, counts: list[int]) -> None:
+        """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""
+        assert self.mask is not None and self.cache is not None
+        for b, c in enumerate(counts):
+            if c <= 0:
+                continue
+            if c > self.lengths[b]:
+                raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {c}")
+            cols = self.mask[b].nonzero().squeeze(1)[-c:]
+            self.mask[b, cols] = 0
+            self.lengths[b] -= c
+        used = self.mask.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if used.numel() else 0
+        if width < self.mask.shape[1]:
+            self.cache.crop(width - self.mask.shape[1])  # negative: tokens to remove
+            self.mask = self.mask[:, :width]

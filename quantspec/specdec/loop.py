@@ -1,0 +1,162 @@
+"""The speculative generation loop: propose, verify with one target call, crop, repeat.
+
+Per step and row b: the target's KV cache holds the committed text except its last token
+(the *pending* token). One target forward over ``[pending, d_1..d_k]`` gives the k + 1
+distributions verification needs; row b keeps ``n_b`` drafts plus one target token, and the
+cache drops the ``k - n_b`` rejected drafts (so the new target token becomes the pending one).
+Rows accept different counts: the cache stays rectangular with masked holes (see kv.py), so
+batch > 1 gives each row exactly what it would get alone. Finished rows (EOS or
+max_new_tokens) stop growing and their step is dropped whole.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import QuantspecError
+from .adaptive import AdaptiveK, FixedK
+from .kv import KVDecoder
+from .proposers import Proposal, Proposer
+from .sampling import SamplingConfig, probs_from_logits
+from .stats import SpecStats
+from .verify import verify_greedy, verify_sampling
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real prompt tokens (padding removed, left or right)."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+        attention_mask = None if attention_mask is None else attention_mask.reshape(1, -1)
+    if attention_mask is None:
+        rows = list(input_ids)
+    else:
+        rows = [ids[m.bool()] for ids, m in zip(input_ids, attention_mask)]
+    if any(r.numel() == 0 for r in rows):
+        raise QuantspecError("a prompt of the batch is empty.", "give every row at least one token.")
+    return rows
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _stop_ids(target, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    return set(_token_ids(eos_token_id))
+
+
+def _pad_id(target, pad_token_id, stops: set[int]) -> int:
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(target, "generation_config", None), "pad_token_id", None)
+    ids = _token_ids(pad_token_id)
+    return ids[0] if ids else (min(stops) if stops else 0)
+
+
+def _verify(prop: Proposal, logits: torch.Tensor, sampling: SamplingConfig, generator):
+    if sampling.greedy:
+        return verify_greedy(prop.tokens, logits, prop.lengths)
+    target_probs = probs_from_logits(logits, sampling)
+    return verify_sampling(prop.tokens, prop.probs, target_probs, prop.lengths, generator)
+
+
+def speculative_generate(
+    target: torch.nn.Module,
+    proposer: Proposer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 128,
+    k: int = 4,
+    adaptive: bool = False,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    pad_token_id: int | None = None,
+    k_max: int = 16,
+) -> tuple[torch.Tensor, SpecStats]:
+    """Generate with speculative decoding (Leviathan et al. 2023).
+
+    input_ids: int64 [B, P] (or [P]), left-padded when rows differ, with ``attention_mask``.
+    k: draft length (the start value when ``adaptive``; see adaptive.py for the rule, capped at
+    ``k_max``). sampling: greedy by default, which returns exactly the target's own greedy
+    output; otherwise rejection sampling keeps exactly the target's distribution.
+    eos_token_id: None uses the target's generation_config. seed: seeds the generator of all
+    sampling (draft and verification). Returns ``(ids [B, P + T], stats)`` like
+    ``generate``: the input followed by the new tokens, rows that stop early padded with
+    ``pad_token_id``.
+    """
+    sampling = sampling or SamplingConfig()
+    if k < 0 or (adaptive and k < 1):
+        raise QuantspecError(f"draft length k={k} is invalid.", "use k >= 1 (k = 0 is plain decoding).")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    prompts = _prompts(input_ids, attention_mask)
+    device = next(target.parameters()).device
+    stops = _stop_ids(target, eos_token_id)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    control = AdaptiveK(k, k_max=max(k, k_max)) if adaptive else FixedK(k)
+    stats = SpecStats()
+    seqs = [p.to(device) for p in prompts]
+    new: list[list[int]] = [[] for _ in seqs]
+    done = [max_new_tokens <= 0] * len(seqs)
+    decoder = KVDecoder(target)
+    proposer.reset()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if any(s.numel() > 1 for s in seqs):
+            decoder.forward([s[:-1] for s in seqs], keep=1)
+        while not all(done):
+            left = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b])
+            kk = min(control.k, left - 1)
+            if kk > 0:
+                prop = proposer.propose(seqs, kk, sampling, generator)
+                stats.draft_calls += prop.model_calls
+            else:
+                prop = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.int64, device=device))
+            width = prop.tokens.shape[1]
+            offered = [width] * len(seqs) if prop.lengths is None else prop.lengths.tolist()
+            chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
+            logits = decoder.forward(chunks, keep=width + 1)
+            stats.target_calls += 1
+            stats.k_used.append(width)
+            n_acc, nxt = _verify(prop, logits, sampling, generator)
+            n_acc, nxt = n_acc.tolist(), nxt.tolist()
+            active = [b for b in range(len(seqs)) if not done[b]]
+            drops, kept = [], []
+            for b in range(len(seqs)):
+                if done[b]:
+                    drops.append(width + 1)
+                    kept.append(0)
+                    continue
+                drops.append(width - n_acc[b])
+                kept.append(n_acc[b])
+                emitted = prop.tokens[b, : n_acc[b]].tolist() + [nxt[b]]
+                for tok in emitted:
+                    new[b].append(tok)
+                    if tok in stops or len(new[b]) >= max_new_tokens:
+                        done[b] = True
+                        break
+                seqs[b] = torch.cat([seqs[b], torch.tensor(new[b][-len(emitted):], device=device)])
+            decoder.drop_last(drops)
+            proposer.accept(kept)
+            stats.record([n_acc[b] for b in active], [offered[b] for b in active])
+            control.update([n_acc[b] for b in active], [offered[b] for b in active])
+    stats.wall_s = time.perf_counter() - start
+    stats.new_tokens = sum(len(t) for t in new)
+    return _assemble(input_ids, new, _pad_id(target, pad_token_id, stops)), stats
+
+
+def _assemble(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(t) for t in new), default=0)
+    out = torch.full((input_ids.shape[0], width), pad, dtype=torch.int64)
+    for b, toks in enumerate(new):
+        out[b, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+    return torch.cat([input_ids.cpu(), out], dim=1).to(input_ids.device)

@@ -1,0 +1,157 @@
+"""Proposers: where the k candidate tokens of each speculative step come from.
+
+The protocol is deliberately small, so that EAGLE/Medusa-style heads can implement it later:
+
+* ``propose(sequences, k, sampling, generator) -> Proposal``: ``sequences[b]`` is row b's
+  whole committed text so far (prompt + accepted tokens, int64 [L_b], no padding).
+* ``accept(n_accepted)``: how many of the last proposal's drafts each row kept; a stateful
+  proposer crops its own state (KV cache) to that prefix.
+* ``reset()``: forget everything (a new batch).
+
+``DraftModel`` runs any causal LM that shares the target's tokenizer with its own KV cache;
+``NGram`` is prompt lookup (no model). ``QuantizedSelf`` (selfdraft.py) is a DraftModel over
+the target quantized by this library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .kv import KVDecoder
+from .sampling import SamplingConfig, probs_from_logits, sample
+
+
+@dataclass
+class Proposal:
+    """tokens: int64 [B, k'] (k' <= k). probs: fp32 [B, k', V], the distribution q each draft
+    was sampled from, or None for a deterministic proposer (q one-hot) and for greedy drafts.
+    lengths: int64 [B], how many of the k' drafts of each row are real (None: all).
+    model_calls: forward passes of a draft model spent on this proposal.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    model_calls: int = 0
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(
+        self,
+        sequences: list[torch.Tensor],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> Proposal: ...
+
+    def accept(self, n_accepted: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class DraftModel:
+    """A smaller causal LM as the draft, with its own KV cache (never recomputed).
+
+    Invariant between calls: the cache holds a prefix of each row's committed text (never
+    its last token) plus, right after ``propose``, the drafts it fed; ``accept`` drops the
+    rejected ones. Compatibility with the target is checked by ``make_proposer``
+    (``check_same_vocab``), not here.
+    """
+
+    def __init__(self, model: torch.nn.Module, name: str = "draft"):
+        self.model = model.eval()
+        self.name = name
+        self._decoder = KVDecoder(self.model)
+        self._fed_drafts = 0
+
+    def reset(self) -> None:
+        self._decoder.reset()
+        self._fed_drafts = 0
+
+    def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each row's committed tokens that the cache does not hold yet (at least one)."""
+        dec = self._decoder
+        if len(dec.lengths) != len(sequences):
+            dec.reset()
+            return [s for s in sequences]
+        excess = [max(0, held - (len(s) - 1)) for held, s in zip(dec.lengths, sequences)]
+        if any(excess):
+            dec.drop_last(excess)
+        return [s[held:] for held, s in zip(dec.lengths, sequences)]
+
+    @torch.inference_mode()
+    def propose(self, sequences, k, sampling, generator=None) -> Proposal:
+        chunks = self._catch_up(sequences)
+        tokens, probs = [], []
+        logits = self._decoder.forward(chunks, keep=1)[:, -1]
+        for i in range(k):
+            if i:
+                logits = self._decoder.forward([t for t in tokens[-1].unsqueeze(1)], keep=1)[:, -1]
+            if sampling.greedy:
+                tokens.append(logits.argmax(-1))
+            else:
+                q = probs_from_logits(logits, sampling)
+                probs.append(q)
+                tokens.append(sample(q, generator))
+        self._fed_drafts = k - 1
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1),
+            probs=torch.stack(probs, dim=1) if probs else None,
+            model_calls=k,
+        )
+
+    def accept(self, n_accepted: list[int]) -> None:
+        kept = [min(n, self._fed_drafts) for n in n_accepted]
+        self._decoder.drop_last([self._fed_drafts - n for n in kept])
+        self._fed_drafts = 0
+
+
+class NGram:
+    """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
+    (n from max_n down to min_n) in the row's own text and propose the tokens that followed it.
+
+    Deterministic (q one-hot). Rows without a match propose nothing (length 0), and the step
+    is then a plain target step for them.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def reset(self) -> None:
+        pass
+
+    def accept(self, n_accepted: list[int]) -> None:
+        pass
+
+    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """The k tokens that followed the most recent match of seq's suffix (int64 [k]), or none."""
+        length = int(seq.numel())
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            windows = seq.unfold(0, n, 1)[:-1]  # every n-gram that is not the suffix itself
+            hits = (windows == seq[-n:]).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                follow = seq[start:]
+                # A continuation shorter than k overlaps the suffix: keep copying it (LZ77
+                # style), which is what repeating the matched text would produce.
+                return follow[torch.arange(k, device=seq.device) % follow.numel()]
+        return seq[:0]
+
+    def propose(self, sequences, k, sampling, generator=None) -> Proposal:
+        found = [self.lookup(s, k) for s in sequences]
+        width = max(int(f.numel()) for f in found)
+        device = sequences[0].device
+        tokens = torch.zeros(len(found), width, dtype=torch.int64, device=device)
+        for b, f in enumerate(found):
+            tokens[b, : f.numel()] = f
+        lengths = torch.tensor([int(f.numel()) for f in found], dtype=torch.int64, device=device)
+        return Proposal(tokens=tokens, probs=None, lengths=lengths, model_calls=0)

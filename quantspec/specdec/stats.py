@@ -1,0 +1,83 @@
+"""What one speculative generation did, returned (never printed) by ``speculative_generate``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters of one call. A *verification* is one row checked by one target call.
+
+    proposed / accepted: draft tokens offered and kept, summed over verifications.
+    hist: accepted drafts per verification -> count. k_used: draft length of each target call.
+    """
+
+    target_calls: int = 0
+    draft_calls: int = 0
+    verifications: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    hist: Counter = field(default_factory=Counter)
+    k_used: list[int] = field(default_factory=list)
+
+    def record(self, n_accepted: list[int], n_proposed: list[int]) -> None:
+        """One verification per active row of one target call."""
+        for n, p in zip(n_accepted, n_proposed):
+            self.verifications += 1
+            self.proposed += p
+            self.accepted += n
+            self.hist[n] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verification (the bonus/correction token not counted)."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """New tokens per row and target call (accepted drafts + 1, up to stops)."""
+        return self.new_tokens / self.verifications if self.verifications else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """The sum of two runs (e.g. over prompts)."""
+        return SpecStats(
+            target_calls=self.target_calls + other.target_calls,
+            draft_calls=self.draft_calls + other.draft_calls,
+            verifications=self.verifications + other.verifications,
+            proposed=self.proposed + other.proposed,
+            accepted=self.accepted + other.accepted,
+            new_tokens=self.new_tokens + other.new_tokens,
+            wall_s=self.wall_s + other.wall_s,
+            hist=self.hist + other.hist,
+            k_used=self.k_used + other.k_used,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted": round(self.mean_accepted, 4),
+            "tokens_per_call": round(self.tokens_per_call, 4),
+            "hist": {str(n): c for n, c in sorted(self.hist.items())},
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+            "verifications": self.verifications,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "new_tokens": self.new_tokens,
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "mean_k": round(sum(self.k_used) / len(self.k_used), 3) if self.k_used else 0.0,
+        }

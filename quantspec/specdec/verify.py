@@ -1,0 +1,100 @@
+"""Verification of draft tokens against the target: pure functions, no model, no state.
+
+Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"
+(arXiv:2211.17192). For one sequence with drafts ``x_1..x_k``, draft distributions
+``q_1..q_k`` and the target's distributions ``p_1..p_{k+1}`` (``p_i`` computed on the prefix
+that ends just before ``x_i``):
+
+* greedy: accept while ``x_i == argmax p_i``; then append ``argmax p_{n+1}`` (the correction,
+  or a bonus token when all k were accepted). The result is exactly the target's own greedy
+  output.
+* sampling: accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
+  rejection sample the replacement from ``norm(max(0, p_i - q_i))``; when all k are accepted
+  sample a bonus token from ``p_{k+1}``. Each emitted token is distributed exactly as the
+  target's.
+
+Shapes: B sequences, k draft positions, V vocabulary. ``lengths`` [B] (optional) says how many
+of the k drafts of each row are real (a proposer may have fewer than k for some rows); the
+positions past it count as rejected and the next token then comes from ``p`` itself.
+A deterministic proposer has ``q`` one-hot: pass ``draft_probs=None``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+
+def _valid(draft_tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """bool [B, k]: which draft positions are real."""
+    b, k = draft_tokens.shape
+    if lengths is None:
+        return torch.ones(b, k, dtype=torch.bool, device=draft_tokens.device)
+    pos = torch.arange(k, device=draft_tokens.device)
+    return pos.unsqueeze(0) < lengths.to(draft_tokens.device).unsqueeze(1)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the number of leading True values of each row of a bool [B, k] mask."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+    return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification.
+
+    draft_tokens: int64 [B, k]. target_logits: [B, k + 1, V]. lengths: int64 [B] or None.
+    Returns ``(n_accepted [B] int64, next_token [B] int64)``: the target's argmax after the
+    accepted prefix.
+    """
+    best = target_logits.argmax(dim=-1)  # [B, k + 1]
+    k = draft_tokens.shape[1]
+    match = (draft_tokens == best[:, :k]) & _valid(draft_tokens, lengths)
+    n = _leading_true(match)
+    nxt = best.gather(1, n.unsqueeze(1)).squeeze(1)
+    return n, nxt
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection-sampling verification.
+
+    draft_tokens: int64 [B, k]. draft_probs: fp32 [B, k, V] (the q each draft was sampled
+    from) or None for a deterministic proposer (q one-hot). target_probs: fp32 [B, k + 1, V]
+    after the same temperature/top-k/top-p as the draft. Randomness only from ``generator``.
+    Returns ``(n_accepted [B], next_token [B])``.
+    """
+    b, k = draft_tokens.shape
+    idx = draft_tokens.unsqueeze(-1)
+    p_x = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, idx).squeeze(-1)
+    u = torch.rand(p_x.shape, generator=generator, device=p_x.device, dtype=torch.float32)
+    accept = (u * q_x < p_x) & _valid(draft_tokens, lengths)  # u < p/q, q > 0 for drafted x
+    n = _leading_true(accept)
+    rows = torch.arange(b, device=draft_tokens.device)
+    p_next = target_probs[rows, n]  # [B, V]
+    rejected = n < (k if lengths is None else lengths.to(n.device))
+    if bool(rejected.any()):
+        n_clamped = n.clamp(max=max(k - 1, 0))
+        if draft_probs is None:
+            q_next = torch.zeros_like(p_next)
+            q_next[rows, draft_tokens[rows, n_clamped]] = 1.0
+        else:
+            q_next = draft_probs[rows, n_clamped]
+        residual = (p_next - q_next).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        # mass 0 happens only when p == q up to rounding: then p itself is the right law.
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+        p_next = torch.where(rejected.unsqueeze(1), residual, p_next)
+    return n, sample(p_next, generator)

@@ -1,0 +1,87 @@
+"""Tiny offline models and tokenizers for tests (no downloads, no assets).
+
+``make_tiny_tokenizer()`` trains a byte-level BPE (any text encodes, no unknown tokens) on a
+few sentences; ``make_tiny_model(tmp_path, arch)`` saves a 2-layer random model of that
+family with the tokenizer, in a folder ``load_dense``/``from_pretrained`` can read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 320  # 256 byte symbols + merges + 3 specials
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Quantization maps weights to a small grid of integers with a scale per group.",
+    "Speculative decoding proposes tokens with a draft model and verifies them with the target.",
+    "Perplexity is the exponential of the mean negative log-likelihood per token.",
+    "Once upon a time there was a little model that wanted to be fast and small.",
+    "def forward(self, x):\n    return self.linear(x) + 1\n",
+] * 4
+
+
+def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A PreTrainedTokenizerFast (byte-level BPE) with bos "<s>", eos "</s>", pad "<pad>".
+
+    Deterministic: the same merges on every call. len(tokenizer) <= vocab_size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=4096)
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
+    """A transformers config for a 2-layer model: hidden 64, intermediate 128, 4 heads (2 KV).
+
+    All Linear input sizes (64, 128) are divisible by 32. ``overrides`` replace any field.
+    """
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    per_arch = {
+        "llama": ("LlamaConfig", {}),
+        "qwen2": ("Qwen2Config", {}),
+        "qwen3": ("Qwen3Config", {"head_dim": 16}),
+        "mistral": ("MistralConfig", {"sliding_window": None}),
+        "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16}),
+        "phi3": ("Phi3Config", {}),
+    }
+    if arch not in per_arch:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+    cls_name, extra = per_arch[arch]
+    kwargs = {**common, **extra, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``arch`` model (fp32 safetensors) + tokenizer to ``tmp_path/tiny-<arch>``.
+
+    Returns the folder. Weights are drawn under ``seed`` without touching the global RNG.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    config = tiny_config(arch, vocab_size=overrides.pop("vocab_size", TINY_VOCAB), **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = Path(tmp_path) / f"tiny-{arch}"
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,130 @@
+"""Architecture declarations against tiny random models of every declared family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from quantspec.errors import QuantspecError
+from quantspec.quant.arch import ARCHS, block_linears, check_arch, get_arch, infer_arch
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
+    "mistral": lambda: MistralConfig(**COMMON),
+    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=16),
+    "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=16),
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0),
+}
+
+
+def tiny(model_type: str) -> nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[model_type]()).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_declaration_fits_model(model_type):
+    model = tiny(model_type)
+    spec = get_arch(model)
+    assert spec is ARCHS[model_type]
+    assert check_arch(model, spec) == []
+    assert len(spec.block_list(model)) == 2
+    assert isinstance(model.get_submodule(spec.embed), nn.Embedding)
+    assert isinstance(model.get_submodule(spec.lm_head), nn.Linear)
+    # Every Linear of a block is declared exactly once.
+    declared = spec.linear_names()
+    assert len(set(declared)) == len(declared)
+    block = spec.block_list(model)[0]
+    actual = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    assert sorted(actual) == sorted(declared)
+    for pair in spec.smooth:
+        assert block.get_submodule(pair.prev) is not None
+        for lin in pair.linears:
+            assert isinstance(block.get_submodule(lin), nn.Linear)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_generic_fallback_matches_declaration(model_type):
+    model = tiny(model_type)
+    spec, found = ARCHS[model_type], infer_arch(model)
+    assert found.blocks == spec.blocks
+    assert found.embed == spec.embed
+    assert found.final_norm == spec.final_norm
+    assert found.lm_head == spec.lm_head
+    assert found.sequential == spec.sequential
+
+
+def test_gemma_norm_offset_and_mlp_norm():
+    assert ARCHS["gemma2"].norm_offset == 1.0 and ARCHS["gemma3_text"].norm_offset == 1.0
+    assert ARCHS["llama"].norm_offset == 0.0
+    model = tiny("gemma2")
+    norm = model.get_submodule("model.layers.0.input_layernorm")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        norm.weight.normal_()
+    rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    torch.testing.assert_close(norm(x), rms * (1.0 + norm.weight))
+    mlp_pair = [p for p in ARCHS["gemma2"].smooth if "mlp.gate_proj" in p.linears][0]
+    assert mlp_pair.prev == "pre_feedforward_layernorm"
+
+
+def test_gqa_v_to_o_shapes_mismatch_is_declared():
+    model = tiny("llama")
+    block = ARCHS["llama"].block_list(model)[0]
+    v, o = block.self_attn.v_proj, block.self_attn.o_proj
+    assert v.out_features != o.in_features  # consumers must skip this pair
+
+
+def test_phi3_fused_parts_fit():
+    model = tiny("phi3")
+    block = ARCHS["phi3"].block_list(model)[0]
+    for pair in ARCHS["phi3"].smooth:
+        prev = block.get_submodule(pair.prev)
+        if pair.prev_parts > 1:
+            lin = block.get_submodule(pair.linears[0])
+            fits = prev.out_features == pair.prev_parts * lin.in_features
+            # gate_up -> down always fits; qkv -> o only without GQA (4 vs 2 heads here).
+            assert fits == (pair.prev == "mlp.gate_up_proj")
+
+
+def test_unknown_model_type_uses_generic():
+    model = tiny("llama")
+    model.config.model_type = "not-a-family"
+    spec = get_arch(model)
+    assert spec.name == "generic" and spec.sequential == ARCHS["llama"].sequential
+    assert len(block_linears(model, spec)) == 14
+
+
+class _NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = type("C", (), {"model_type": "weird"})()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_no_blocks_is_a_user_error_naming_the_model_type():
+    with pytest.raises(QuantspecError, match="weird"):
+        get_arch(_NoBlocks())
