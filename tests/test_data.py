@@ -70,7 +70,7 @@ def test_named_dataset_offline_without_local_copy_fails_fast(offline):
 def test_named_datasets_from_local_copies(offline, monkeypatch, data_dir):
     monkeypatch.setenv("QUANTSPEC_DATA", str(data_dir))
     wiki = load_text("wikitext2")
-    assert wiki.label == "wikitext2" and wiki.documents is None and wiki.text.startswith(" \n\n = Robert Boulter")
+    assert wiki.label == "wikitext2" and wiki.documents is None and wiki.text.startswith("\n\n = Robert Boulter =")
     c4 = load_text("c4")
     assert c4.label == "c4" and len(c4.documents) == 2000 and c4.text == "\n\n".join(c4.documents)
 

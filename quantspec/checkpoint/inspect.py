@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats import read_quantization_config
+from ..formats.overrides import read_with_overrides
 from ..kernels.backend import choose_backend
 from ..kernels.quant_linear import QuantLinear
 from .load import _empty_model, _swap_quantized_linears, read_config
@@ -26,7 +26,7 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
 
         raise QuantspecError(f"{path} is not a quantized checkpoint (no quantization_config).",
                              "run `quantspec quantize` first.")
-    fmt, fcfg = read_quantization_config(cfg["quantization_config"])
+    fmt, fcfg = read_with_overrides(cfg["quantization_config"])
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     reader = CheckpointReader(path)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantspecError
-from ..formats import read_quantization_config
+from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from .reader import CheckpointReader
 
@@ -126,7 +126,7 @@ def load_quantized(
             f"{path}/config.json has no quantization_config: this is not a quantized checkpoint.",
             "load it as a dense model, or quantize it first with `quantspec quantize`.",
         )
-    fmt, fcfg = read_quantization_config(qcfg)
+    fmt, fcfg = read_with_overrides(qcfg)
     reader = CheckpointReader(path)
     model = _empty_model(cfg, dtype)
     swapped = _swap_quantized_linears(model, fcfg, fmt, reader.keys(), dtype)

@@ -8,6 +8,7 @@ to a temporary name and renamed.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -54,9 +55,11 @@ def cached_token_ids(tokenizer, source: TextSource, cache_dir: Path | None = Non
     ids = encode_text(tokenizer, source.text)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tok-", dir=folder)
-        os.close(fd)
-        torch.save(ids.to(torch.int32), tmp)
+        buffer = io.BytesIO()
+        torch.save(ids.to(torch.int32), buffer)
+        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".part", dir=folder)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buffer.getvalue())
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs the re-tokenization next time

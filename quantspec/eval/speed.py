@@ -209,15 +209,29 @@ def random_prompt(vocab_size: int, batch: int, length: int, seed: int, device) -
     return torch.randint(low, vocab_size, (batch, length), generator=gen).to(device)
 
 
+def cache_kwarg(model) -> str:
+    """The forward argument that takes the KV cache ("cache" in transformers >= 5.2x)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _step(model, ids: torch.Tensor, cache, key: str) -> torch.Tensor:
+    """One forward over ``ids`` with the cache (passed as ``key``); the greedy next token [B, 1]."""
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})
+    return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
 @torch.inference_mode()
 def prefill_seconds(model, ids: torch.Tensor) -> float:
     from transformers import DynamicCache
 
     device = ids.device
+    key = cache_kwarg(model)
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-    out.logits[:, -1].argmax(-1)
+    _step(model, ids, DynamicCache(config=model.config), key)
     _sync(device)
     return time.perf_counter() - start
 
@@ -229,17 +243,16 @@ def decode_run(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[f
 
     device = ids.device
     cache = DynamicCache(config=model.config)
+    key = cache_kwarg(model)
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    nxt = _step(model, ids, cache, key)
     _sync(device)
     ttft = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):
         t = time.perf_counter()
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt = _step(model, nxt, cache, key)
         _sync(device)
         steps.append(time.perf_counter() - t)
     return ttft, steps

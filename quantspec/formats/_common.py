@@ -36,13 +36,26 @@ def g_idx_to_store(result: QuantResult, fmt: str) -> tuple[torch.Tensor, bool]:
 
 
 def g_idx_from_store(stored: torch.Tensor | None, scheme: QuantScheme, in_features: int):
-    """Canonical g_idx of an unpacked result: None when it equals ``k // group_len``."""
-    if stored is None:
-        return None
-    g = stored.to(torch.int32)
-    if torch.equal(g, default_g_idx(scheme, in_features, g.device)):
-        return None
-    return g
+    """Canonical g_idx of an unpacked result.
+
+    Canonical form (what algorithms return, so that ``unpack(pack(r))`` equals ``r``): a
+    tensor exactly when the scheme has act-order without static groups (even when it happens
+    to equal ``k // group_len``, e.g. per-channel), else None. A stored non-default g_idx
+    under a scheme without act-order is an inconsistent checkpoint: QuantspecError.
+    """
+    if scheme.act_order and not scheme.static_groups:
+        if stored is None:
+            return default_g_idx(scheme, in_features)
+        return stored.to(torch.int32).contiguous()
+    if stored is not None and not torch.equal(
+        stored.to(torch.int32), default_g_idx(scheme, in_features, stored.device)
+    ):
+        raise QuantspecError(
+            "the checkpoint stores a permuted g_idx but its config does not say act-order "
+            "(desc_act / actorder 'group'), so loaders would ignore it.",
+            "set desc_act: true (GPTQ) or actorder: 'group' (compressed-tensors) in its quantization_config.",
+        )
+    return None
 
 
 def check_tensors(

@@ -62,14 +62,19 @@ def contiguous_groups_perm(g_idx: torch.Tensor, group_len: int) -> torch.Tensor 
 
 
 class TritonBackend:
-    """Fused dequant-GEMM; ``act_order`` picks the act-order strategy ("permute" or "gidx")."""
+    """Fused dequant-GEMM.
+
+    act_order: the act-order strategy, "permute" (default) or "gidx" (see the module doc).
+    autotune: False runs the first fitting config per target instead of tuning (tests).
+    """
 
     name = "triton"
 
-    def __init__(self, act_order: str = "permute"):
+    def __init__(self, act_order: str = "permute", autotune: bool = True):
         if act_order not in ACT_ORDER_STRATEGIES:
             raise ValueError(f"act_order must be one of {ACT_ORDER_STRATEGIES}, got {act_order!r}")
         self.act_order = act_order
+        self.autotune = autotune
 
     def cannot_run(
         self, scheme: QuantScheme, out_features: int, in_features: int,
@@ -132,10 +137,11 @@ class TritonBackend:
         if bias is not None:
             bias = bias.contiguous()
         if scheme.activations == "int8-token-dynamic":
-            y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias)
+            y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         else:
             y = wq_linear(
                 x2, prepared["qweight"], prepared["scales"], prepared.get("zeros"),
                 prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
+                autotune=self.autotune,
             )
         return y.reshape(*lead, out_features)

@@ -41,7 +41,7 @@ def checkpoint_state(
 
 def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[str]) -> dict:
     """The format's config, with per-layer overrides for regrouped layers."""
-    from ..formats import with_overrides
+    from ..formats.overrides import with_overrides
 
     cfg = fmt.quantization_config(recipe.scheme, sorted(plan.dense))
     overrides = plan.overrides(recipe.scheme)

@@ -74,7 +74,10 @@ def _fit(scheme: QuantScheme, fmt, n: int, k: int) -> tuple[QuantScheme | None, 
     reason = fmt.cannot_hold(scheme, n, k)
     if reason is None:
         return scheme, ""
-    if scheme.group_size != -1 and k % scheme.group_size != 0 and not scheme.act_order:
+    from ..formats.overrides import SUPPORTS_OVERRIDES
+
+    regroup = fmt.name in SUPPORTS_OVERRIDES
+    if regroup and scheme.group_size != -1 and k % scheme.group_size != 0 and not scheme.act_order:
         for g in (128, 64, 32, -1):
             if g != -1 and (g >= scheme.group_size or k % g != 0):
                 continue

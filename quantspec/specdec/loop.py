@@ -138,13 +138,11 @@ def speculative_generate(
                     continue
                 drops.append(width - n_acc[b])
                 kept.append(n_acc[b])
-                emitted = prop.tokens[b, : n_acc[b]].tolist() + [nxt[b]]
-                for tok in emitted:
-                    new[b].append(tok)
-                    if tok in stops or len(new[b]) >= max_new_tokens:
-                        done[b] = True
-                        break
-                seqs[b] = torch.cat([seqs[b], torch.tensor(new[b][-len(emitted):], device=device)])
+                emitted = _until_stop(prop.tokens[b, : n_acc[b]].tolist() + [nxt[b]], stops,
+                                      max_new_tokens - len(new[b]))
+                new[b].extend(emitted)
+                done[b] = emitted[-1] in stops or len(new[b]) >= max_new_tokens
+                seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
             decoder.drop_last(drops)
             proposer.accept(kept)
             stats.record([n_acc[b] for b in active], [offered[b] for b in active])
@@ -152,6 +150,14 @@ def speculative_generate(
     stats.wall_s = time.perf_counter() - start
     stats.new_tokens = sum(len(t) for t in new)
     return _assemble(input_ids, new, _pad_id(target, pad_token_id, stops)), stats
+
+
+def _until_stop(tokens: list[int], stops: set[int], room: int) -> list[int]:
+    """The tokens up to and including the first stop token, and at most ``room`` of them."""
+    for i, tok in enumerate(tokens[:room]):
+        if tok in stops:
+            return tokens[: i + 1]
+    return tokens[:room]
 
 
 def _assemble(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:

@@ -95,7 +95,8 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
+    autotune: bool = True,
 ) -> torch.Tensor:
     """``quantize_per_token(x)`` then the int8 GEMM with both scales in the epilogue.
 
@@ -103,6 +104,7 @@ def w8a8_linear(
     qweight: int8 [N, K] signed codes (the canonical code minus 128).
     wscale:  fp32 [N] per-channel weight scales.
     bias:    [N] or None.
+    autotune: False runs the first config of the target's list (no tuning runs).
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2:
@@ -124,7 +126,11 @@ def w8a8_linear(
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     if configs.interpreting():
         _w8a8_kernel[grid](*args, HAS_BIAS=bias is not None, **configs.interpreter_config("w8a8"))
-    else:
+    elif autotune:
         tuned = configs.autotuned(_w8a8_kernel, "w8a8", configs.current_target(), ("M_KEY", "N", "K"))
         tuned[grid](*args, HAS_BIAS=bias is not None)
+    else:
+        cfg = configs.configs_for("w8a8", configs.current_target())[0]
+        _w8a8_kernel[grid](*args, HAS_BIAS=bias is not None, **cfg.kwargs,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

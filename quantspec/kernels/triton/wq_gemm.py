@@ -181,28 +181,41 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
     return split
 
 
+def _fits(family: str, cfg, m_key: int, block_m: int) -> bool:
+    """Whether a config suits the launch: GEMV tiles [BLOCK_M, BLOCK_K, BLOCK_N] small enough
+    not to spill registers; small-M tiles no taller than M needs (16 covers M <= 16)."""
+    if family == "gemv":
+        return block_m * cfg.kwargs["BLOCK_K"] * cfg.kwargs["BLOCK_N"] <= 32768
+    if family == "small_m":
+        return cfg.kwargs["BLOCK_M"] <= max(16, m_key)
+    return True
+
+
 def _prune_gemv(cfgs, named_args, **kwargs):
-    """Drop GEMV configs whose [BLOCK_M, BLOCK_K, BLOCK_N] product would spill registers."""
-    bm = kwargs.get("BLOCK_M", 4)
-    keep = [c for c in cfgs if bm * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] <= 32768]
-    return keep or cfgs[:1]
+    return [c for c in cfgs if _fits("gemv", c, named_args["M_KEY"], kwargs["BLOCK_M"])] or cfgs[:1]
 
 
 def _prune_small_m(cfgs, named_args, **kwargs):
-    """Drop BLOCK_M larger than M needs (16 covers M <= 16)."""
-    need = max(16, _next_pow2(named_args["M_KEY"]))
-    keep = [c for c in cfgs if c.kwargs["BLOCK_M"] <= need]
-    return keep or cfgs[:1]
+    return [c for c in cfgs if _fits("small_m", c, named_args["M_KEY"], 0)] or cfgs[:1]
 
 
-def _launch(family, kernel, grid, args, meta, prune=None):
-    """Run ``kernel`` with the fixed interpreter config, or autotuned for the GPU target."""
+_PRUNE = {"gemv": _prune_gemv, "small_m": _prune_small_m, "large_m": None}
+
+
+def _launch(family, kernel, grid, args, meta, m_key, autotune):
+    """Run ``kernel`` with the interpreter's fixed config, autotuned for the GPU target, or
+    (autotune=False) with the first config of the target's list that fits."""
     if configs.interpreting():
         kernel[grid](*args, **meta, **configs.interpreter_config(family))
         return
-    key = ("M_KEY", "N", "K", "SPLIT_K")
-    tuned = configs.autotuned(kernel, family, configs.current_target(), key, prune)
-    tuned[grid](*args, **meta)
+    target = configs.current_target()
+    if autotune:
+        key = ("M_KEY", "N", "K", "SPLIT_K")
+        configs.autotuned(kernel, family, target, key, _PRUNE[family])[grid](*args, **meta)
+        return
+    cfgs = configs.configs_for(family, target)
+    cfg = next((c for c in cfgs if _fits(family, c, m_key, meta.get("BLOCK_M", 0))), cfgs[0])
+    kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def wq_linear(
@@ -215,6 +228,7 @@ def wq_linear(
     bits: int,
     group_size: int,
     split_k: int | None = None,
+    autotune: bool = True,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight-only quantized W, in one fused dequant-GEMM.
 
@@ -226,6 +240,7 @@ def wq_linear(
     bias:     [N] or None.
     bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
     split_k:  K splits for M <= 32 (None: from the grid size and the GPU's compute units).
+    autotune: False runs the first fitting config of the target's list (no tuning runs).
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -269,15 +284,14 @@ def wq_linear(
     if m <= GEMV_MAX_M:
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
-        _launch("gemv", _wq_gemv_kernel, grid, args, meta, _prune_gemv)
+        _launch("gemv", _wq_gemv_kernel, grid, args, meta, args[-1], autotune)
     else:
         family = "small_m" if m <= SMALL_M_MAX else "large_m"
         grid = lambda meta_: (  # noqa: E731
             triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split_k)
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
-        _launch(family, _wq_dot_kernel, grid, args, meta,
-                _prune_small_m if family == "small_m" else None)
+        _launch(family, _wq_dot_kernel, grid, args, meta, args[-1], autotune)
     if split_k > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

@@ -1,0 +1,197 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", arXiv 2210.17323): pure tensor functions.
+
+``gptq_quantize(W, H, scheme)`` quantizes a [N, K] weight one input column at a time and
+spreads each column's rounding error over the not-yet-quantized columns through the upper
+Cholesky factor of the damped inverse Hessian (the paper's Algorithm 1, with lazy batch
+updates of ``block_size`` columns). The grid is RTN's (``rtn.qparams`` / ``quantize_codes``).
+
+Group parameters are found from the *current* (error-updated) columns of a group when the group
+starts. Blocks are split at group starts so that every column of the group is up to date at that
+moment, which makes the blocked algorithm equal to the unblocked column-by-column one (the
+reference implementation reads partly stale columns when group_size < block_size).
+
+The block-level method that collects Hessians with hooks is ``block_methods.GPTQMethod``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import QuantspecError
+from .hessian import accumulate_hessian, make_empty_hessian
+from .rtn import dequantize_codes, qparams, quantize_codes
+from .scheme import QuantResult, QuantScheme
+
+__all__ = ["accumulate_hessian", "make_empty_hessian", "gptq_quantize", "inverse_hessian_factor"]
+
+MAX_DAMP_RETRIES = 4
+
+
+def inverse_hessian_factor(
+    H: torch.Tensor, damp_percent: float
+) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor U of ``(H + damp * mean(diag H) * I)^-1`` (fp32 [K, K]).
+
+    When a factorization fails the damping is multiplied by 10 and tried again (up to
+    MAX_DAMP_RETRIES times). Returns ``(U, damp_percent_used, retries)``.
+    """
+    if not torch.isfinite(H).all():
+        raise QuantspecError(
+            "the GPTQ Hessian holds NaN or Inf values.",
+            "check the calibration activations (use float32 or bfloat16 instead of float16).",
+        )
+    mean_diag = torch.diagonal(H).mean()
+    damp = damp_percent
+    for retry in range(MAX_DAMP_RETRIES + 1):
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if int(info) == 0 and torch.isfinite(U).all():
+                return U, damp, retry
+        damp *= 10.0
+    raise QuantspecError(
+        f"the GPTQ Hessian is not positive definite even with damp_percent={damp / 10:g}.",
+        "use more calibration samples, or a larger gptq.damp_percent.",
+    )
+
+
+def _group_starts(k: int, glen: int, block_size: int, dynamic_groups: bool) -> list[int]:
+    starts = set(range(0, k, block_size))
+    if dynamic_groups:
+        starts |= set(range(0, k, glen))
+    return sorted(starts)
+
+
+def _static_params(
+    W: torch.Tensor, scheme: QuantScheme, glen: int, scale_dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(scale [N], zero [N] | None) of each natural contiguous group of ``W`` ([N, K])."""
+    return [qparams(W[:, s : s + glen], scheme, scale_dtype) for s in range(0, W.shape[1], glen)]
+
+
+def _quantize_columns(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    scheme: QuantScheme,
+    glen: int,
+    block_size: int,
+    static: list | None,
+    perm: torch.Tensor | None,
+    scale_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, list, float]:
+    """The GPTQ column loop on (permuted) ``W`` [N, K] with factor ``U`` [K, K].
+
+    Returns codes uint8 [N, K], dequantized values fp32 [N, K] (both in W's column order),
+    the (scale, zero) of each group in processing order (empty when ``static``), and the loss
+    ``sum((w - q)^2 / U_cc^2) / 2``.
+    """
+    n, k = W.shape
+    codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)
+    deq = torch.empty(n, k, dtype=torch.float32, device=W.device)
+    groups: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    loss = torch.zeros((), dtype=torch.float64, device=W.device)
+    starts = _group_starts(k, glen, block_size, static is None)
+    scale = zero = None
+    for b, i1 in enumerate(starts):
+        i2 = starts[b + 1] if b + 1 < len(starts) else k
+        if static is None and i1 % glen == 0:
+            scale, zero = qparams(W[:, i1 : i1 + glen], scheme, scale_dtype)
+            groups.append((scale, zero))
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.empty_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static is not None:
+                scale, zero = static[int(perm[col] if perm is not None else col) // glen]
+            w = W1[:, i : i + 1]
+            q = quantize_codes(w, scale, zero, scheme)
+            dq = dequantize_codes(q, scale, zero, scheme)
+            codes[:, col : col + 1] = q
+            deq[:, col : col + 1] = dq
+            d = U1[i, i]
+            err = (w - dq).squeeze(1) / d
+            loss += (err.double() ** 2).sum() / 2
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
+            Err1[:, i] = err
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+    return codes, deq, groups, float(loss)
+
+
+def gptq_quantize_with_values(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+) -> tuple[QuantResult, torch.Tensor, dict]:
+    """``gptq_quantize`` that also returns the fp32 [N, K] fake-quant weight it computed."""
+    n, k = weight.shape
+    if H.shape != (k, k):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match K={k}")
+    W = weight.detach().to(torch.float32).clone()
+    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    glen = scheme.group_len(k)
+    static = _static_params(W, scheme, glen, scale_dtype) if scheme.static_groups else None
+    perm = None
+    if scheme.act_order:
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    U, damp, retries = inverse_hessian_factor(H, damp_percent)
+    del H
+    codes, deq, groups, loss = _quantize_columns(
+        W, U, scheme, glen, block_size, static, perm, scale_dtype
+    )
+    params = static if static is not None else groups
+    scales = torch.stack([s for s, _ in params], dim=1)
+    zeros = None if scheme.symmetric else torch.stack([z for _, z in params], dim=1)
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes, deq = codes[:, inv], deq[:, inv]
+        if static is None and len(params) > 1:
+            g_idx = (torch.arange(k, device=W.device) // glen)[inv].to(torch.int32)
+    result = QuantResult(qweight=codes, scales=scales, zeros=zeros, g_idx=g_idx, scheme=scheme)
+    info = {
+        "damp_percent": damp,
+        "retries": retries,
+        "loss": loss,
+        "dead_inputs": int(dead.sum()),
+    }
+    return result, deq, info
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    scale_dtype: torch.dtype = torch.float16,
+) -> tuple[QuantResult, dict]:
+    """Quantize ``weight`` (float [N, K]) with GPTQ given its Hessian ``H`` (fp32 [K, K]).
+
+    scheme: bits 2/3/4/8, group_size -1/32/64/128 (K need not be a multiple: the last group is
+    shorter), sym/asym. act_order (desc_act) processes columns by decreasing ``diag(H)``;
+    without static_groups the groups are formed along that order and ``g_idx[k]`` is the group
+    of column k; with static_groups the groups are the natural contiguous ones, found before
+    any update, and ``g_idx`` is None (``k // group_size``).
+    Dead inputs (``H[k, k] == 0``) get ``H[k, k] = 1`` and a zero weight column.
+    Damping: ``damp_percent * mean(diag H)`` added to the diagonal, times 10 on each failed
+    Cholesky factorization.
+
+    Returns the QuantResult (scales in ``scale_dtype``) and info: ``damp_percent`` (used),
+    ``retries``, ``loss`` (the GPTQ objective, ``sum((w - q)^2 / [H^-1]_cc) / 2``),
+    ``dead_inputs``.
+    """
+    result, _, info = gptq_quantize_with_values(
+        weight, H, scheme, damp_percent, block_size, scale_dtype
+    )
+    return result, info

@@ -1,0 +1,263 @@
+"""Triton dequant-GEMM kernels against the reference backend.
+
+CPU tests run the kernels in Triton's interpreter: the ``tk`` fixture sets TRITON_INTERPRET=1,
+imports the kernel modules afresh (``triton.jit`` reads the variable when a kernel is
+defined), and on teardown restores the variable and drops those modules again, so nothing
+leaks into other test files. The interpreter computes bf16 wrongly, so bf16 runs load and
+store bf16 but multiply in fp32 there; the bf16 tl.dot itself is covered by the GPU tests.
+
+Tolerance: max |y - y_ref| <= TOL[dtype] * max(1, max |y_ref|). The kernels round the
+dequantized weight to the activation dtype before tl.dot and round the output once; the
+reference dequantizes and multiplies in fp32.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from quantspec.kernels.reference import ReferenceBackend, quantize_per_token_int8
+from quantspec.quant.rtn import rtn
+from quantspec.quant.scheme import QuantResult, QuantScheme
+
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+GPU_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # fp32 uses IEEE tl.dot
+_MODS = ("quantspec.kernels.triton_backend", "quantspec.kernels.triton")
+
+
+def _drop_kernel_modules() -> None:
+    for name in list(sys.modules):
+        if name in _MODS or name.startswith("quantspec.kernels.triton."):
+            del sys.modules[name]
+
+
+def _import_kernels() -> SimpleNamespace:
+    return SimpleNamespace(
+        backend=importlib.import_module("quantspec.kernels.triton_backend"),
+        wq=importlib.import_module("quantspec.kernels.triton.wq_gemm"),
+        w8a8=importlib.import_module("quantspec.kernels.triton.w8a8"),
+    )
+
+
+@pytest.fixture
+def tk(monkeypatch):
+    """The kernel modules, imported under TRITON_INTERPRET=1 (restored afterwards)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _drop_kernel_modules()
+    yield _import_kernels()
+    monkeypatch.undo()
+    _drop_kernel_modules()
+
+
+def act_order_result(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantResult:
+    """A GPTQ-style act-order result: columns quantized in a random order, groups along it."""
+    n, k = w.shape
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    plain = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric)
+    r = rtn(w[:, order], plain)
+    codes = torch.empty_like(r.qweight)
+    codes[:, order] = r.qweight
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // scheme.group_len(k)).to(torch.int32)
+    return QuantResult(codes, r.scales, r.zeros, g_idx, scheme)
+
+
+def make_case(scheme, n, k, m, dtype, bias=True, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    r = act_order_result(w, scheme, seed) if scheme.act_order else rtn(w, scheme)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return r, x, b
+
+
+def check_close(y, y_ref, dtype, tol=TOL):
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    err = (y.float() - y_ref.float()).abs().max().item()
+    bound = tol[dtype] * max(1.0, y_ref.float().abs().max().item())
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g} ({dtype})"
+
+
+def run_both(backend, r, x, b):
+    n, k = r.shape
+    ref = ReferenceBackend()
+    y_ref = ref.linear(x.cpu(), ref.prepare(r, x.dtype), r.scheme, n, k, None if b is None else b.cpu())
+    rd = QuantResult(*(t if t is None else t.to(x.device) for t in (r.qweight, r.scales, r.zeros, r.g_idx)), r.scheme)
+    y = backend.linear(x, backend.prepare(rd, x.dtype), r.scheme, n, k, b)
+    return y.cpu(), y_ref
+
+
+S = QuantScheme
+WEIGHT_ONLY = [
+    S(4, -1, True),
+    S(4, 32, False),
+    S(4, 128, True),
+    S(4, 128, False, act_order=True),
+    S(4, 32, True, act_order=True),
+    S(8, -1, True),  # w8a16 per channel
+    S(8, 128, False),  # w8a16 grouped
+    S(3, 64, False),
+    S(2, 32, True),
+]
+M_VALUES = (1, 3, 17, 40)  # GEMV, GEMV with a padded row, small-M tl.dot, tiled tl.dot
+DTYPES = (torch.float16, torch.float32, torch.bfloat16)
+SHAPES = ((48, 256), (72, 384))  # N and K off the 128-wide interpreter tiles; K off 256
+
+
+def _weight_only_cases():
+    for i, scheme in enumerate(WEIGHT_ONLY):
+        strategies = ("permute", "gidx") if scheme.act_order else ("permute",)
+        for j, m in enumerate(M_VALUES):
+            for strategy in strategies:
+                dtype = DTYPES[(i + j) % 3]
+                n, k = SHAPES[(i + j) % 2]
+                yield pytest.param(scheme, m, dtype, n, k, strategy,
+                                   id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}")
+
+
+@pytest.mark.parametrize("scheme,m,dtype,n,k,strategy", list(_weight_only_cases()))
+def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy):
+    r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
+    backend = tk.backend.TritonBackend(act_order=strategy)
+    y, y_ref = run_both(backend, r, x, b)
+    check_close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4g128_every_dtype_and_3d_input(tk, dtype):
+    scheme = S(4, 128, False)
+    r, _, b = make_case(scheme, 72, 384, 1, dtype)
+    x = torch.randn(2, 3, 384).to(dtype)
+    backend = tk.backend.TritonBackend()
+    y, y_ref = run_both(backend, r, x, b)
+    assert y.shape == (2, 3, 72)
+    check_close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("m,split_k", [(2, 3), (20, 2), (20, 4)])
+def test_split_k_partials_are_reduced(tk, m, split_k):
+    """Explicit split-K (one split is empty when split_k > K tiles) on the GEMV and dot paths."""
+    scheme = S(4, 32, False)
+    r, x, b = make_case(scheme, 48, 384, m, torch.float16)
+    p = tk.backend.TritonBackend().prepare(r, torch.float16)
+    y = tk.wq.wq_linear(x, p["qweight"], p["scales"], p["zeros"], None, b, bits=4, group_size=32,
+                        split_k=split_k)
+    ref = ReferenceBackend()
+    check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 48, 384, b), torch.float16)
+
+
+def test_act_order_layouts(tk):
+    """'permute' sorts rows into contiguous groups; 'gidx' keeps g_idx; an irregular g_idx
+    (unequal groups) falls back to 'gidx' under either strategy; static groups drop g_idx."""
+    scheme = S(4, 32, True, act_order=True)
+    r, x, _ = make_case(scheme, 48, 256, 3, torch.float32)
+    permute, gidx = tk.backend.TritonBackend("permute"), tk.backend.TritonBackend("gidx")
+    assert "perm" in permute.prepare(r, x.dtype) and "g_idx" not in permute.prepare(r, x.dtype)
+    assert "g_idx" in gidx.prepare(r, x.dtype) and "perm" not in gidx.prepare(r, x.dtype)
+    irregular = torch.randint(0, 8, (256,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    irregular[:8] = torch.arange(8, dtype=torch.int32)
+    r2 = QuantResult(r.qweight, r.scales, r.zeros, irregular, scheme)
+    p2 = permute.prepare(r2, x.dtype)
+    assert "g_idx" in p2 and "perm" not in p2
+    y, y_ref = run_both(permute, r2, x, None)
+    check_close(y, y_ref, torch.float32)
+    static = QuantResult(r.qweight, r.scales, r.zeros, (torch.arange(256) // 32).to(torch.int32), scheme)
+    assert not {"perm", "g_idx"} & set(permute.prepare(static, x.dtype))
+
+
+def test_pack_codes_bit_order(tk):
+    """Field i of word j is row 8j+i (4-bit); 3-bit codes use 4-bit fields; 8-bit, 4 a word."""
+    codes = torch.arange(9, dtype=torch.uint8).view(1, 9) % 16  # N=1, K=9
+    words = tk.backend.pack_codes(codes, 4)
+    assert words.shape == (2, 1) and words.dtype == torch.int32
+    assert words[0, 0].item() == 0x76543210 and words[1, 0].item() == 8
+    assert torch.equal(tk.backend.pack_codes(codes % 8, 3), tk.backend.pack_codes(codes % 8, 4))
+    w8 = tk.backend.pack_codes(torch.tensor([[255, 1, 2, 128]], dtype=torch.uint8), 8)
+    assert w8[0, 0].item() == (128 << 24 | 2 << 16 | 1 << 8 | 255) - 2**32
+
+
+def test_quantize_per_token_matches_reference_exactly(tk):
+    x = torch.randn(5, 300)
+    x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: exact ties round half to even
+    x[0, 4:] = 0.25
+    x[1] = 0.0  # all-zero row: the 1e-10 scale floor
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q, s = tk.w8a8.quantize_per_token(x.to(dtype))
+        q_ref, s_ref = quantize_per_token_int8(x.to(dtype))
+        assert torch.equal(q, q_ref), dtype
+        assert torch.equal(s, s_ref.view(-1)), dtype
+
+
+@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (17, torch.float32), (40, torch.bfloat16)])
+def test_w8a8_matches_reference(tk, m, dtype):
+    scheme = S(8, -1, True, activations="int8-token-dynamic")
+    r, x, b = make_case(scheme, 72, 384, m, dtype)
+    y, y_ref = run_both(tk.backend.TritonBackend(), r, x, b)
+    check_close(y, y_ref, dtype)
+
+
+def test_cannot_run_and_bad_shapes(tk, monkeypatch):
+    backend = tk.backend.TritonBackend()
+    scheme = S(4, 128, True)
+    assert backend.cannot_run(scheme, 64, 256, torch.device("cpu"), torch.float16) is None
+    assert backend.cannot_run(scheme, 64, 256, torch.device("cpu"), torch.int8) is not None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "GPU" in backend.cannot_run(scheme, 64, 256, torch.device("cpu"), torch.float16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError):
+        tk.backend.TritonBackend("nope")
+    r, x, b = make_case(scheme, 48, 256, 2, torch.float16)
+    p = backend.prepare(r, torch.float16)
+    with pytest.raises(ValueError, match="qweight"):
+        tk.wq.wq_linear(x[:, :128], p["qweight"], p["scales"], None, None, b, bits=4, group_size=128)
+    with pytest.raises(ValueError, match="split_k"):
+        tk.wq.wq_linear(torch.randn(40, 256).half(), p["qweight"], p["scales"], None, None, b,
+                        bits=4, group_size=128, split_k=2)
+
+
+def test_registry_skips_triton_on_cpu_without_interpreter(monkeypatch):
+    from quantspec.kernels.backend import choose_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    chosen, _ = choose_backend(S(4, 128, True), 64, 256, torch.device("cpu"), torch.float32)
+    assert chosen.name != "triton"
+
+
+# ---- GPU (CUDA or ROCm): real compilation, autotuning, the bf16 tl.dot ----
+
+def _gpu():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA/ROCm GPU and TRITON_INTERPRET unset")
+    _drop_kernel_modules()
+    return _import_kernels()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY + [S(8, -1, True, activations="int8-token-dynamic")],
+                         ids=lambda s: s.short_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_matches_reference(scheme, dtype):
+    """Every path (M 1/4 GEMV, 17/32 small-M, 40/300 tiled) with the first config per family."""
+    mods = _gpu()
+    for strategy in ("permute", "gidx") if scheme.act_order else ("permute",):
+        backend = mods.backend.TritonBackend(strategy, autotune=False)
+        for m in (1, 4, 17, 32, 40, 300):
+            for n, k in ((72, 384), (1024, 1000)):
+                r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+                y, y_ref = run_both(backend, r, x, b)
+                check_close(y, y_ref, dtype, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 16, 128))
+def test_gpu_autotuned_w4g128(m):
+    mods = _gpu()
+    r, x, b = make_case(S(4, 128, True), 4096, 4096, m, torch.float16, device="cuda")
+    y, y_ref = run_both(mods.backend.TritonBackend(), r, x, b)
+    check_close(y, y_ref, torch.float16, GPU_TOL)
