@@ -24,8 +24,8 @@ from quantspec.formats import (
 from quantspec.formats.bitpack import pack_int32, unpack_int32
 from quantspec.quant.scheme import QuantResult, QuantScheme
 
-NS = (24, 40, 48, 64)
-KS = (96, 160, 320, 256, 384)
+NS = (24, 40, 64)
+KS = (96, 160, 320, 384)
 GROUPS = (-1, 32, 128)
 ORDERS = ("none", "permuted", "static")
 
@@ -88,13 +88,12 @@ CASES = [
 def test_round_trip_exact(name, bits):
     fmt = get_format(name)
     gen = torch.Generator().manual_seed(bits * 7 + len(name))
-    ran = held = 0
+    held = set()
     for sym, group, order, n, k in itertools.product((True, False), GROUPS, ORDERS, NS, KS):
         scheme = make_scheme(bits, group, sym, order)
-        ran += 1
         if fmt.cannot_hold(scheme, n, k):
             continue
-        held += 1
+        held.add((sym, group, order))
         # GPTQ v1 cannot store a zero of 0 (see test_gptq_v1_refuses_zero_point_0)
         r = random_result(scheme, n, k, gen, min_zero=1 if name == "gptq" else 0)
         packed = fmt.pack(r)
@@ -103,7 +102,12 @@ def test_round_trip_exact(name, bits):
         back = fmt.unpack(packed, scheme, n, k)
         assert back.equal(r), (name, scheme, n, k)
         assert torch.equal(back.dequantize(), r.dequantize())
-    assert held >= ran // 4, f"only {held} of {ran} combinations held: cannot_hold too strict?"
+    # every scheme variant was exercised on at least one shape (AWQ has no act-order g_idx)
+    expected = {
+        c for c in itertools.product((True, False), GROUPS, ORDERS)
+        if not (name == "awq" and c[2] == "permuted")
+    }
+    assert held == expected, expected - held
 
 
 def test_round_trip_w8a8_int_quantized():
@@ -196,7 +200,7 @@ def test_awq_layout_by_hand():
     assert t["qweight"].shape == (16, 1)
     assert t["qweight"][0, 0].item() == 0x75316420
     assert t["qweight"][1, 0].item() == u32(0x86427531)  # q[n, 1] = n + 1
-    assert t["qweight"][9, 0].item() == u32(0x0ECA1DB9)  # q[n, 9] = (n + 9) % 16
+    assert t["qweight"][9, 0].item() == u32(0x0ECAFDB9)  # q[n, 9] = (n + 9) % 16
     assert t["qzeros"].tolist() == [[u32(0x88888888)]]  # symmetric zeros stored as 8
 
 

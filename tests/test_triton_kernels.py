@@ -1,10 +1,13 @@
 """Triton dequant-GEMM kernels against the reference backend.
 
-CPU tests run the kernels in Triton's interpreter: the ``tk`` fixture sets TRITON_INTERPRET=1,
-imports the kernel modules afresh (``triton.jit`` reads the variable when a kernel is
-defined), and on teardown restores the variable and drops those modules again, so nothing
-leaks into other test files. The interpreter computes bf16 wrongly, so bf16 runs load and
-store bf16 but multiply in fp32 there; the bf16 tl.dot itself is covered by the GPU tests.
+CPU tests run the kernels in Triton's interpreter. ``triton.jit`` reads TRITON_INTERPRET when a
+function is decorated, Triton's own library functions (tl.cdiv, tl.sum) included, so the
+variable must be set before ``triton`` is first imported: ``test_kernels_in_interpreter``
+runs this file again in a subprocess with TRITON_INTERPRET=1, where the ``interp`` tests run
+(in the parent they are skipped); nothing leaks into other test files. To run them directly:
+``TRITON_INTERPRET=1 pytest tests/test_triton_kernels.py``. The interpreter computes bf16
+wrongly, so bf16 runs load and store bf16 but multiply in fp32 there; the bf16 tl.dot itself
+is covered by the GPU tests.
 
 Tolerance: max |y - y_ref| <= TOL[dtype] * max(1, max |y_ref|). The kernels round the
 dequantized weight to the activation dtype before tl.dot and round the output once; the
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,13 +32,8 @@ from quantspec.quant.scheme import QuantResult, QuantScheme
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 GPU_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # fp32 uses IEEE tl.dot
-_MODS = ("quantspec.kernels.triton_backend", "quantspec.kernels.triton")
-
-
-def _drop_kernel_modules() -> None:
-    for name in list(sys.modules):
-        if name in _MODS or name.startswith("quantspec.kernels.triton."):
-            del sys.modules[name]
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+interp = pytest.mark.skipif(not INTERPRETING, reason="runs in test_kernels_in_interpreter's subprocess")
 
 
 def _import_kernels() -> SimpleNamespace:
@@ -45,14 +45,24 @@ def _import_kernels() -> SimpleNamespace:
 
 
 @pytest.fixture
-def tk(monkeypatch):
-    """The kernel modules, imported under TRITON_INTERPRET=1 (restored afterwards)."""
+def tk():
+    """The kernel modules (the process runs under TRITON_INTERPRET=1)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _drop_kernel_modules()
-    yield _import_kernels()
-    monkeypatch.undo()
-    _drop_kernel_modules()
+    return _import_kernels()
+
+
+def test_kernels_in_interpreter():
+    """Run this file's interpreter tests in a subprocess with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if INTERPRETING:
+        pytest.skip("already inside the interpreter run")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+           "-k", "not test_kernels_in_interpreter", __file__]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
 def act_order_result(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantResult:
@@ -121,6 +131,7 @@ def _weight_only_cases():
                                    id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}")
 
 
+@interp
 @pytest.mark.parametrize("scheme,m,dtype,n,k,strategy", list(_weight_only_cases()))
 def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy):
     r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
@@ -129,6 +140,7 @@ def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy):
     check_close(y, y_ref, dtype)
 
 
+@interp
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w4g128_every_dtype_and_3d_input(tk, dtype):
     scheme = S(4, 128, False)
@@ -140,6 +152,7 @@ def test_w4g128_every_dtype_and_3d_input(tk, dtype):
     check_close(y, y_ref, dtype)
 
 
+@interp
 @pytest.mark.parametrize("m,split_k", [(2, 3), (20, 2), (20, 4)])
 def test_split_k_partials_are_reduced(tk, m, split_k):
     """Explicit split-K (one split is empty when split_k > K tiles) on the GEMV and dot paths."""
@@ -152,6 +165,7 @@ def test_split_k_partials_are_reduced(tk, m, split_k):
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 48, 384, b), torch.float16)
 
 
+@interp
 def test_act_order_layouts(tk):
     """'permute' sorts rows into contiguous groups; 'gidx' keeps g_idx; an irregular g_idx
     (unequal groups) falls back to 'gidx' under either strategy; static groups drop g_idx."""
@@ -171,6 +185,7 @@ def test_act_order_layouts(tk):
     assert not {"perm", "g_idx"} & set(permute.prepare(static, x.dtype))
 
 
+@interp
 def test_pack_codes_bit_order(tk):
     """Field i of word j is row 8j+i (4-bit); 3-bit codes use 4-bit fields; 8-bit, 4 a word."""
     codes = torch.arange(9, dtype=torch.uint8).view(1, 9) % 16  # N=1, K=9
@@ -182,6 +197,7 @@ def test_pack_codes_bit_order(tk):
     assert w8[0, 0].item() == (128 << 24 | 2 << 16 | 1 << 8 | 255) - 2**32
 
 
+@interp
 def test_quantize_per_token_matches_reference_exactly(tk):
     x = torch.randn(5, 300)
     x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: exact ties round half to even
@@ -194,6 +210,7 @@ def test_quantize_per_token_matches_reference_exactly(tk):
         assert torch.equal(s, s_ref.view(-1)), dtype
 
 
+@interp
 @pytest.mark.parametrize("m,dtype", [(1, torch.float16), (17, torch.float32), (40, torch.bfloat16)])
 def test_w8a8_matches_reference(tk, m, dtype):
     scheme = S(8, -1, True, activations="int8-token-dynamic")
@@ -202,6 +219,7 @@ def test_w8a8_matches_reference(tk, m, dtype):
     check_close(y, y_ref, dtype)
 
 
+@interp
 def test_cannot_run_and_bad_shapes(tk, monkeypatch):
     backend = tk.backend.TritonBackend()
     scheme = S(4, 128, True)
@@ -232,9 +250,8 @@ def test_registry_skips_triton_on_cpu_without_interpreter(monkeypatch):
 # ---- GPU (CUDA or ROCm): real compilation, autotuning, the bf16 tl.dot ----
 
 def _gpu():
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+    if INTERPRETING or not torch.cuda.is_available():
         pytest.skip("needs a CUDA/ROCm GPU and TRITON_INTERPRET unset")
-    _drop_kernel_modules()
     return _import_kernels()
 
 

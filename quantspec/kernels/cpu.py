@@ -1,0 +1,239 @@
+"""The ``cpu`` backend: int8-activation x packed-weight matmul at memory bandwidth.
+
+Fast path (C++ extension, quantspec/csrc/cpu_qgemm.cpp, built on first use): activations are
+quantized to int8 per block of B <= 128 columns (absmax / 127) and multiplied with 4-bit
+(bits 2, 3, 4 share the nibble layout) or 8-bit codes in integer arithmetic (AVX2 maddubs, or
+a portable scalar loop), fp32 accumulation; parallel over N. This adds the error of int8
+activations (relative ~0.5% of a dot product; see tests/test_cpu_backend.py) compared with the
+reference. W8A8 layers use one block per row, which is exactly the reference's per-token
+quantization. Above ``DENSE_FROM_M`` rows, weights are dequantized a tile of rows at a time and
+multiplied in fp32 (compute-bound regime), with unquantized activations.
+
+Layout (``prepare``), shared by both paths: columns are sorted by group (act-order) and each
+group padded to L columns (L a multiple of 32), so Kp = G * L; ``src`` int32 [Kp] names the
+x column of each layout column (K = a zero column), empty when it is the identity.
+  w4 uint8 [N, Kp/2] (64-column chunks: byte j = col j | col 32+j << 4) or w8 int8-as-uint8
+  [N, Kp] (code - 128); scales fp16 [N, G]; zeros int8 [N, G] (z, or z - 128 for 8 bits).
+Without the extension (no compiler) it falls back to torch's packed ops: 4-bit through
+``_weight_int4pack_mm_for_cpu`` (bf16 activations and bf16 scales: zero_float = (8 - z) * s),
+per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.scheme import QuantResult, QuantScheme
+from .cpu_ext import load_cpu_ext
+from .reference import quantize_per_token_int8
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DENSE_FROM_M = 48  # measured on a 2-core Zen 3 (benchmarks/kernels_cpu.py); see the report
+DENSE_TILE_N = 1024
+EXT, INT4PACK, INT8PACK, DEQUANT = 0, 1, 2, 3
+
+
+def _round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def column_map(result: QuantResult, align: int = 32) -> tuple[torch.Tensor, int, int]:
+    """src int64 [G*L] (x column per layout column, K = padding), G, L: groups sorted, padded."""
+    n, k = result.shape
+    gi = result.group_index().cpu()
+    groups = result.scales.shape[1]
+    counts = torch.bincount(gi, minlength=groups)
+    length = _round_up(int(counts.max()), align)
+    if groups % 2 == 1 and length % 64 == 32:  # 4-bit chunks are 64 columns
+        if groups * 32 <= length:
+            length += 32
+        else:
+            groups += 1
+    order = torch.argsort(gi, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(k) - starts[gi[order]]
+    src = torch.full((groups * length,), k, dtype=torch.int64)
+    src[gi[order] * length + rank] = order
+    return src, groups, length
+
+
+def block_len(length: int, scheme: QuantScheme) -> int:
+    """Activation quantization block: the whole row for W8A8, else the largest of 128/64/32."""
+    if scheme.activations == "int8-token-dynamic":
+        return length
+    return next(b for b in (128, 64, 32) if length % b == 0)
+
+
+def _gather_codes(result: QuantResult, src: torch.Tensor, groups: int) -> tuple:
+    """codes uint8 [N, Kp] in layout order, scales float [N, G'], zeros float [N, G']."""
+    n, k = result.shape
+    padded = torch.cat([result.qweight, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
+    codes = padded[:, src]
+    extra = groups - result.scales.shape[1]
+    scales = torch.nn.functional.pad(result.scales.to(torch.float32), (0, extra))
+    zeros = result.zero_points().cpu()
+    zeros = torch.nn.functional.pad(zeros, (0, extra))
+    return codes, scales, zeros
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, Kp] codes < 16 (Kp % 64 == 0) -> [N, Kp/2]: byte j of chunk c = c[j] | c[32+j] << 4."""
+    n, kp = codes.shape
+    chunks = codes.reshape(n, kp // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
+
+
+def _src_tensor(src: torch.Tensor, k: int) -> torch.Tensor:
+    identity = torch.equal(src[:k], torch.arange(k)) and bool((src[k:] == k).all())
+    return torch.empty(0, dtype=torch.int32) if identity else src.to(torch.int32)
+
+
+def _meta(kind: int, bits: int, block: int, k: int) -> torch.Tensor:
+    return torch.tensor([kind, bits, block, k], dtype=torch.int64)
+
+
+def prepare_ext(result: QuantResult) -> dict[str, torch.Tensor]:
+    """The extension's layout (see the module docstring)."""
+    scheme = result.scheme
+    n, k = result.shape
+    src, groups, length = column_map(result)
+    codes, scales, zeros = _gather_codes(result, src, groups)
+    if scheme.bits == 8:
+        w = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8).contiguous()
+        zeros = zeros - 128
+    else:
+        w = pack_nibbles(codes)
+    return {
+        "w": w,
+        "scales": scales.to(torch.float16).contiguous(),
+        "zeros": zeros.to(torch.int8).contiguous(),
+        "src": _src_tensor(src, k),
+        "meta": _meta(EXT, scheme.bits, block_len(length, scheme), k),
+    }
+
+
+def prepare_torch(result: QuantResult) -> dict[str, torch.Tensor]:
+    """Layouts for torch's own ops when the extension is unavailable."""
+    scheme = result.scheme
+    n, k = result.shape
+    src, groups, length = column_map(result)
+    codes, scales, zeros = _gather_codes(result, src, groups)
+    src_t = _src_tensor(src, k)
+    if scheme.bits <= 4 and n % 16 == 0:
+        sub = next(b for b in (256, 128, 64, 32) if length % b == 0)
+        reps = length // sub
+        s = scales.repeat_interleave(reps, dim=1)
+        z = zeros.repeat_interleave(reps, dim=1)
+        sz = torch.stack([s, (8 - z) * s], dim=-1).transpose(0, 1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        return {"w": packed, "sz": sz.to(torch.bfloat16), "src": src_t,
+                "meta": _meta(INT4PACK, scheme.bits, sub, k)}
+    if scheme.bits == 8 and groups == 1:
+        return {"w": (codes.to(torch.int16) - 128).to(torch.int8), "scales": scales[:, 0],
+                "zoff": ((zeros[:, 0] - 128) * scales[:, 0]), "src": src_t,
+                "meta": _meta(INT8PACK, 8, length, k)}
+    return {"w": codes, "scales": scales, "zeros": zeros, "src": src_t,
+            "meta": _meta(DEQUANT, scheme.bits, length, k)}
+
+
+def _gather(x2: torch.Tensor, src: torch.Tensor, kp: int) -> torch.Tensor:
+    """x [M, K] -> [M, Kp] in layout column order (zeros in the padding)."""
+    if src.numel() == 0:
+        return torch.nn.functional.pad(x2, (0, kp - x2.shape[1]))
+    return torch.nn.functional.pad(x2, (0, 1))[:, src.to(torch.int64)]
+
+
+def _dense_ext(ext, x2, p, scheme, n, bits) -> torch.Tensor:
+    """Compute-bound regime: dequantize DENSE_TILE_N rows at a time, fp32 matmul."""
+    w8a8 = scheme.activations == "int8-token-dynamic"
+    if w8a8:
+        qx, sx = quantize_per_token_int8(x2)
+        xs = qx.to(torch.float32)
+    else:
+        xs = x2.to(torch.float32)
+    xs = _gather(xs, p["src"], p["w"].shape[1] * (2 if bits <= 4 else 1))
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    ext_bits = 4 if bits <= 4 else 8
+    for n0 in range(0, n, DENSE_TILE_N):
+        n1 = min(n, n0 + DENSE_TILE_N)
+        w = ext.dequant_rows(p["w"], p["scales"], p["zeros"], ext_bits, n0, n1)
+        torch.mm(xs, w.T, out=y[:, n0:n1])
+    return y * sx if w8a8 else y
+
+
+def _linear_torch(x2, p, scheme, n, bias) -> torch.Tensor:
+    kind, bits, block, k = (int(v) for v in p["meta"])
+    kp = p["w"].shape[1] * 2 if kind == INT4PACK else p["w"].shape[1]
+    sx = None
+    if scheme.activations == "int8-token-dynamic":
+        qx, sx = quantize_per_token_int8(x2)
+        xs = _gather(qx.to(torch.float32), p["src"], kp)
+    else:
+        xs = _gather(x2.to(torch.float32), p["src"], kp)
+    if kind == INT4PACK:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xs.to(torch.bfloat16), p["w"], block, p["sz"]).float()
+    elif kind == INT8PACK:
+        y = torch.ops.aten._weight_int8pack_mm(
+            xs.to(torch.bfloat16), p["w"], p["scales"].to(torch.bfloat16)).float()
+        y = y - xs.sum(dim=1, keepdim=True) * p["zoff"]
+    else:
+        groups = p["scales"].shape[1]
+        length = p["w"].shape[1] // groups
+        s = p["scales"].repeat_interleave(length, dim=1)
+        z = p["zeros"].repeat_interleave(length, dim=1)
+        w = ((p["w"].to(torch.float32) - z) * s).to(torch.bfloat16)
+        y = (xs.to(torch.bfloat16) @ w.T).float()
+    if sx is not None:
+        y = y * sx
+    return y if bias is None else y + bias.to(torch.float32)
+
+
+class CpuBackend:
+    """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors."""
+
+    name = "cpu"
+
+    def cannot_run(self, scheme, out_features, in_features, device, dtype):
+        if torch.device(device).type != "cpu":
+            return f"runs on CPU tensors only, not {torch.device(device).type}"
+        if dtype not in DTYPES:
+            return f"activations must be fp32, bf16 or fp16, not {dtype}"
+        if out_features < 1 or in_features < 1:
+            return "empty layer"
+        return None
+
+    def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        result = QuantResult(
+            result.qweight.cpu(), result.scales.cpu(),
+            None if result.zeros is None else result.zeros.cpu(),
+            None if result.g_idx is None else result.g_idx.cpu(), result.scheme,
+        )
+        if load_cpu_ext() is not None:
+            return prepare_ext(result)
+        return prepare_torch(result)
+
+    def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
+        """x [..., K] (fp32/bf16/fp16, CPU) -> [..., N] in x.dtype."""
+        if x.shape[-1] != in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, the layer takes {in_features}")
+        if x.device.type != "cpu" or x.dtype not in DTYPES:
+            raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, in_features)
+        kind, bits, block, _ = (int(v) for v in prepared["meta"])
+        if kind == EXT:
+            ext = load_cpu_ext()
+            if ext is None:
+                raise RuntimeError("layer was prepared for the cpu extension, which is gone")
+            if x2.shape[0] < DENSE_FROM_M:
+                y = ext.qgemm(x2.contiguous(), prepared["w"], prepared["scales"],
+                              prepared["zeros"], prepared["src"], bias,
+                              4 if bits <= 4 else 8, block, True)
+                return y.reshape(*lead, out_features)
+            y = _dense_ext(ext, x2, prepared, scheme, out_features, bits)
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+        else:
+            y = _linear_torch(x2, prepared, scheme, out_features, bias)
+        return y.to(x.dtype).reshape(*lead, out_features)

@@ -1,0 +1,158 @@
+"""Resumable state of the block engine: finished blocks on disk, so a rerun continues.
+
+Layout of ``resume_dir``::
+
+    manifest.json                 {"version", "fingerprint", "done", "inputs", "report"}
+    block_0000.safetensors        QuantResults of block 0 ("<name>.qweight|scales|zeros|g_idx")
+                                  + any other block tensor the method changed ("state.<key>");
+                                  metadata "schemes": {name: QuantScheme dict} as JSON
+    inputs_0003.safetensors       "inputs": the hidden states entering block ``done``
+
+Every file is written under a temporary name and renamed; the manifest is replaced last, so
+an interruption at any point leaves the previous consistent state. The fingerprint (model
+config, embedding sample, plan, method and its options, calibration ids) makes a rerun with
+anything different fail with a clear error instead of mixing stale state in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import QuantspecError
+from .arch import ArchSpec
+from .scheme import QuantResult, QuantScheme
+
+VERSION = 1
+_FIELDS = ("qweight", "scales", "zeros", "g_idx")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.view(torch.uint8).numpy().tobytes()
+
+
+def fingerprint(
+    model: nn.Module,
+    arch: ArchSpec,
+    plan: dict[str, QuantScheme],
+    method: str,
+    calib_ids: torch.Tensor,
+) -> str:
+    """sha256 hex of what determines the engine's results."""
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    h.update((config.to_json_string() if config is not None else type(model).__name__).encode())
+    h.update(repr(arch).encode())
+    h.update(json.dumps({n: plan[n].to_dict() for n in sorted(plan)}).encode())
+    h.update(method.encode())
+    h.update(_tensor_bytes(calib_ids.to(torch.int64)))
+    embed = model.get_submodule(arch.embed) if arch.embed else None
+    if isinstance(embed, nn.Embedding):
+        w = embed.weight
+        h.update(_tensor_bytes(w[:: max(1, w.shape[0] // 256)]))
+    return h.hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata)
+    os.replace(tmp, path)
+
+
+class ResumeState:
+    """The finished blocks recorded under ``resume_dir`` for fingerprint ``fp``."""
+
+    def __init__(self, resume_dir: str | os.PathLike, fp: str):
+        self.dir = Path(resume_dir)
+        self.fp = fp
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = {"version": VERSION, "fingerprint": fp, "done": 0, "inputs": None, "report": {}}
+        path = self.dir / "manifest.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            if old.get("version") != VERSION or old.get("fingerprint") != fp:
+                raise QuantspecError(
+                    f"the resume state in {self.dir} was made for a different model, plan, "
+                    "method or calibration set.",
+                    "delete that folder, or pass another resume folder.",
+                )
+            self.manifest = old
+
+    @property
+    def done(self) -> int:
+        return int(self.manifest["done"])
+
+    @staticmethod
+    def snapshot(block: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in block.state_dict().items()}
+
+    def save_block(
+        self,
+        index: int,
+        block_name: str,
+        block: nn.Module,
+        before: dict[str, torch.Tensor],
+        results: dict[str, QuantResult],
+        next_inputs: torch.Tensor,
+        report: dict,
+    ) -> None:
+        quantized = {n[len(block_name) + 1 :] + ".weight" for n in results}
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in block.state_dict().items():
+            if key not in quantized and not torch.equal(value, before[key]):
+                tensors[f"state.{key}"] = value
+        for name, res in results.items():
+            for f in _FIELDS:
+                if getattr(res, f) is not None:
+                    tensors[f"{name}.{f}"] = getattr(res, f)
+        schemes = json.dumps({n: r.scheme.to_dict() for n, r in results.items()})
+        _atomic_save(tensors, self.dir / f"block_{index:04d}.safetensors", {"schemes": schemes})
+        inputs_name = f"inputs_{index + 1:04d}.safetensors"
+        _atomic_save({"inputs": next_inputs}, self.dir / inputs_name)
+        old_inputs = self.manifest["inputs"]
+        self.manifest["report"].update({n: report[n] for n in results})
+        self.manifest.update(done=index + 1, inputs=inputs_name)
+        tmp = self.dir / "manifest.json.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        os.replace(tmp, self.dir / "manifest.json")
+        if old_inputs and old_inputs != inputs_name:
+            (self.dir / old_inputs).unlink(missing_ok=True)
+
+    def restore(
+        self,
+        blocks: nn.ModuleList,
+        arch: ArchSpec,
+        results: dict[str, QuantResult],
+        report: dict,
+    ) -> torch.Tensor:
+        """Load finished blocks into ``blocks`` / ``results`` / ``report``; the next inputs."""
+        for i in range(self.done):
+            block, prefix = blocks[i], arch.block_name(i) + "."
+            path = self.dir / f"block_{i:04d}.safetensors"
+            tensors = load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                schemes = json.loads(f.metadata()["schemes"])
+            state = block.state_dict()
+            with torch.no_grad():
+                for key, value in tensors.items():
+                    if key.startswith("state."):
+                        target = state[key[len("state.") :]]
+                        target.copy_(value.to(target.device))
+                for name, sd in schemes.items():
+                    res = QuantResult(
+                        **{f: tensors.get(f"{name}.{f}") for f in _FIELDS},
+                        scheme=QuantScheme.from_dict(sd),
+                    )
+                    mod = block.get_submodule(name[len(prefix) :])
+                    mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
+                    results[name] = res
+        report.update(self.manifest["report"])
+        return load_file(str(self.dir / self.manifest["inputs"]))["inputs"]

@@ -1,0 +1,107 @@
+"""``make_proposer``: a proposer from a short spec, and the draft/target compatibility check.
+
+Specs: ``ngram`` (or ``ngram:MAX_N``), ``self:w4g128`` (the target quantized in memory; any
+``w{bits}g{group}`` or ``w{bits}gpc``), ``self:/path/to/checkpoint`` (a quantized checkpoint of
+the target), or a model id / folder / GGUF (a smaller model sharing the target's tokenizer).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantspecError
+from ..quant.scheme import QuantScheme
+from .proposers import DraftModel, NGram, Proposer
+from .selfdraft import QuantizedSelf
+
+PROBES = (
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "def main(argv):\n    return 0\n",
+    "  indented\ttabs\n\n",
+    "1234567890 3.14159",
+    "naïve café, Zürich, 東京",
+)
+
+
+def parse_scheme(text: str) -> QuantScheme:
+    """``w4g128`` / ``w8gpc`` / ``w4g64-asym`` -> QuantScheme."""
+    m = re.fullmatch(r"w(\d+)g(\d+|pc)(-asym)?", text.strip().lower())
+    if not m:
+        raise QuantspecError(
+            f"'{text}' is not a scheme name.", "use e.g. self:w4g128, self:w4g64, self:w8gpc."
+        )
+    group = -1 if m.group(2) == "pc" else int(m.group(2))
+    return QuantScheme(bits=int(m.group(1)), group_size=group, symmetric=not m.group(3))
+
+
+def _vocab_rows(model: torch.nn.Module) -> int:
+    emb = model.get_output_embeddings()
+    return int(emb.out_features if hasattr(emb, "out_features") else emb.weight.shape[0])
+
+
+def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None,
+                     target_name: str = "target", draft_name: str = "draft") -> None:
+    """Raise QuantspecError unless the draft scores the same token ids as the target.
+
+    Checks the logit sizes, the special token ids, and (with both tokenizers) the ids of a
+    probe set of strings.
+    """
+    fix = "use a draft from the same model family (same tokenizer), or --draft ngram / self:w4g128."
+    vt, vd = _vocab_rows(target), _vocab_rows(draft)
+    if vt != vd:
+        raise QuantspecError(
+            f"draft {draft_name} has {vd} vocabulary logits but target {target_name} has {vt}.", fix
+        )
+    if target_tokenizer is None or draft_tokenizer is None:
+        return
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tokenizer, attr, None), getattr(draft_tokenizer, attr, None)
+        if a is not None and b is not None and a != b:
+            raise QuantspecError(
+                f"{attr} is {b} in draft {draft_name} but {a} in target {target_name}.", fix
+            )
+    for text in PROBES:
+        a = target_tokenizer.encode(text, add_special_tokens=False)
+        b = draft_tokenizer.encode(text, add_special_tokens=False)
+        if a != b:
+            raise QuantspecError(
+                f"draft {draft_name} and target {target_name} tokenize {text!r} differently "
+                f"({b[:8]} vs {a[:8]}).", fix
+            )
+
+
+def _load_draft(spec: str, target):
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    try:
+        from ..models import load_dense
+    except ImportError:  # models/ not available: a plain local folder or hub id
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
+        return model, AutoTokenizer.from_pretrained(spec)
+    model, tokenizer, _ = load_dense(spec, dtype=dtype, device=device)
+    return model, tokenizer
+
+
+def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None) -> Proposer:
+    """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's."""
+    spec = spec.strip()
+    if spec == "ngram" or spec.startswith("ngram:"):
+        max_n = int(spec.split(":", 1)[1]) if ":" in spec else 3
+        return NGram(max_n=max_n)
+    if spec.startswith("self:"):
+        rest = spec[len("self:"):]
+        if Path(rest).expanduser().is_dir():
+            prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target)
+            check_same_vocab(target, prop.model, draft_name=spec)
+            return prop
+        return QuantizedSelf.from_target(target, parse_scheme(rest))
+    model, draft_tok = _load_draft(spec, target)
+    name = getattr(getattr(target, "config", None), "_name_or_path", "target") or "target"
+    check_same_vocab(target, model, tokenizer, draft_tok, target_name=name, draft_name=spec)
+    return DraftModel(model, name=spec)

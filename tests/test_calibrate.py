@@ -1,0 +1,172 @@
+"""The block-sequential engine on tiny random models: capture, results, report, resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+
+from quantspec.errors import QuantspecError
+from quantspec.quant.arch import ARCHS, block_linears, get_arch
+from quantspec.quant.block_methods import GPTQMethod, RTNMethod
+from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
+from quantspec.quant.recipe import GPTQOptions
+from quantspec.quant.scheme import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=32)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def tiny_llama(layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, num_hidden_layers=layers)).eval()
+
+
+def calib(n: int = 4, L: int = 24) -> torch.Tensor:
+    return torch.randint(0, 128, (n, L), generator=torch.Generator().manual_seed(1))
+
+
+def full_plan(model, arch, scheme=SCHEME):
+    return {n: scheme for n in block_linears(model, arch)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_captured_inputs_replay_the_model(family):
+    if family == "llama":
+        model = tiny_llama()
+    else:  # sliding window < seqlen: blocks get different masks
+        torch.manual_seed(0)
+        cfg = Gemma2Config(**SMALL, num_hidden_layers=3, head_dim=16, sliding_window=8)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    arch, ids = get_arch(model), calib(3, 20)
+    with torch.no_grad():
+        h, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
+        hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        torch.testing.assert_close(h, hidden[0])
+        for i, block in enumerate(arch.block_list(model)[:-1]):
+            h = block_forward(block, h, kwargs[i])
+            torch.testing.assert_close(h, hidden[i + 1], rtol=1e-4, atol=1e-5)
+    assert all(not isinstance(b, nn.Module) or type(b).__name__ != "_Catcher" for b in arch.block_list(model))
+
+
+def test_gptq_engine_results_weights_and_report():
+    model = tiny_llama()
+    arch = get_arch(model)
+    plan = full_plan(model, arch)
+    report: dict = {}
+    res = run_blockwise(model, arch, calib(), GPTQMethod(), plan, progress=False, report=report)
+    assert set(res) == set(plan) and len(res) == 21
+    linears = block_linears(model, arch)
+    for name, r in res.items():
+        r.validate()
+        assert torch.equal(linears[name].weight, r.dequantize(linears[name].weight.dtype))
+        assert 0 < report[name]["rel_mse"] < 0.05
+        assert report[name]["retries"] == 0 and report[name]["seconds"] >= 0
+
+
+def test_gptq_beats_rtn_and_unplanned_layers_stay_dense():
+    errs = {}
+    for method in (GPTQMethod(), RTNMethod()):
+        model = tiny_llama()
+        arch = get_arch(model)
+        plan = {n: s for n, s in full_plan(model, arch).items() if "down_proj" not in n}
+        dense_down = model.model.layers[1].mlp.down_proj.weight.clone()
+        report: dict = {}
+        run_blockwise(model, arch, calib(8, 32), method, plan, progress=False, report=report)
+        assert torch.equal(model.model.layers[1].mlp.down_proj.weight, dense_down)
+        errs[type(method).__name__] = sum(r["rel_mse"] for r in report.values())
+    assert errs["GPTQMethod"] < 0.8 * errs["RTNMethod"], errs
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _StopAt:
+    """Wraps a method and raises when it reaches block ``index``."""
+
+    def __init__(self, inner, index):
+        self.inner, self.index, self.options = inner, index, inner.options
+        self.scale_dtype = inner.scale_dtype
+
+    def process_block(self, block, block_name, *args):
+        if block_name.endswith(f".{self.index}"):
+            raise _Interrupt
+        return self.inner.process_block(block, block_name, *args)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    base = tiny_llama()
+    arch = get_arch(base)
+    plan = full_plan(base, arch, QuantScheme(bits=3, group_size=32, act_order=True))
+    options = GPTQOptions(block_size=16)
+    clean_model, clean_report = copy.deepcopy(base), {}
+    clean = run_blockwise(
+        clean_model, arch, calib(), GPTQMethod(options), plan, progress=False, report=clean_report
+    )
+
+    with pytest.raises(_Interrupt):
+        run_blockwise(
+            copy.deepcopy(base), arch, calib(), _StopAt(GPTQMethod(options), 1), plan,
+            progress=False, resume_dir=tmp_path,
+        )
+    assert json.loads((tmp_path / "manifest.json").read_text())["done"] == 1
+
+    calls = []
+
+    class Counting(GPTQMethod):
+        def process_block(self, block, block_name, *args):
+            calls.append(block_name)
+            return super().process_block(block, block_name, *args)
+
+    resumed_model, resumed_report = copy.deepcopy(base), {}
+    resumed = run_blockwise(
+        resumed_model, arch, calib(), Counting(options), plan,
+        progress=False, resume_dir=tmp_path, report=resumed_report,
+    )
+    assert calls == ["model.layers.1", "model.layers.2"]
+    assert set(resumed) == set(clean)
+    for name in clean:
+        assert clean[name].equal(resumed[name]), name
+        assert resumed_report[name]["rel_mse"] == clean_report[name]["rel_mse"]
+    for (k, a), (_, b) in zip(clean_model.state_dict().items(), resumed_model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_stale_resume_state_is_rejected(tmp_path):
+    model = tiny_llama(2)
+    arch = get_arch(model)
+    run_blockwise(copy.deepcopy(model), arch, calib(), RTNMethod(), full_plan(model, arch),
+                  progress=False, resume_dir=tmp_path)
+    other = full_plan(model, arch, QuantScheme(bits=8, group_size=32))
+    with pytest.raises(QuantspecError, match="different model, plan"):
+        run_blockwise(copy.deepcopy(model), arch, calib(), RTNMethod(), other,
+                      progress=False, resume_dir=tmp_path)
+
+
+def test_non_finite_activations_name_block_and_layer():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.fill_(float("inf"))
+    arch = get_arch(model)
+    plan = {n: s for n, s in full_plan(model, arch).items() if "o_proj" not in n}
+    with pytest.raises(QuantspecError, match=r"model\.layers\.1 at the input of model\.layers\.1\.mlp"):
+        run_blockwise(model, arch, calib(), GPTQMethod(), plan, progress=False)
+
+
+def test_plan_outside_blocks_is_rejected():
+    model = tiny_llama(2)
+    arch = ARCHS["llama"]
+    with pytest.raises(QuantspecError, match="lm_head"):
+        run_blockwise(model, arch, calib(), RTNMethod(), {"lm_head": SCHEME}, progress=False)

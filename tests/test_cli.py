@@ -1,0 +1,80 @@
+"""The CLI: thin subcommands, JSON outputs, exit codes (0 ok, 2 bad input, 1 internal)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantspec.cli.main import main
+
+from helpers import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    rc = main([
+        "quantize", str(tiny), "--method", "rtn", "--bits", "4", "--group-size", "32",
+        "--no-sym", "--format", "gptq", "--out", str(out), "--json", str(tmp_path / "q.json"),
+        "--no-progress",
+    ])
+    assert rc == 0
+    q = json.loads((tmp_path / "q.json").read_text())
+    assert q["layers_quantized"] == 14 and q["recipe"]["scheme"]["symmetric"] is False
+    assert main(["inspect", str(out), "--json", str(tmp_path / "i.json")]) == 0
+    info = json.loads((tmp_path / "i.json").read_text())
+    assert info["format"] == "gptq" and info["quantized_layers"] == 14
+    assert "lm_head" in info["dense_layers"]
+    assert all(v["backend"] for v in info["layers"].values() if not v.get("dense"))
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
+    rc = main(["eval", str(out), "--ppl", str(text), "--seqlen", "32", "--windows", "4",
+               "--json", str(tmp_path / "e.json"), "--no-progress"])
+    assert rc == 0
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert e["seqlen"] == 32 and e["windows"] == 4 and e["tokens"] > 0
+    assert e["ppl"][str(text)] > 1.0
+    rc = main(["generate", str(out), "--prompt", "word1 word2", "--max-new-tokens", "4",
+               "--json", str(tmp_path / "g.json")])
+    assert rc == 0
+    assert json.loads((tmp_path / "g.json").read_text())["new_tokens"] <= 4
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["quantize", "/nonexistent/model-folder", "--method", "rtn", "--out", "X"], "does not exist"),
+        (["eval", "/nonexistent/ckpt", "--ppl", "pydoc"], "not"),
+        (["inspect", "/nonexistent/ckpt"], "config.json"),
+        (["quantize", "--recipe", "no-such-recipe"], "unknown recipe"),
+    ],
+)
+def test_bad_input_exit_code_2_one_line(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert err.count("\n") == 0 and err.startswith("quantspec: error:")
+
+
+def test_impossible_scheme_caught_before_work(tiny, tmp_path, capsys):
+    rc = main(["quantize", str(tiny), "--method", "rtn", "--bits", "3", "--format", "awq",
+               "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "awq" in capsys.readouterr().err.lower()
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_out_needs_overwrite(tiny, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    rc = main(["quantize", str(tiny), "--method", "rtn", "--out", str(out), "--group-size", "32"])
+    assert rc == 2 and "--overwrite" in capsys.readouterr().err
+    rc = main(["quantize", str(tiny), "--method", "rtn", "--out", str(out), "--group-size", "32",
+               "--overwrite", "--no-progress"])
+    assert rc == 0 and (out / "config.json").is_file()
