@@ -40,6 +40,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls on a shared CPU: more threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(model_type: str) -> nn.Module:
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(CONFIGS[model_type]()).eval()

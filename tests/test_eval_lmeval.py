@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -106,14 +104,17 @@ def test_register_is_idempotent():
     assert get_model(MODEL_NAME) is cls
 
 
-def test_cli_shim_runs_lm_eval(tiny, tasks_dir, tmp_path):
-    """python -m quantspec.eval.lmeval_adapter --model quantspec ... works like lm_eval's CLI."""
+def test_cli_shim_runs_lm_eval(tiny, tasks_dir, tmp_path, capsys):
+    """``python -m quantspec.eval.lmeval_adapter --model quantspec ...`` = lm_eval's CLI + our model.
+
+    Run in-process (a subprocess would pay lm-eval's import again); main() is what -m calls.
+    """
+    from quantspec.eval.lmeval_adapter import main
+
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "quantspec.eval.lmeval_adapter", "--model", "quantspec",
-           "--model_args", f"path={tiny}", "--tasks", "quantspec_tiny_mc", "--include_path", str(tasks_dir),
-           "--device", "cpu", "--limit", "3", "--output_path", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "quantspec_tiny_mc" in proc.stdout
-    assert list(out.rglob("results_*.json"))
+    argv = ["--model", "quantspec", "--model_args", f"path={tiny}", "--tasks", "quantspec_tiny_mc",
+            "--include_path", str(tasks_dir), "--device", "cpu", "--limit", "3", "--output_path", str(out)]
+    assert main(argv) == 0
+    assert "quantspec_tiny_mc" in capsys.readouterr().out
+    results = list(out.rglob("results_*.json"))
+    assert results and "quantspec_tiny_mc" in json.loads(results[0].read_text())["results"]

@@ -16,6 +16,15 @@ from quantspec.quant.rtn import dequantize_codes, qparams, quantize_codes, rtn
 from quantspec.quant.scheme import QuantScheme
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls on a shared CPU: more threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, k, generator=g)

@@ -17,6 +17,7 @@ reference dequantizes and multiplies in fp32.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -239,12 +240,40 @@ def test_cannot_run_and_bad_shapes(tk, monkeypatch):
                         bits=4, group_size=128, split_k=2)
 
 
+@interp
+def test_custom_op_dispatches_to_triton(tk):
+    """quantspec::quant_linear with backend "triton" (eager) equals the backend's own linear."""
+    from quantspec.kernels.custom_ops import quant_linear
+
+    scheme = S(4, 32, False, act_order=True)
+    r, x, b = make_case(scheme, 48, 256, 3, torch.float16)
+    backend = tk.backend.TritonBackend()
+    p = backend.prepare(r, x.dtype)
+    y = quant_linear(x, p, "triton", scheme, 48, 256, b)
+    assert torch.equal(y, backend.linear(x, p, scheme, 48, 256, b))
+
+
 def test_registry_skips_triton_on_cpu_without_interpreter(monkeypatch):
     from quantspec.kernels.backend import choose_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     chosen, _ = choose_backend(S(4, 128, True), 64, 256, torch.device("cpu"), torch.float32)
     assert chosen.name != "triton"
+
+
+def test_benchmark_dry_run_writes_tables(tmp_path):
+    """benchmarks/kernels.py --dry-run: shape list, timing, table and JSON/Markdown writing."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    mod = runpy.run_path(str(script))
+    rows = mod["run_dry"](mod["parse_args"](["--dry-run", "--no-reference", "--out", str(tmp_path)])[0])
+    assert {r["scheme"] for r in rows} == set(mod["SMOKE_SCHEMES"]) and all(r["quant_us"] > 0 for r in rows)
+    data = json.loads((tmp_path / "kernels-dry-run-cpu.json").read_text())
+    assert data["rows"] == rows and data["meta"]["dry_run"]
+    assert "| w8a8 |" in (tmp_path / "kernels-dry-run-cpu.md").read_text()
+    assert mod["peak_bandwidth"]("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert mod["peak_bandwidth"]("AMD Instinct MI300X") == 5.3e12
 
 
 # ---- GPU (CUDA or ROCm): real compilation, autotuning, the bf16 tl.dot ----

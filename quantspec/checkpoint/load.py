@@ -137,7 +137,6 @@ def load_quantized(
         )
     state = reader.load_all(model, dtype)
     _assign(model, state, path)
-    model.tie_weights()
     model.to(device)
     model.eval()
     backends = {}
@@ -176,6 +175,8 @@ def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> Non
                 "rewrite the checkpoint; its tensors and quantization_config disagree.",
             )
     model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     leftover += [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:

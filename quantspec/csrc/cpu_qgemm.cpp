@@ -42,32 +42,87 @@ struct Acts {
   const float* xg;   // [M, G]
 };
 
-// x (float [M, K]) -> int8 codes per block of B (absmax / 127, round half to even), the block
-// scales, and the per-group sums X. src (int32 [Kp], or null) gathers columns; src >= K is zero.
-void quantize_activations(const float* x, const int32_t* src, const Geometry& g, int8_t* xq,
-                          float* sx, float* xg) {
+// One block of activations -> int8 codes (absmax / 127, round half to even, as
+// quantspec.kernels.reference.quantize_per_token_int8 does); returns the sum of the codes.
+int32_t quantize_block_scalar(const float* v, int64_t n, int8_t* q, float* scale_out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float scale = std::max(amax / 127.0f, 1e-10f);
+  int32_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = std::nearbyint(v[i] / scale);
+    const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+    q[i] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *scale_out = scale;
+  return sum;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+// Same result as quantize_block_scalar for n % 32 == 0 (cvtps rounds half to even).
+__attribute__((target("avx2,fma"))) int32_t quantize_block_avx2(const float* v, int64_t n,
+                                                               int8_t* q, float* scale_out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float scale = std::max(_mm_cvtss_f32(m4) / 127.0f, 1e-10f);
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+  __m256i vsum = _mm256_setzero_si256();
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) {
+      c[j] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(v + i + 8 * j), vs));
+      c[j] = _mm256_max_epi32(_mm256_min_epi32(c[j], lim), nlim);
+      vsum = _mm256_add_epi32(vsum, c[j]);
+    }
+    // pack 4x8 int32 -> 32 int8 in order (packs work per 128-bit lane, then fix the order)
+    const __m256i p01 = _mm256_packs_epi32(c[0], c[1]);
+    const __m256i p23 = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i p = _mm256_packs_epi16(p01, p23);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(p, order));
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *scale_out = scale;
+  return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+// x (float [M, K]) -> int8 codes per block of B, the block scales, and the per-group sums X.
+// src (int32 [Kp], or null for identity) gathers columns; a column >= K reads as zero.
+void quantize_activations(const float* x, const int32_t* src, const Geometry& g, bool simd,
+                          int8_t* xq, float* sx, float* xg) {
   const int64_t nblk = g.nblk(), bpg = g.bpg();
   std::vector<float> buf(g.B);
   for (int64_t m = 0; m < g.M; ++m) {
     const float* xm = x + m * g.K;
     for (int64_t gi = 0; gi < g.G; ++gi) xg[m * g.G + gi] = 0.f;
     for (int64_t b = 0; b < nblk; ++b) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < g.B; ++i) {
-        const int64_t k = b * g.B + i;
-        const int64_t s = src ? src[k] : k;
-        buf[i] = s < g.K ? xm[s] : 0.f;
-        amax = std::max(amax, std::fabs(buf[i]));
+      const int64_t k0 = b * g.B;
+      const float* v = xm + k0;
+      if (src || k0 + g.B > g.K) {
+        for (int64_t i = 0; i < g.B; ++i) {
+          const int64_t s = src ? src[k0 + i] : k0 + i;
+          buf[i] = s < g.K ? xm[s] : 0.f;
+        }
+        v = buf.data();
       }
-      const float scale = std::max(amax / 127.0f, 1e-10f);
-      int32_t sum = 0;
-      int8_t* q = xq + m * g.Kp + b * g.B;
-      for (int64_t i = 0; i < g.B; ++i) {
-        const float r = std::nearbyint(buf[i] / scale);
-        const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
-        q[i] = static_cast<int8_t>(v);
-        sum += v;
-      }
+      float scale;
+      int8_t* q = xq + m * g.Kp + k0;
+      int32_t sum;
+#if defined(__x86_64__) || defined(_M_X64)
+      if (simd) sum = quantize_block_avx2(v, g.B, q, &scale);
+      else
+#endif
+        sum = quantize_block_scalar(v, g.B, q, &scale);
       sx[m * nblk + b] = scale;
       xg[m * g.G + b / bpg] += scale * static_cast<float>(sum);
     }
@@ -193,7 +248,25 @@ QS_AVX2 void row4_avx2(const uint8_t* w, const float* swf, const float* szf, con
     for (int64_t b = 0; b < nblk; ++b) {
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
-      for (int64_t c = b * cpb; c < (b + 1) * cpb; ++c) {
+      // two chunks per step: 4 products of at most 2*15*127 each stay inside int16
+      const int64_t c_end = (b + 1) * cpb;
+      int64_t c = b * cpb;
+      for (; c + 2 <= c_end; c += 2) {
+        const __m256i v0 = load32(w + 32 * c), v1 = load32(w + 32 * c + 32);
+        const __m256i lo0 = _mm256_and_si256(v0, mask);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+        const __m256i lo1 = _mm256_and_si256(v1, mask);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xc = x[m] + 64 * c;
+          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, load32(xc)),
+                                              _mm256_maddubs_epi16(hi0, load32(xc + 32)));
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, load32(xc + 64)),
+                                              _mm256_maddubs_epi16(hi1, load32(xc + 96)));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+        }
+      }
+      if (c < c_end) {  // an odd chunk (B = 64, 192, ...)
         const __m256i v = load32(w + 32 * c);
         const __m256i lo = _mm256_and_si256(v, mask);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -301,7 +374,7 @@ void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::T
   const int64_t G = scales.size(1);
   TORCH_CHECK(G > 0 && Kp % G == 0 && (Kp / G) % B == 0, "Kp=", Kp, " is not G=", G,
               " groups of whole blocks of ", B);
-  TORCH_CHECK(B == 32 || B % 64 == 0 || (bits == 8 && B % 32 == 0), "bad block length ", B);
+  TORCH_CHECK(bits == 8 ? B % 32 == 0 : (B == 32 || B % 64 == 0), "bad block length ", B);
   TORCH_CHECK(bits == 8 || Kp % 64 == 0, "4-bit Kp must be a multiple of 64");
 }
 
@@ -326,8 +399,12 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
   torch::Tensor xq = torch::empty({g.M, g.Kp}, i8);
   torch::Tensor sx = torch::empty({g.M, g.nblk()}, f32);
   torch::Tensor xg = torch::empty({g.M, g.G}, f32);
+  bool simd = false;
+#ifdef QS_X86
+  simd = allow_simd && cpu_has_avx2();
+#endif
   quantize_activations(xf.data_ptr<float>(), has_src ? src.data_ptr<int32_t>() : nullptr, g,
-                       xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>());
+                       simd, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>());
   torch::Tensor y = torch::empty({g.M, g.N}, f32);
   const Acts acts{xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>()};
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -335,10 +412,6 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
   const int8_t* zp = zeros.data_ptr<int8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  bool simd = false;
-#ifdef QS_X86
-  simd = allow_simd && cpu_has_avx2();
-#endif
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, g.Kp * g.M / 64));
   at::parallel_for(0, g.N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> swf(g.G), szf(g.G);
@@ -375,9 +448,16 @@ torch::Tensor dequant_rows(const torch::Tensor& w, const torch::Tensor& scales,
       for (int64_t gi = 0; gi < G; ++gi) {
         const float s = static_cast<float>(sp[n * G + gi]);
         const float z = static_cast<float>(zp[n * G + gi]);
-        for (int64_t k = gi * L; k < (gi + 1) * L; ++k) {
-          const int32_t q = bits == 4 ? code_at<4>(wr, k) : code_at<8>(wr, k);
-          o[k] = (static_cast<float>(q) - z) * s;
+        if (bits == 8) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(wr) + gi * L;
+          for (int64_t k = 0; k < L; ++k) o[gi * L + k] = (static_cast<float>(q[k]) - z) * s;
+        } else {  // groups of 32 columns: half a 64-column chunk
+          for (int64_t k32 = gi * L; k32 < (gi + 1) * L; k32 += 32) {
+            const uint8_t* q = wr + 32 * (k32 / 64);
+            const int shift = (k32 % 64) ? 4 : 0;
+            for (int64_t j = 0; j < 32; ++j)
+              o[k32 + j] = (static_cast<float>((q[j] >> shift) & 0x0F) - z) * s;
+          }
         }
       }
     }

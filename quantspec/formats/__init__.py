@@ -30,10 +30,11 @@ __all__ = [
 
 
 def get_format(name: str) -> Format:
-    """The format called ``name`` (one of ``FORMAT_NAMES``)."""
+    """The format called ``name``: one of ``FORMAT_NAMES``, or "gptq_v2" (the reader of
+    GPTQModel v2 checkpoints, which ``read_quantization_config`` returns for them)."""
     key = str(name).strip().lower()
-    if key == "gptq":
-        return GPTQFormat()
+    if key in ("gptq", "gptq_v2"):  # gptq_v2: read-only alias, see read_quantization_config
+        return GPTQFormat(key)
     if key == "awq":
         return AWQFormat()
     if key in ("compressed-tensors", "compressed_tensors"):
@@ -45,7 +46,8 @@ def read_quantization_config(qcfg: dict) -> tuple[Format, FormatConfig]:
     """The format of a config.json ``quantization_config`` and what it says, parsed.
 
     GPTQ "gptq_v2" checkpoints (GPTQModel's internal layout, zeros stored without the -1) are
-    read by a ``GPTQFormat("gptq_v2")``. Anything else we cannot read exactly (other quant
+    read by a ``GPTQFormat("gptq_v2")``, whose ``name`` is "gptq_v2" (``get_format(fmt.name)``
+    gives the same reader back for every format returned here). Anything else we cannot read exactly (other quant
     methods, AWQ GEMV/Marlin layouts, mixed-precision or FP8 compressed-tensors, ...) raises a
     QuantspecError naming it and the fix.
     """

@@ -39,11 +39,29 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)
 
 
+def _layout(bits: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the 32 elements of a chunk: word index, bit offset, and whether it straddles."""
+    start = torch.arange(32, device=device, dtype=torch.int64) * bits
+    return start // 32, start % 32, (start % 32) + bits > 32
+
+
+_ROWS_ELEMS = 1 << 24  # rows are processed in slices of about this many elements
+
+
+def _row_slices(rows: int, cols: int) -> list[slice]:
+    """Row slices bounding the int64 temporaries (~16M elements) for layers of large models."""
+    step = max(1, _ROWS_ELEMS // max(cols, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)] or [slice(0, 0)]
+
+
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack [R, C] integer codes in [0, 2**bits - 1] along C -> int32 [R, ceil(C*bits/32)].
 
     Missing elements of the last 32-element chunk are taken as 0.
     """
+    if codes.dim() == 2 and codes.shape[0] * codes.shape[1] > _ROWS_ELEMS:
+        parts = [pack_int32(codes[s], bits) for s in _row_slices(*codes.shape)]
+        return torch.cat(parts, dim=0)
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if codes.dim() != 2:
@@ -53,23 +71,35 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}]")
     chunks = (cols + 31) // 32
-    v = torch.nn.functional.pad(v, (0, chunks * 32 - cols)).view(rows, chunks, 32)
+    v = torch.nn.functional.pad(v, (0, chunks * 32 - cols))
+    if 32 % bits == 0:  # no element straddles: word j = sum_i v[per*j + i] << (bits*i)
+        per = 32 // bits
+        shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+        words = (v.view(rows, -1, per) << shifts).sum(-1)[:, : packed_len(cols, bits)]
+        return _to_int32(words).contiguous()
+    v = v.view(rows, chunks, 32)
+    word, off, straddle = _layout(bits, codes.device)
     words = torch.zeros(rows, chunks, bits, dtype=torch.int64, device=codes.device)
-    for e in range(32):
-        w, off = divmod(e * bits, 32)
-        words[:, :, w] |= (v[:, :, e] << off) & _U32
-        if off + bits > 32:
-            words[:, :, w + 1] |= v[:, :, e] >> (32 - off)
+    # bit fields are disjoint, so adding them is OR-ing them
+    words.scatter_add_(2, word.expand(rows, chunks, 32), (v << off) & _U32)
+    if bool(straddle.any()):
+        high = v[:, :, straddle] >> (32 - off[straddle])
+        words.scatter_add_(2, (word[straddle] + 1).expand(rows, chunks, -1), high)
     words = words.view(rows, chunks * bits)[:, : packed_len(cols, bits)]
     return _to_int32(words).contiguous()
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of ``pack_int32``: int32 [R, ceil(length*bits/32)] -> uint8 [R, length]."""
+    if packed.dim() == 2 and packed.shape[0] * max(length, 1) > _ROWS_ELEMS:
+        parts = [unpack_int32(packed[s], bits, length) for s in _row_slices(packed.shape[0], length)]
+        return torch.cat(parts, dim=0)
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise ValueError(f"packed must be a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"packed must be a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}"
+        )
     rows, nwords = packed.shape
     if nwords != packed_len(length, bits):
         raise ValueError(
@@ -78,13 +108,15 @@ def unpack_int32(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
         )
     chunks = (length + 31) // 32
     w = packed.to(torch.int64) & _U32
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = torch.arange(per, device=packed.device, dtype=torch.int64) * bits
+        out = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return out.view(rows, -1)[:, :length].to(torch.uint8)
     w = torch.nn.functional.pad(w, (0, chunks * bits - nwords)).view(rows, chunks, bits)
-    out = torch.empty(rows, chunks, 32, dtype=torch.int64, device=packed.device)
-    mask = (1 << bits) - 1
-    for e in range(32):
-        i, off = divmod(e * bits, 32)
-        val = w[:, :, i] >> off
-        if off + bits > 32:
-            val = val | (w[:, :, i + 1] << (32 - off))
-        out[:, :, e] = val & mask
+    word, off, straddle = _layout(bits, packed.device)
+    out = w[:, :, word] >> off
+    if bool(straddle.any()):
+        out[:, :, straddle] |= w[:, :, word[straddle] + 1] << (32 - off[straddle])
+    out &= (1 << bits) - 1
     return out.view(rows, chunks * 32)[:, :length].to(torch.uint8)

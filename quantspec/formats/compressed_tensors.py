@@ -95,9 +95,15 @@ class CompressedTensorsFormat:
             return reason  # int-quantized stores the plain int8 matrix: any shape
         m = pack_multiple(scheme.bits)
         if in_features % m:
-            return f"in_features={in_features} is not a multiple of {m} ({scheme.bits}-bit weight_packed packs along K)"
+            return (
+                f"in_features={in_features} is not a multiple of {m} "
+                f"({scheme.bits}-bit weight_packed packs along K)"
+            )
         if not scheme.symmetric and out_features % m:
-            return f"out_features={out_features} is not a multiple of {m} ({scheme.bits}-bit weight_zero_point packs along N)"
+            return (
+                f"out_features={out_features} is not a multiple of {m} "
+                f"({scheme.bits}-bit weight_zero_point packs along N)"
+            )
         return None
 
     def tensor_specs(
@@ -198,7 +204,7 @@ class CompressedTensorsFormat:
         }
 
     def parse_config(self, config: dict) -> FormatConfig:
-        method = str(config.get("quant_method", "")).lower()
+        method = str(config.get("quant_method", "")).lower().replace("_", "-")
         if method != "compressed-tensors":
             raise QuantspecError(
                 f"quant_method {method!r} is not compressed-tensors.", "read it with the matching format."
@@ -225,7 +231,8 @@ def _refuse_extras(config: dict) -> None:
     status = str(config.get("quantization_status", "compressed")).lower()
     if status != "compressed":
         raise QuantspecError(
-            f"compressed-tensors quantization_status is {status!r}; only 'compressed' checkpoints hold packed weights.",
+            f"compressed-tensors quantization_status is {status!r}; only 'compressed' "
+            "checkpoints hold packed weights.",
             "save the model compressed (llm-compressor save_compressed=True).",
         )
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):

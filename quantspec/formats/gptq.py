@@ -1,5 +1,5 @@
 """GPTQ checkpoints ("gptq"): the v1 layout of AutoGPTQ / GPTQModel / optimum, read by vLLM
-(``gptq``, ``gptq_marlin``), transformers (through GPTQModel) and GPTQModel.
+(``gptq``, ``gptq_marlin``), transformers (optimum + GPTQModel kernels) and GPTQModel.
 
 Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
 Transformers". One Linear of shape [N, K] (out, in) with b-bit codes, G groups:
@@ -30,11 +30,15 @@ compressed-tensors or AWQ.
 quantization_config: quant_method "gptq", bits, group_size, desc_act (= act_order), sym,
 static_groups, lm_head false, checkpoint_format "gptq", meta.quantizer. Layers left dense
 are listed in GPTQModel's ``dynamic`` field as negative entries ``"-:^<escaped name>$"``,
-which GPTQModel (hence transformers) and vLLM both honour (vLLM re.match-es the pattern
-against each layer's prefix). ``lm_head`` is never written there: every GPTQ loader keeps it
-dense unless ``lm_head`` is true. We do not write optimum's ``modules_in_block_to_quantize``:
-it can only list what *is* quantized per block, and transformers refuses it without optimum
-installed. Caveat: vLLM fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``); a pattern
+which GPTQModel and vLLM both honour (both re.match the pattern against module names).
+``lm_head`` is never written there: every GPTQ loader keeps it dense unless ``lm_head`` is
+true. We do not write optimum's ``modules_in_block_to_quantize`` (it lists what *is*
+quantized, relative to a block, the same for every block, which an ignore list cannot
+always express). transformers loads GPTQ through optimum's GPTQQuantizer, which reads
+``modules_in_block_to_quantize``; whether it honours ``dynamic`` was not verified here, so
+with transformers keep dense layers to ``lm_head`` (the usual case) or load through
+GPTQModel / vLLM / quantspec.
+Caveat: vLLM fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``); a pattern
 naming one member of a fused group does not match the fused layer, so leave whole groups
 dense or none.
 """
@@ -85,7 +89,10 @@ def dynamic_to_ignore(dynamic: dict) -> list[str]:
 
 
 class GPTQFormat:
-    """GPTQ v1 (default) or v2 (``checkpoint_format="gptq_v2"``: zeros stored as they are)."""
+    """GPTQ v1 (default) or v2 (``checkpoint_format="gptq_v2"``: zeros stored as they are).
+
+    quantspec writes v1; v2 (GPTQModel's internal layout) is read, under the name "gptq_v2".
+    """
 
     name = "gptq"
 
@@ -97,6 +104,9 @@ class GPTQFormat:
             )
         self.checkpoint_format = checkpoint_format
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+        # "gptq_v2" instances carry their own name so that get_format(fmt.name) (used by
+        # QuantLinear) rebuilds the same reader, never the v1 one (zeros would be off by one).
+        self.name = checkpoint_format
 
     def cannot_hold(self, scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
         if scheme.activations is not None:
@@ -106,9 +116,15 @@ class GPTQFormat:
             return reason
         m = pack_multiple(scheme.bits)
         if in_features % m:
-            return f"in_features={in_features} is not a multiple of {m} ({scheme.bits}-bit qweight packs {m} rows per {m * scheme.bits // 32} int32 words)"
+            return (
+                f"in_features={in_features} is not a multiple of {m} ({scheme.bits}-bit qweight "
+                f"packs {m} rows per {m * scheme.bits // 32} int32 words)"
+            )
         if out_features % m:
-            return f"out_features={out_features} is not a multiple of {m} ({scheme.bits}-bit qzeros pack along N)"
+            return (
+                f"out_features={out_features} is not a multiple of {m} "
+                f"({scheme.bits}-bit qzeros pack along N)"
+            )
         return None
 
     def tensor_specs(

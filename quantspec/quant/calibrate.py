@@ -27,6 +27,10 @@ from .arch import ArchSpec
 from .resume import ResumeState, fingerprint
 from .scheme import QuantResult, QuantScheme
 
+# Per-layer output errors are measured on the first ERROR_SAMPLES calibration samples only
+# (the reference matmul would otherwise double the replay's Linear cost).
+ERROR_SAMPLES = 16
+
 # Keyword arguments that carry a KV cache: never replayed into a block.
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "cache", "layer_past")
 
@@ -164,7 +168,7 @@ def _check_finite(x: torch.Tensor, block_name: str, where: str) -> None:
 
 def block_forward(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """Run ``block`` on each calibration sample; [n, L, H] -> [n, L, H]."""
-    outs = []
+    outs = [inputs[:0]]
     for j in range(inputs.shape[0]):
         out = block(inputs[j : j + 1], **kwargs)
         outs.append(out[0] if isinstance(out, (tuple, list)) else out)
@@ -237,22 +241,28 @@ def planned_linears(block: nn.Module, block_name: str, plan: dict[str, QuantSche
 def _split_plan(
     model: nn.Module, arch: ArchSpec, plan: dict[str, QuantScheme]
 ) -> list[dict[str, QuantScheme]]:
+    """The plan per block; names outside the blocks are left out (the caller handles them)."""
     blocks = arch.block_list(model)
     per_block: list[dict[str, QuantScheme]] = [{} for _ in blocks]
     for name, scheme in plan.items():
         rest = name[len(arch.blocks) + 1 :] if name.startswith(arch.blocks + ".") else ""
         idx, _, rel = rest.partition(".")
         if not idx.isdigit() or int(idx) >= len(blocks):
-            raise QuantspecError(
-                f"{name} is not inside the decoder blocks ({arch.blocks}.*).",
-                "the block engine quantizes Linears inside decoder blocks only; add the layer "
-                "to the recipe's ignore list.",
-            )
-        mod = blocks[int(idx)].get_submodule(rel) if rel else None
+            continue
+        mod = _submodule(blocks[int(idx)], rel)
         if not isinstance(mod, nn.Linear):
-            raise QuantspecError(f"{name} is not a Linear of the model.", "check the recipe targets.")
+            raise QuantspecError(
+                f"{name} is not a Linear of the model.", "check the recipe's targets and ignore."
+            )
         per_block[int(idx)][name] = scheme
     return per_block
+
+
+def _submodule(block: nn.Module, rel: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(rel) if rel else None
+    except AttributeError:
+        return None
 
 
 def _replay(
@@ -262,7 +272,8 @@ def _replay(
     kwargs: dict[str, Any],
     refs: dict[str, tuple[nn.Linear, torch.Tensor]],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Next block's inputs, and each planned Linear's relative output MSE vs its dense ref."""
+    """Next block's inputs, and each planned Linear's relative output MSE vs its dense ref
+    (on the first ERROR_SAMPLES samples)."""
     num = {n: 0.0 for n in refs}
     den = {n: 0.0 for n in refs}
 
@@ -276,12 +287,14 @@ def _replay(
 
         return post
 
+    k = min(ERROR_SAMPLES, inputs.shape[0])
     handles = [m.register_forward_hook(hook(n, w)) for n, (m, w) in refs.items()]
     try:
-        out = block_forward(block, inputs, kwargs)
+        head = block_forward(block, inputs[:k], kwargs)
     finally:
         for h in handles:
             h.remove()
+    out = torch.cat([head, block_forward(block, inputs[k:], kwargs)], dim=0)
     _check_finite(out, block_name, "its output")
     return out, {n: num[n] / max(den[n], 1e-30) for n in refs}
 
@@ -323,11 +336,14 @@ def run_blockwise(
 ) -> dict[str, QuantResult]:
     """Quantize the planned Linears of ``model`` block by block; returns results by full name.
 
+    Planned names outside the decoder blocks (e.g. lm_head) are not touched and not returned.
+
     calib_ids: LongTensor [n, L] (n calibration samples of L tokens). device: where each block
     is processed (default: where the model's parameters are). Each quantized Linear's
     ``.weight`` is left holding its dequantized value in its own dtype. ``report`` (if given)
     receives ``report[name] = {"block", "rel_mse", "block_seconds", ...method info}``, where
-    rel_mse is ``||x Wq^T - x W^T||^2 / ||x W^T||^2`` over the layer's calibration inputs.
+    rel_mse is ``||x Wq^T - x W^T||^2 / ||x W^T||^2`` over the layer's inputs from the first
+    ERROR_SAMPLES calibration samples.
     """
     from tqdm.auto import tqdm
 

@@ -23,7 +23,13 @@ from .hessian import accumulate_hessian, make_empty_hessian
 from .rtn import dequantize_codes, qparams, quantize_codes
 from .scheme import QuantResult, QuantScheme
 
-__all__ = ["accumulate_hessian", "make_empty_hessian", "gptq_quantize", "inverse_hessian_factor"]
+__all__ = [
+    "accumulate_hessian",
+    "make_empty_hessian",
+    "gptq_quantize",
+    "inverse_hessian_factor",
+    "method_from_recipe",
+]
 
 MAX_DAMP_RETRIES = 4
 
@@ -195,3 +201,10 @@ def gptq_quantize(
         weight, H, scheme, damp_percent, block_size, scale_dtype
     )
     return result, info
+
+
+def method_from_recipe(recipe):
+    """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options), for ``methods.py``."""
+    from .block_methods import GPTQMethod
+
+    return GPTQMethod(recipe.gptq)

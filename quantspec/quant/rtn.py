@@ -69,17 +69,21 @@ def rtn(
     """
     n, k = weight.shape
     glen = scheme.group_len(k)
+    full = (k // glen) * glen
     codes, scales, zeros = [], [], []
-    for start in range(0, k, glen):
-        block = weight[:, start : start + glen]
+    # whole groups at once as rows of [N * G, glen]; a shorter last group on its own
+    for lo, hi, width in ((0, full, glen), (full, k, k - full)):
+        if hi <= lo:
+            continue
+        block = weight[:, lo:hi].reshape(-1, width)
         s, z = qparams(block, scheme, scale_dtype)
-        codes.append(quantize_codes(block, s, z, scheme))
-        scales.append(s)
-        zeros.append(z)
+        codes.append(quantize_codes(block, s, z, scheme).reshape(n, hi - lo))
+        scales.append(s.reshape(n, -1))
+        zeros.append(None if z is None else z.reshape(n, -1))
     return QuantResult(
         qweight=torch.cat(codes, dim=1),
-        scales=torch.stack(scales, dim=1),
-        zeros=None if scheme.symmetric else torch.stack(zeros, dim=1),  # type: ignore[arg-type]
+        scales=torch.cat(scales, dim=1),
+        zeros=None if scheme.symmetric else torch.cat(zeros, dim=1),  # type: ignore[arg-type]
         g_idx=None,
         scheme=scheme,
     )

@@ -1,0 +1,84 @@
+"""``quantspec bench-specdec``: the target alone vs our speculative decoding vs transformers'
+assisted generation, greedy, on the same prompts; prints one table and writes JSON.
+
+``add_specdec_args`` is shared with ``quantspec generate`` (--draft, --k, --adaptive,
+--temperature, --top-k, --top-p); ``sampling_from_args`` turns them into a SamplingConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "specdec_prompts.jsonl"
+
+
+def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = False) -> None:
+    """The speculative decoding flags (a draft is optional unless ``draft_required``)."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--draft", required=draft_required, default=None,
+                   help="ngram | ngram:MAX_N | self:w4g128 | self:/path/to/quantized | a draft model id/folder")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+                   help="grow k while every draft is accepted, shrink it when fewer than half are")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from ..specdec.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench-specdec",
+        help="speculative decoding vs the target alone vs transformers' assisted generation",
+        description=__doc__,
+    )
+    p.add_argument("target", help="target model: hub id, local folder, GGUF file or alias")
+    add_specdec_args(p, draft_required=True)
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL file of {id, kind, prompt}")
+    p.add_argument("--kinds", default=None, help="only these prompt kinds, comma-separated (e.g. code-edit)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU), float32, bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the tokenizer's chat template when it has one")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' assisted generation")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..errors import QuantspecError
+    from ..models import load_dense
+    from ..specdec.bench import format_table, load_prompts, run_bench
+    from ..specdec.factory import make_proposer
+
+    if not sampling_from_args(args).greedy:
+        raise QuantspecError("bench-specdec measures greedy decoding.", "drop --temperature.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
+    prompts = load_prompts(args.prompts, kinds)
+    target, tokenizer, info = load_dense(args.target, dtype=args.dtype, device=args.device)
+    proposer = make_proposer(args.draft, target, tokenizer)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = run_bench(target, tokenizer, proposer, prompts, max_new_tokens=args.max_new_tokens,
+                       k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf, progress=log)
+    result["target"] = args.target
+    result["draft_report"] = getattr(proposer, "report", None)
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0

@@ -1,0 +1,427 @@
+"""AWQ: activation-aware weight quantization (Lin et al. 2023, arXiv 2306.00978).
+
+For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothing.py``):
+
+1. ``x_mean`` [K]: mean |x| per input channel of the balanced Linears over the calibration
+   tokens.
+2. Grid search over ``alpha`` in ``{i / grid : i = 0 .. grid-1}`` (the paper's 20 points of
+   [0, 1)): ``s = x_mean^alpha``, normalised by ``sqrt(max(s) * min(s))``; the balanced
+   Linears' weights become ``Q(W * s) / s`` (Q = RTN fake quantization with the scheme) and the
+   loss is the MSE of the *inspected output* against the float one on a token sample. The
+   inspected output is the output of the module that consumes the Linears when it is called on
+   their input alone (the MLP for gate/up), else their concatenated outputs (q/k/v, v -> o,
+   up -> down). ``alpha = 0`` is plain RTN, so the chosen scales never do worse than RTN on
+   the sample.
+3. Fold the best ``s`` (exactly, ``smoothing.fold_scales``).
+4. Optional clipping search (the paper's auto_clip): per output row and group, the max |w|
+   shrinks by ``1 - i/20`` for i < 10; pick the one minimising the group's output error
+   ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
+   feed attention scores (q/k, fused qkv), as in the reference implementation.
+5. RTN of the (scaled, clipped) weights -> QuantResult.
+
+Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``search_clip``,
+``apply_clip``, ``awq_quantize``. The block glue is ``AWQMethod`` (a calibration-engine
+BlockMethod); ``awq_gptq_from_recipe`` chains AWQ scaling with GPTQ.
+
+Scales file (``save_scales`` / ``load_scales``): safetensors; tensors
+``<block>.<prev>.scales`` fp32 [K] and ``<block>.<linear>.clip`` fp32 [N, G]; metadata
+``quantspec_awq`` = JSON ``{"version", "recipe": {...}, "blocks": {block: sha256 of the float
+block's parameters}}``. Loading checks both fingerprints and skips the search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import QuantspecError
+from .arch import ArchSpec
+from .recipe import AWQOptions, Recipe
+from .rtn import dequantize_codes, qparams, quantize_codes, rtn
+from .scheme import QuantResult, QuantScheme
+from .smoothing import ResolvedPair, collect_input_stats, fold_scales, resolve_pairs
+
+# Linears whose outputs feed attention scores: the output MSE of a clip search means little there.
+CLIP_SKIP = ("q_proj", "k_proj", "qkv_proj")
+SCALES_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure tensor functions
+
+
+def scale_from_alpha(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """AWQ's candidate scale for exponent ``alpha``: [K] -> [K], geometric mean of max/min 1."""
+    s = x_mean.to(torch.float32).pow(alpha).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """RTN quantize-dequantize of [N, K] (fp32 out); a partial last group on its own."""
+    return rtn(weight.to(torch.float32), scheme).dequantize(torch.float32)
+
+
+def _group_bounds(k: int, scheme: QuantScheme) -> list[tuple[int, int]]:
+    glen = scheme.group_len(k)
+    return [(a, min(a + glen, k)) for a in range(0, k, glen)]
+
+
+def search_clip(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    row_chunk: int = 256,
+) -> torch.Tensor:
+    """Per-(row, group) clip value (max |w|) minimising the group's output error.
+
+    weight [N, K], x [T, K] sample of its inputs. Candidates ``amax * (1 - i/grid)`` for
+    ``i < max_shrink * grid``. Returns fp32 [N, G] (G = number of groups, partial last included).
+    """
+    w_all = weight.detach().to(torch.float32)
+    x = x.to(torch.float32)
+    n, k = w_all.shape
+    bounds = _group_bounds(k, scheme)
+    best = torch.empty(n, len(bounds), device=w_all.device)
+    steps = max(1, int(max_shrink * grid))
+    for g, (a, b) in enumerate(bounds):
+        xg = x[:, a:b]
+        for r0 in range(0, n, row_chunk):
+            wg = w_all[r0 : r0 + row_chunk, a:b]
+            ref = xg @ wg.T  # [T, n_chunk]
+            amax = wg.abs().amax(dim=1).clamp(min=1e-8)
+            best_err = torch.full_like(amax, float("inf"))
+            best_val = amax.clone()
+            for i in range(steps):
+                m = amax * (1 - i / grid)
+                wc = torch.maximum(torch.minimum(wg, m[:, None]), -m[:, None])
+                s, z = qparams(wc, scheme)
+                q = dequantize_codes(quantize_codes(wc, s, z, scheme), s, z, scheme)
+                err = (xg @ q.T - ref).pow(2).mean(dim=0)
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_val = torch.where(better, m, best_val)
+            best[r0 : r0 + row_chunk, g] = best_val
+    return best
+
+
+def apply_clip(weight: torch.Tensor, clip: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """[N, K] weight clamped to ``[-clip[n, g], clip[n, g]]`` per group (fp32 out)."""
+    w = weight.detach().to(torch.float32).clone()
+    for g, (a, b) in enumerate(_group_bounds(w.shape[1], scheme)):
+        m = clip[:, g : g + 1].to(w)
+        w[:, a:b] = torch.maximum(torch.minimum(w[:, a:b], m), -m)
+    return w
+
+
+def awq_quantize(
+    weight: torch.Tensor,
+    scheme: QuantScheme,
+    clip: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.float16,
+) -> QuantResult:
+    """RTN of an AWQ-scaled weight [N, K], clamped first by ``clip`` [N, G] when given."""
+    w = weight if clip is None else apply_clip(weight, clip, scheme)
+    return rtn(w.to(torch.float32), scheme, scale_dtype)
+
+
+def search_scale(
+    x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], grid: int = 20
+) -> tuple[torch.Tensor, dict]:
+    """Best ``scale_from_alpha(x_mean, i/grid)`` under ``loss(s)``; returns (s, info)."""
+    losses = []
+    best, best_s = float("inf"), None
+    for i in range(grid):
+        s = scale_from_alpha(x_mean, i / grid)
+        value = loss(s)
+        losses.append(value)
+        if value < best:
+            best, best_s = value, s
+    if best_s is None:  # every loss was NaN: keep the identity
+        best_s = torch.ones_like(x_mean, dtype=torch.float32)
+    alpha = losses.index(best) / grid if best in losses else 0.0
+    return best_s, {"alpha": alpha, "loss": best, "loss_rtn": losses[0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Block glue
+
+
+@dataclass(frozen=True)
+class AWQSettings:
+    """AWQ's options plus the CPU-friendly sample sizes of the searches (tokens)."""
+
+    awq: AWQOptions = AWQOptions()
+    search_tokens: int = 4096
+    clip_tokens: int = 512
+    quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
+
+
+def _inspect_modules(block, block_name, inputs, kwargs, pairs) -> list[nn.Module | None]:
+    """For each pair, the parent of its Linears when that parent is called with their input
+    as its only argument (the MLP for gate/up), else None (use the Linears' outputs)."""
+    cands: list[nn.Module | None] = []
+    for p in pairs:
+        parts = [n.rpartition(".")[0] for n in p.linear_names]
+        parent = parts[0] if len(set(parts)) == 1 and parts[0] else None
+        cands.append(block.get_submodule(parent) if parent else None)
+    calls: dict[int, Any] = {}
+    lin_inputs: dict[int, Any] = {}
+    handles = []
+    for i, (p, c) in enumerate(zip(pairs, cands)):
+        if c is None:
+            continue
+
+        def parent_hook(_m, args, kw, i=i):
+            calls.setdefault(i, args[0] if len(args) == 1 and not kw else None)
+
+        def lin_hook(_m, args, i=i):
+            lin_inputs.setdefault(i, args[0])
+
+        handles.append(c.register_forward_pre_hook(parent_hook, with_kwargs=True))
+        handles.append(p.linears[0].register_forward_pre_hook(lin_hook))
+    try:
+        with torch.no_grad():
+            block(inputs[:1], **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [
+        c if c is not None and calls.get(i) is not None and calls[i] is lin_inputs.get(i) else None
+        for i, c in enumerate(cands)
+    ]
+
+
+class _PairObjective:
+    """loss(s) for one pair: MSE of the inspected output with ``Q(W*s)/s`` weights."""
+
+    def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor,
+                 inspect: nn.Module | None):
+        self.pair, self.planned, self.x, self.inspect = pair, planned, x, inspect
+        self.dense = [lin.weight.detach().clone() for lin in pair.linears]
+        self.ref = self._output()
+
+    def _output(self) -> torch.Tensor:
+        if self.inspect is not None:
+            out = self.inspect(self.x.unsqueeze(0).to(self.pair.linears[0].weight.dtype))
+            return out.float()
+        return torch.cat([lin(self.x.to(lin.weight.dtype)).float() for lin in self.pair.linears], -1)
+
+    @torch.no_grad()
+    def __call__(self, s: torch.Tensor) -> float:
+        try:
+            for name, lin, w in zip(self.pair.linear_names, self.pair.linears, self.dense):
+                scheme = self.planned.get(name)
+                if scheme is not None:
+                    wq = fake_quantize(w.float() * s[None, :], scheme) / s[None, :]
+                    lin.weight.copy_(wq.to(w.dtype))
+            return float((self._output() - self.ref).pow(2).mean())
+        finally:
+            for lin, w in zip(self.pair.linears, self.dense):
+                lin.weight.copy_(w)
+
+
+def _block_fingerprint(block: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(block.state_dict().items()):
+        t = p.detach().to("cpu", torch.float32).reshape(-1)
+        h.update(name.encode() + str(tuple(p.shape)).encode())
+        h.update(t[:: max(1, t.numel() // 4096)].numpy().tobytes())
+    return h.hexdigest()
+
+
+class AWQMethod:
+    """AWQ as a calibration-engine BlockMethod. ``info``: per-layer details of the last block.
+
+    After ``process_block`` the block's smoothing scales are folded (norms and Linears changed
+    in place); every planned Linear's ``.weight`` holds its scaled, unclipped float weight, the
+    dense weight its QuantResult approximates.
+    """
+
+    def __init__(self, settings: AWQSettings | None = None, scale_dtype: torch.dtype = torch.float16,
+                 recipe_fingerprint: dict | None = None):
+        self.options = settings or AWQSettings()
+        self.scale_dtype = scale_dtype
+        self.recipe_fingerprint = recipe_fingerprint or {}
+        self.info: dict[str, dict] = {}
+        self._saved: dict[str, torch.Tensor] = {}
+        self._block_fps: dict[str, str] = {}
+        self._loaded: tuple[dict[str, torch.Tensor], dict] | None = None
+
+    # -- scales file ------------------------------------------------------------------------
+    def _load_file(self) -> tuple[dict[str, torch.Tensor], dict]:
+        if self._loaded is None:
+            from safetensors import safe_open
+
+            path = Path(self.options.awq.load_scales)
+            if not path.is_file():
+                raise QuantspecError(f"AWQ scales file {path} does not exist.", "check --load-scales.")
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads((f.metadata() or {}).get("quantspec_awq", "{}"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if meta.get("version") != SCALES_VERSION or meta.get("recipe") != self.recipe_fingerprint:
+                raise QuantspecError(
+                    f"AWQ scales file {path} was made with another recipe "
+                    f"({meta.get('recipe')}, not {self.recipe_fingerprint}).",
+                    "drop --load-scales to search again, or use the recipe it was made with.",
+                )
+            self._loaded = (tensors, meta)
+        return self._loaded
+
+    def _save_file(self) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(self.options.awq.save_scales)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"version": SCALES_VERSION, "recipe": self.recipe_fingerprint, "blocks": self._block_fps}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in self._saved.items()}, str(tmp),
+                  {"quantspec_awq": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    # -- BlockMethod -------------------------------------------------------------------------
+    def process_block(
+        self,
+        block: nn.Module,
+        block_name: str,
+        inputs: torch.Tensor,
+        kwargs: dict[str, Any],
+        plan: dict[str, QuantScheme],
+        arch: ArchSpec,
+    ) -> dict[str, QuantResult]:
+        self.info = {}
+        t0 = time.perf_counter()
+        rel = {n[len(block_name) + 1 :]: s for n, s in plan.items()}
+        pairs, skipped = resolve_pairs(block, arch)
+        pairs = [p for p in pairs if any(n in rel for n in p.linear_names)]
+        fp = _block_fingerprint(block)
+        if self.options.awq.load_scales:
+            clips = self._apply_loaded(block_name, fp, pairs)
+        else:
+            clips = self._search(block, block_name, inputs, kwargs, rel, pairs)
+        self._block_fps[block_name] = fp
+        if self.options.awq.save_scales:
+            self._save_file()
+        if not self.options.quantize:
+            return {}
+        results = {}
+        for name, scheme in plan.items():
+            mod = block.get_submodule(name[len(block_name) + 1 :])
+            results[name] = awq_quantize(mod.weight, scheme, clips.get(name), self.scale_dtype)
+            self.info.setdefault(name, {})["clipped"] = name in clips
+        for name in results:
+            self.info[name]["awq_seconds"] = time.perf_counter() - t0
+        if skipped:
+            for name in results:
+                self.info[name]["smoothing_skipped"] = skipped
+        return results
+
+    def _apply_loaded(self, block_name, fp, pairs) -> dict[str, torch.Tensor]:
+        tensors, meta = self._load_file()
+        if meta.get("blocks", {}).get(block_name) != fp:
+            raise QuantspecError(
+                f"AWQ scales file has no scales for block {block_name} of this model "
+                "(its float weights differ from those the scales were searched on).",
+                "drop --load-scales to search again, or quantize the model they were made for.",
+            )
+        for p in pairs:
+            key = f"{block_name}.{p.prev_name}.scales"
+            if key not in tensors:
+                raise QuantspecError(f"AWQ scales file lacks {key}.", "drop --load-scales.")
+            s = tensors[key].to(p.linears[0].weight.device)
+            fold_scales(p, s)
+            self._saved[key] = s.cpu()
+        clips = {k[: -len(".clip")]: v for k, v in tensors.items()
+                 if k.startswith(block_name + ".") and k.endswith(".clip")}
+        self._saved.update({f"{k}.clip": v for k, v in clips.items()})
+        return clips
+
+    def _search(self, block, block_name, inputs, kwargs, rel, pairs) -> dict[str, torch.Tensor]:
+        opts = self.options
+        inspect = _inspect_modules(block, block_name, inputs, kwargs, pairs)
+        modules = {f"{block_name}.{p.linear_names[0]}": p.linears[0] for p in pairs}
+        clip_mods = {}
+        if opts.awq.clip:
+            for r in rel:
+                if not any(r.endswith(s) for s in CLIP_SKIP):
+                    clip_mods[f"{block_name}.{r}"] = block.get_submodule(r)
+        tokens = max(opts.search_tokens, opts.clip_tokens if clip_mods else 0)
+        stats = collect_input_stats(block, block_name, inputs, kwargs, {**modules, **clip_mods}, tokens)
+        # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
+        samples = {n: st.sample for n, st in stats.items()}
+        for p, insp in zip(pairs, inspect):
+            key = f"{block_name}.{p.linear_names[0]}"
+            x = samples[key][: opts.search_tokens]
+            planned = {n: rel[n] for n in p.linear_names if n in rel}
+            objective = _PairObjective(p, planned, x, insp)
+            s, info = search_scale(stats[key].absmean, objective, opts.awq.grid)
+            fold_scales(p, s)
+            for n in p.linear_names:
+                full = f"{block_name}.{n}"
+                if full in samples:
+                    samples[full] = samples[full] / s.to(samples[full])[None, :]
+                if n in rel:
+                    self.info.setdefault(full, {}).update(
+                        {"awq_alpha": info["alpha"], "awq_loss": info["loss"], "awq_loss_rtn": info["loss_rtn"]}
+                    )
+            self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()
+        clips = {}
+        for full, mod in clip_mods.items():
+            clip = search_clip(mod.weight, samples[full][: opts.clip_tokens], rel[full[len(block_name) + 1 :]])
+            clips[full] = clip
+            self._saved[f"{full}.clip"] = clip.cpu()
+        return clips
+
+
+def _recipe_fingerprint(recipe: Recipe, with_clip: bool) -> dict:
+    return {"method": recipe.method, "scheme": recipe.scheme.to_dict(),
+            "grid": recipe.awq.grid, "clip": with_clip, "ignore": list(recipe.ignore),
+            "targets": list(recipe.targets)}
+
+
+def method_from_recipe(recipe: Recipe) -> AWQMethod:
+    """AWQ with the recipe's options (grid, clip, save_scales, load_scales)."""
+    return AWQMethod(AWQSettings(awq=recipe.awq), recipe_fingerprint=_recipe_fingerprint(recipe, recipe.awq.clip))
+
+
+class AWQGPTQMethod:
+    """AWQ scaling (no clipping: GPTQ picks its own grid) then GPTQ on the scaled block."""
+
+    def __init__(self, awq: AWQMethod, gptq):
+        self.awq, self.gptq = awq, gptq
+        self.options = (awq.options, gptq.options)
+        self.scale_dtype = gptq.scale_dtype
+        self.info: dict[str, dict] = {}
+
+    def process_block(self, block, block_name, inputs, kwargs, plan, arch) -> dict[str, QuantResult]:
+        self.awq.process_block(block, block_name, inputs, kwargs, plan, arch)
+        results = self.gptq.process_block(block, block_name, inputs, kwargs, plan, arch)
+        self.info = {n: {**self.awq.info.get(n, {}), **self.gptq.info.get(n, {})} for n in plan}
+        return results
+
+
+def awq_gptq_from_recipe(recipe: Recipe) -> AWQGPTQMethod:
+    """AWQ scales (recipe.awq, clip off) followed by GPTQ (recipe.gptq) as one BlockMethod."""
+    from dataclasses import replace
+
+    from .block_methods import GPTQMethod
+
+    awq_opts = replace(recipe.awq, clip=False)
+    awq = AWQMethod(AWQSettings(awq=awq_opts, quantize=False),
+                    recipe_fingerprint=_recipe_fingerprint(recipe, False))
+    return AWQGPTQMethod(awq, GPTQMethod(recipe.gptq))
+
+
+__all__ = [
+    "AWQMethod", "AWQSettings", "AWQGPTQMethod", "apply_clip", "awq_quantize", "fake_quantize",
+    "method_from_recipe", "awq_gptq_from_recipe", "scale_from_alpha", "search_clip", "search_scale",
+]
