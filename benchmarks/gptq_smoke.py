@@ -38,7 +38,10 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a busy CPU)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, tok, _ = load_dense(args.model, dtype="float32")
     arch = get_arch(model)

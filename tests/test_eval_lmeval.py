@@ -59,10 +59,24 @@ def direct(tiny):
     return model, AutoTokenizer.from_pretrained(tiny)
 
 
-def test_multiple_choice_matches_direct_logprobs(tiny, tasks_dir, direct):
+@pytest.fixture(scope="module")
+def both(tiny, tasks_dir):
+    """One lm-eval run of both local tasks through the adapter (batch 4: padding is exercised)."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update({k: "1" for k in saved})
+    try:
+        return run_lm_eval(str(tiny), ["quantspec_tiny_mc", "quantspec_tiny_rolling"], include_path=tasks_dir,
+                           batch_size=4, device="cpu", log_samples=True)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_multiple_choice_matches_direct_logprobs(both, direct):
     model, tok = direct
-    res = run_lm_eval(str(tiny), ["quantspec_tiny_mc"], include_path=tasks_dir, batch_size=4,
-                      device="cpu", log_samples=True)
+    res = both
     rows = _rows("tiny_mc.jsonl")
     correct = 0
     samples = sorted(res["samples"]["quantspec_tiny_mc"], key=lambda s: s["doc_id"])
@@ -80,9 +94,9 @@ def test_multiple_choice_matches_direct_logprobs(tiny, tasks_dir, direct):
     assert res["tasks"]["quantspec_tiny_mc"]["acc"] == pytest.approx(correct / len(rows))
 
 
-def test_rolling_loglikelihood_matches_our_nll(tiny, tasks_dir, direct):
+def test_rolling_loglikelihood_matches_our_nll(both, direct):
     model, tok = direct
-    res = run_lm_eval(str(tiny), ["quantspec_tiny_rolling"], include_path=tasks_dir, batch_size=1, device="cpu")
+    res = both
     texts = [r["text"] for r in _rows("tiny_rolling.jsonl")]
     total_ll, words, nbytes = 0.0, 0, 0
     for text in texts:

@@ -24,9 +24,11 @@ def slow_rtn(w, scheme):
                 z = scheme.sym_zero
             else:
                 s = (hi_v - lo_v) / scheme.maxq
+                if s > 0 and round(-lo_v / s) < 1:  # zero points stay >= 1
+                    s = hi_v / (scheme.maxq - 1)
                 s = s if s > 0 else 1.0
                 s = float(torch.tensor(s).half())
-                z = min(max(round(-lo_v / s), 0), scheme.maxq)
+                z = min(max(round(-lo_v / s), 1), scheme.maxq)
             q = torch.clamp(torch.round(row / s) + z, 0, scheme.maxq)
             deq[i, lo:lo + g] = (q - z) * s
     return deq
@@ -39,9 +41,12 @@ def test_rtn_matches_slow_loop(bits, group, sym):
     torch.manual_seed(bits * 7 + group)
     w = torch.randn(6, 160) * 0.05
     w[0] = 0.0  # an all-zero row must not divide by zero
+    w[1] = w[1].abs()  # no negative weight: the zero point must still be >= 1
     scheme = QuantScheme(bits=bits, group_size=group, symmetric=sym)
     r = rtn(w, scheme)
     r.validate()
+    if not sym:
+        assert int(r.zeros.min()) >= 1
     assert torch.allclose(r.dequantize(), slow_rtn(w, scheme), atol=1e-6)
     # error bound: one step per element (half a step of rounding, plus clamping at the top code
     # for symmetric grids or the rounded zero point for asymmetric ones)

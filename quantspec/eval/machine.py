@@ -72,4 +72,5 @@ def describe_machine() -> dict[str, Any]:
 def machine_line(machine: dict[str, Any]) -> str:
     """One line for tables and plot titles."""
     gpu = ", ".join(machine.get("gpus") or []) or "no GPU"
-    return f"{machine.get('cpu')} ({machine.get('cpu_affinity') or machine.get('cpu_cores_logical')} cores), {gpu}"
+    cores = machine.get("cpu_affinity") or machine.get("cpu_cores_logical")
+    return f"{machine.get('cpu')}{f' ({cores} cores)' if cores else ''}, {gpu}"

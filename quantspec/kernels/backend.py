@@ -7,6 +7,7 @@ computes ``y = x @ W.T + bias`` from that layout (``linear``).
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -43,8 +44,11 @@ class Backend(Protocol):
         """``x`` [..., K] -> [..., N] in ``x.dtype``."""
 
 
+@functools.lru_cache(maxsize=None)
 def _registry() -> dict[str, Backend]:
-    """Backends in order of preference (fastest first); imported lazily."""
+    """Backends in order of preference (fastest first); imported lazily on first use.
+
+    Backends are stateless, so one instance of each serves every layer."""
     from .reference import ReferenceBackend
 
     backends: dict[str, Backend] = {}

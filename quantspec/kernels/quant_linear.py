@@ -77,6 +77,9 @@ class QuantLinear(nn.Module):
             attr = f"_p_{name}"
             self.register_buffer(attr, t, persistent=False)
             self._prepared_names.append(attr)
+        from .custom_ops import register_ops
+
+        register_ops()  # eagerly, so a model compiled later finds the op registered
         self._backend = chosen
         self.backend_name = chosen.name
         self.backend_reason = why
@@ -88,6 +91,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend_name is None:
             self.prepare()
+        if torch.compiler.is_compiling():
+            # torch.compile sees one opaque custom op per layer (no graph break); eager calls
+            # the backend directly and skips the dispatcher's per-call overhead.
+            from .custom_ops import quant_linear
+
+            return quant_linear(
+                x, self.prepared(), self.backend_name, self.scheme,
+                self.out_features, self.in_features, self.bias,
+            )
         return self._backend.linear(
             x, self.prepared(), self.scheme, self.out_features, self.in_features, self.bias
         )

@@ -64,14 +64,34 @@ def scale_from_alpha(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
-def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """RTN quantize-dequantize of [N, K] (fp32 out); a partial last group on its own."""
-    return rtn(weight.to(torch.float32), scheme).dequantize(torch.float32)
+def _grouped(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """fp32 [N, K] -> [N, G, L] (L = group length), a partial last group padded with zeros.
 
-
-def _group_bounds(k: int, scheme: QuantScheme) -> list[tuple[int, int]]:
+    Zero padding changes no group's grid: ``qparams`` takes min over values <= 0 and max over
+    values >= 0, and a zero column adds nothing to any output.
+    """
+    n, k = weight.shape
     glen = scheme.group_len(k)
-    return [(a, min(a + glen, k)) for a in range(0, k, glen)]
+    g = scheme.num_groups(k)
+    w = weight.to(torch.float32)
+    if g * glen != k:
+        w = torch.nn.functional.pad(w, (0, g * glen - k))
+    return w.reshape(n, g, glen)
+
+
+def _fake_quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Quantize-dequantize each row of [R, L] on its own min/max grid (fp32)."""
+    s, z = qparams(w, scheme)
+    return dequantize_codes(quantize_codes(w, s, z, scheme), s, z, scheme)
+
+
+def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """RTN quantize-dequantize of [N, K] (fp32 out), equal to ``rtn(w).dequantize()``;
+    a partial last group is quantized on its own."""
+    n, k = weight.shape
+    w = _grouped(weight, scheme)
+    q = _fake_quantize_rows(w.reshape(-1, w.shape[-1]), scheme).reshape(w.shape)
+    return q.reshape(n, -1)[:, :k]
 
 
 def search_clip(
@@ -80,47 +100,42 @@ def search_clip(
     scheme: QuantScheme,
     grid: int = 20,
     max_shrink: float = 0.5,
-    row_chunk: int = 256,
+    row_chunk: int = 1024,
 ) -> torch.Tensor:
     """Per-(row, group) clip value (max |w|) minimising the group's output error.
 
     weight [N, K], x [T, K] sample of its inputs. Candidates ``amax * (1 - i/grid)`` for
-    ``i < max_shrink * grid``. Returns fp32 [N, G] (G = number of groups, partial last included).
+    ``i < max_shrink * grid``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2``. Returns fp32
+    [N, G] (G = number of groups, a partial last group included).
     """
-    w_all = weight.detach().to(torch.float32)
-    x = x.to(torch.float32)
-    n, k = w_all.shape
-    bounds = _group_bounds(k, scheme)
-    best = torch.empty(n, len(bounds), device=w_all.device)
+    n, k = weight.shape
+    xg = _grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
     steps = max(1, int(max_shrink * grid))
-    for g, (a, b) in enumerate(bounds):
-        xg = x[:, a:b]
-        for r0 in range(0, n, row_chunk):
-            wg = w_all[r0 : r0 + row_chunk, a:b]
-            ref = xg @ wg.T  # [T, n_chunk]
-            amax = wg.abs().amax(dim=1).clamp(min=1e-8)
-            best_err = torch.full_like(amax, float("inf"))
-            best_val = amax.clone()
-            for i in range(steps):
-                m = amax * (1 - i / grid)
-                wc = torch.maximum(torch.minimum(wg, m[:, None]), -m[:, None])
-                s, z = qparams(wc, scheme)
-                q = dequantize_codes(quantize_codes(wc, s, z, scheme), s, z, scheme)
-                err = (xg @ q.T - ref).pow(2).mean(dim=0)
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_val = torch.where(better, m, best_val)
-            best[r0 : r0 + row_chunk, g] = best_val
-    return best
+    best = []
+    for r0 in range(0, n, row_chunk):
+        w = _grouped(weight.detach()[r0 : r0 + row_chunk], scheme)  # [n', G, L]
+        amax = w.abs().amax(dim=2).clamp(min=1e-8)  # [n', G]
+        best_err = torch.full_like(amax, float("inf"))
+        best_val = amax.clone()
+        for i in range(steps):
+            m = (amax * (1 - i / grid)).unsqueeze(2)
+            wc = torch.maximum(torch.minimum(w, m), -m)
+            q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme).reshape(w.shape)
+            diff = (w - q).permute(1, 2, 0)  # [G, L, n']
+            err = torch.bmm(xg, diff).pow(2).mean(dim=1).T  # [n', G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_val = torch.where(better, m.squeeze(2), best_val)
+        best.append(best_val)
+    return torch.cat(best, dim=0)
 
 
 def apply_clip(weight: torch.Tensor, clip: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """[N, K] weight clamped to ``[-clip[n, g], clip[n, g]]`` per group (fp32 out)."""
-    w = weight.detach().to(torch.float32).clone()
-    for g, (a, b) in enumerate(_group_bounds(w.shape[1], scheme)):
-        m = clip[:, g : g + 1].to(w)
-        w[:, a:b] = torch.maximum(torch.minimum(w[:, a:b], m), -m)
-    return w
+    n, k = weight.shape
+    w = _grouped(weight.detach(), scheme)
+    m = clip.to(w).unsqueeze(2)
+    return torch.maximum(torch.minimum(w, m), -m).reshape(n, -1)[:, :k].contiguous()
 
 
 def awq_quantize(

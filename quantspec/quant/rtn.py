@@ -18,7 +18,8 @@ def qparams(
     """Scale and zero of each row of ``w`` ([N, C] -> [N], [N] or None), from min/max.
 
     Symmetric: ``scale = 2 * max|w| / maxq`` with the implicit zero ``2**(bits-1)`` (GPTQ's
-    convention). Asymmetric: ``scale = (max - min) / maxq``, ``zero = round(-min / scale)``.
+    convention). Asymmetric: ``scale = (max - min) / maxq``, ``zero = round(-min / scale)``,
+    kept >= 1 (see below).
     Scales are rounded to ``scale_dtype`` (the stored dtype) before they are returned.
     """
     w = w.to(torch.float32)
@@ -29,6 +30,10 @@ def qparams(
         scale = 2 * amax / scheme.maxq
     else:
         scale = (wmax - wmin) / scheme.maxq
+        # Zero points stay >= 1: GPTQ v1 stores zero - 1 and cannot hold zero = 0. A group
+        # with no negative weight spends its lowest code instead: scale = max / (maxq - 1).
+        low = torch.round(-wmin / scale.clamp(min=1e-30)) < 1
+        scale = torch.where(low, wmax / (scheme.maxq - 1), scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = scale.to(scale_dtype).to(torch.float32)
     # fp16 may round a tiny scale down to zero: keep the smallest normal number instead.
@@ -36,7 +41,7 @@ def qparams(
     scale = scale.clamp(min=tiny)
     if scheme.symmetric:
         return scale.to(scale_dtype), None
-    zero = torch.round(-wmin / scale).clamp(0, scheme.maxq)
+    zero = torch.round(-wmin / scale).clamp(1, scheme.maxq)
     return scale.to(scale_dtype), zero.to(torch.uint8)
 
 

@@ -1,0 +1,162 @@
+"""The sweep report: every number in report.json, one table in report.md, the plots in
+report.png, and all of it in one self-contained report.html.
+
+Table columns: method, bits, group, format, size MB, ppl (first ppl data set), delta vs dense,
+task accuracy (mean of the tasks' ``acc``), decode tokens/s (batch = first bench batch size)
+and speed-up (tokens/s over the dense model's, both measured in the same bench run).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .machine import describe_machine, machine_line
+
+COLUMNS = ("name", "method", "bits", "group", "format", "size_mb", "ppl", "ppl_delta", "acc",
+           "tokens_per_s", "speedup", "status")
+
+
+def _first(d: dict | None) -> Any:
+    return next(iter(d.values())) if d else None
+
+
+def _ppl(rec: dict) -> float | None:
+    ev = rec.get("eval") or {}
+    return _first(ev.get("ppl"))
+
+
+def _acc(rec: dict) -> float | None:
+    tasks = rec.get("tasks") or {}
+    accs = [m.get("acc", m.get("acc_norm")) for m in tasks.values()]
+    accs = [a for a in accs if isinstance(a, (int, float))]
+    return statistics.mean(accs) if accs else None
+
+
+def _speed(rec: dict) -> tuple[float | None, float | None, float | None]:
+    """(tokens/s, speed-up vs dense, size MB as measured by the bench)."""
+    bench = rec.get("bench")
+    if not bench:
+        return None, None, None
+    m = bench["model"]
+    batch = next(iter(m["decode"]))
+    tps = m["decode"][batch]["tokens_per_s"]
+    if bench.get("speedup"):
+        sp = bench["speedup"]["decode"].get(batch)
+    else:
+        sp = 1.0 if m.get("kind") == "dense" else None
+    return tps, sp, m.get("disk_mb") if m.get("kind") == "quantized" else m.get("weights_mb")
+
+
+def report_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat row per point (failed points keep their error)."""
+    dense = next((r for r in records if r["name"] == "dense" and r["status"] == "ok"), None)
+    dense_ppl = _ppl(dense) if dense else None
+    rows = []
+    for rec in records:
+        p = rec["point"]
+        dense_point = p["method"] is None
+        row = {"name": rec["name"], "method": p["method"] or "dense", "bits": p["bits"],
+               "group": None if dense_point else p["group_size"], "format": p["format"] or "-",
+               "status": rec["status"]}
+        if rec["status"] != "ok":
+            rows.append({**row, "error": rec.get("error")})
+            continue
+        tps, sp, bench_size = _speed(rec)
+        ppl = _ppl(rec)
+        row.update(size_mb=rec.get("size_mb") or bench_size, ppl=ppl, acc=_acc(rec), tokens_per_s=tps, speedup=sp,
+                   ppl_delta=None if ppl is None or dense_ppl is None else ppl - dense_ppl)
+        rows.append(row)
+    return rows
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = ["point", "method", "bits", "group", "format", "size MB", "ppl", "delta vs dense", "task acc",
+            "tokens/s", "speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        group = "-" if r["group"] is None else ("channel" if r["group"] == -1 else str(r["group"]))
+        if r["status"] != "ok":
+            err = (r.get("error") or "").splitlines()[0][:80].replace("|", "/")
+            lines.append(f"| {r['name']} | {r['method']} | {r['bits']} | {group} | {r['format']} | "
+                         f"FAILED: {err} | | | | | |")
+            continue
+        delta = "-" if r["ppl_delta"] is None else f"{r['ppl_delta']:+.3f}"
+        lines.append(
+            f"| {r['name']} | {r['method']} | {r['bits']} | {group} | {r['format']} | {_fmt(r['size_mb'], '.1f')} | "
+            f"{_fmt(r['ppl'], '.3f')} | {delta} | {_fmt(r['acc'], '.3f')} | {_fmt(r['tokens_per_s'], '.1f')} | "
+            f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} |"
+        )
+    return "\n".join(lines)
+
+
+def protocol(cfg_dict: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    ev, sp = cfg_dict["eval"], cfg_dict["speed"]
+    bench = next((r.get("bench") for r in records if r.get("bench")), None)
+    return {
+        "perplexity": f"data {list(ev['ppl'])}, non-overlapping windows of {ev['seqlen']} tokens, first "
+                      f"{ev['windows']} windows, ppl = exp(mean NLL over predicted tokens)",
+        "tasks": {"names": list(ev["tasks"]), "limit": ev["limit"], "metric": "mean acc over tasks"},
+        "speed": {"settings": sp, "bench": bench.get("protocol") if bench else None,
+                  "speedup": "decode tokens/s over the dense model's, measured in the same bench run"},
+        "size": "quantized: safetensors bytes of the checkpoint; dense: weight bytes as loaded (run dtype)",
+        "dtype": cfg_dict["dtype"],
+    }
+
+
+def build_report(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg_dict = cfg.to_dict()
+    bench = next((r["bench"] for r in records if r.get("bench")), None)
+    machine = bench["machine"] if bench else describe_machine()
+    return {
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "model": cfg_dict["model"],
+        "machine": machine,
+        "versions": machine.get("versions"),
+        "protocol": protocol(cfg_dict, records),
+        "sweep": cfg_dict,
+        "rows": report_rows(records),
+        "points": records,
+    }
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    ok = sum(r["status"] == "ok" for r in report["rows"])
+    pr = report["protocol"]
+    v = report.get("versions") or {}
+    lines = [
+        f"# quantspec sweep: {report['model']}",
+        "",
+        markdown_table(report["rows"]),
+        "",
+        f"{ok}/{len(report['rows'])} points ok. Machine: {machine_line(report['machine'])}. "
+        f"torch {v.get('torch')}, transformers {v.get('transformers')}, quantspec {v.get('quantspec')}.",
+        "",
+        f"- Perplexity: {pr['perplexity']}.",
+        f"- Speed: {pr['speed']['speedup']}; settings {pr['speed']['settings']}.",
+        f"- Size: {pr['size']}.",
+        "",
+        "![accuracy vs speed and size](report.png)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(cfg, records: list[dict[str, Any]], out: str | Path) -> dict[str, Any]:
+    """Write report.json, report.md, report.png and report.html into ``out``; return the report."""
+    from .report_html import report_html
+    from .report_plot import plot_report
+
+    out = Path(out)
+    report = build_report(cfg, records)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(report_markdown(report))
+    png = plot_report(report["rows"], out / "report.png", title=f"{report['model']} on {machine_line(report['machine'])}")
+    (out / "report.html").write_text(report_html(report, png))
+    return report

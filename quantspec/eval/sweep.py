@@ -1,0 +1,311 @@
+"""Sweeps: quantize a model over a grid of recipes, evaluate every point, write one report.
+
+A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys are errors)::
+
+    model: smollm2-135m
+    grid: {methods: [rtn, gptq], bits: [4], group_sizes: [128], formats: [gptq]}
+    points: [{method: smoothquant, bits: 8, group_size: -1, format: compressed-tensors}]
+    eval: {ppl: [wikitext2], seqlen: 512, windows: 20, tasks: [], speed: true}
+    speed: {prompt_lengths: [128], batch_sizes: [1], new_tokens: 16, repeats: 3}
+
+Every point (the dense baseline is one too) runs as subprocesses of the ``quantspec`` CLI:
+``quantize ... --json``, ``eval ... --json``, ``bench ... --json`` (and the lm-eval shim for
+tasks), each step's JSON cached in ``OUT/points/NAME/``. Resumable: a point whose
+``result.json`` exists is not run again, and within a point a step whose JSON exists is
+skipped. A failing point is recorded in ``error.json`` (and retried on the next run); the
+sweep goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import QuantspecError
+
+Progress = Callable[[str], None]
+
+
+def _strict(cls, data: Any, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise QuantspecError(f"{where} must be a mapping.", f"write {where}: {{...}}.")
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise QuantspecError(f"unknown field(s) {sorted(unknown)} in {where}.", f"use only {sorted(known)}.")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    methods: tuple[str, ...] = ("rtn",)
+    bits: tuple[int, ...] = (4,)
+    group_sizes: tuple[int, ...] = (128,)
+    formats: tuple[str, ...] = ("gptq",)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    ppl: tuple[str, ...] = ("wikitext2",)
+    seqlen: int = 512
+    windows: int = 20
+    tasks: tuple[str, ...] = ()
+    limit: int | None = None
+    include_path: str | None = None
+    speed: bool = True
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    prompt_lengths: tuple[int, ...] = (128,)
+    batch_sizes: tuple[int, ...] = (1,)
+    new_tokens: int = 16
+    repeats: int = 3
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One point: method None is the dense baseline."""
+
+    method: str | None = None
+    bits: int = 16
+    group_size: int = -1
+    format: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def is_dense(self) -> bool:
+        return self.method is None
+
+    @property
+    def name(self) -> str:
+        if self.is_dense:
+            return "dense"
+        g = "pc" if self.group_size == -1 else str(self.group_size)
+        return f"{self.method.replace('+', '-')}-w{self.bits}g{g}-{self.format}"
+
+    def validate(self) -> None:
+        """Raise QuantspecError when the recipe it stands for is impossible."""
+        from ..quant.recipe import Recipe
+        from ..quant.scheme import QuantScheme
+
+        if self.is_dense:
+            return
+        acts = "int8-token-dynamic" if self.method == "smoothquant" else None
+        Recipe(name=self.name, method=self.method, format=self.format,
+               scheme=QuantScheme(bits=self.bits, group_size=self.group_size, activations=acts))
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str | None = None
+    dense: bool = True
+    grid: GridConfig = field(default_factory=GridConfig)
+    points: tuple[SweepPoint, ...] = ()
+    quantize_args: tuple[str, ...] = ()
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
+    timeout_s: int = 3600
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SweepConfig":
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise QuantspecError(f"unknown sweep field(s) {sorted(unknown)}.", f"use only {sorted(known)}.")
+        data["grid"] = _strict(GridConfig, data.get("grid"), "grid")
+        data["eval"] = _strict(EvalConfig, data.get("eval"), "eval")
+        data["speed"] = _strict(SpeedSettings, data.get("speed"), "speed")
+        data["points"] = tuple(_strict(SweepPoint, p, "points[]") for p in data.get("points") or ())
+        data["quantize_args"] = tuple(str(a) for a in data.get("quantize_args") or ())
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "SweepConfig":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise QuantspecError(f"sweep file {p} does not exist.", "check the path (see recipes/sweep-default.yaml).")
+        data = yaml.safe_load(p.read_text())
+        if not isinstance(data, dict):
+            raise QuantspecError(f"sweep file {p} must be a YAML mapping.", "see recipes/sweep-default.yaml.")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def all_points(self) -> list[SweepPoint]:
+        """The dense baseline first, then the grid, then the explicit points (duplicates dropped)."""
+        pts = [SweepPoint()] if self.dense else []
+        g = self.grid
+        for m, b, gs, f in itertools.product(g.methods, g.bits, g.group_sizes, g.formats):
+            pts.append(SweepPoint(method=m, bits=b, group_size=gs, format=f))
+        pts += list(self.points)
+        seen, out = set(), []
+        for p in pts:
+            if p.name not in seen:
+                seen.add(p.name)
+                out.append(p)
+        return out
+
+
+def default_sweep_path() -> Path:
+    """recipes/sweep-default.yaml of the source tree (or of the installed package)."""
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "recipes" / "sweep-default.yaml", here.parents[1] / "recipes" / "sweep-default.yaml"):
+        if cand.is_file():
+            return cand
+    raise QuantspecError("recipes/sweep-default.yaml was not found.", "pass a sweep YAML: quantspec sweep SWEEP.yaml.")
+
+
+# ---------------------------------------------------------------- running one point
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    json_path: Path
+
+
+def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]:
+    """The CLI invocations of one point, in order."""
+    q = [sys.executable, "-m", "quantspec"]
+    common = ["--dtype", cfg.dtype] + (["--device", cfg.device] if cfg.device else [])
+    target = cfg.model if point.is_dense else str(folder / "checkpoint")
+    steps = []
+    if not point.is_dense:
+        argv = q + ["quantize", cfg.model, "--method", point.method, "--bits", str(point.bits),
+                    "--group-size", str(point.group_size), "--format", point.format,
+                    "--out", target, "--json", str(folder / "quantize.json"), "--no-compare", "--no-progress"]
+        argv += ["--w8a8"] if point.method == "smoothquant" else []
+        argv += ["--overwrite"]  # a half-written checkpoint of an earlier failed attempt
+        steps.append(Step("quantize", argv + list(cfg.quantize_args) + list(point.extra_args), folder / "quantize.json"))
+    ev = cfg.eval
+    if ev.ppl:
+        argv = q + ["eval", target, *[a for d in ev.ppl for a in ("--ppl", d)], "--seqlen", str(ev.seqlen),
+                    "--windows", str(ev.windows), "--no-progress", "--json", str(folder / "eval.json"), *common]
+        steps.append(Step("eval", argv, folder / "eval.json"))
+    if ev.tasks:
+        argv = [sys.executable, "-m", "quantspec.eval.lmeval_adapter", "--model", "quantspec",
+                "--model_args", f"path={target},dtype={cfg.dtype}", "--tasks", *ev.tasks,
+                "--output_path", str(folder / "lmeval"), "--device", cfg.device or "cpu"]
+        argv += (["--limit", str(ev.limit)] if ev.limit else []) + (["--include_path", ev.include_path] if ev.include_path else [])
+        steps.append(Step("tasks", argv, folder / "lmeval"))
+    if ev.speed:
+        sp = cfg.speed
+        argv = q + ["bench", target, "--json", str(folder / "bench.json"), "--no-progress",
+                    "--prompt-lengths", *map(str, sp.prompt_lengths), "--batch-sizes", *map(str, sp.batch_sizes),
+                    "--new-tokens", str(sp.new_tokens), "--repeats", str(sp.repeats), *common]
+        if not point.is_dense:
+            argv += ["--baseline", cfg.model]
+        steps.append(Step("bench", argv, folder / "bench.json"))
+    return steps
+
+
+def _lmeval_results(folder: Path) -> dict[str, Any]:
+    files = sorted(folder.rglob("results_*.json"))
+    if not files:
+        return {}
+    res = json.loads(files[-1].read_text())["results"]
+    return {t: {k.split(",")[0]: v for k, v in m.items() if "stderr" not in k and k != "alias"} for t, m in res.items()}
+
+
+def collect_point(point: SweepPoint, folder: Path) -> dict[str, Any]:
+    """Read the steps' JSON files into one result dict."""
+    from ..checkpoint.save import folder_size_bytes
+
+    def read(name):
+        p = folder / name
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    out: dict[str, Any] = {"quantize": read("quantize.json"), "eval": read("eval.json"), "bench": read("bench.json"),
+                           "tasks": _lmeval_results(folder / "lmeval") if (folder / "lmeval").exists() else None}
+    ckpt = folder / "checkpoint"
+    out["size_mb"] = round(folder_size_bytes(ckpt) / 2**20, 3) if ckpt.is_dir() else None
+    return out
+
+
+def subprocess_runner(point: SweepPoint, cfg: SweepConfig, folder: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Run a point's steps as CLI subprocesses (skipping steps whose JSON exists); return its results."""
+    say = progress or (lambda _m: None)
+    for step in point_steps(point, cfg, folder):
+        if step.json_path.exists():
+            say(f"{point.name}: {step.name} done before, skipped")
+            continue
+        say(f"{point.name}: {step.name} ...")
+        log = folder / f"{step.name}.log"
+        start = time.perf_counter()
+        with open(log, "w") as fh:
+            fh.write(" ".join(step.argv) + "\n")
+            fh.flush()
+            proc = subprocess.run(step.argv, stdout=fh, stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
+        if proc.returncode != 0 or not step.json_path.exists():
+            tail = log.read_text()[-3000:]
+            last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "")
+            raise RuntimeError(f"step {step.name} failed (exit {proc.returncode}): {last.strip()[:300]}\nlog {log}:\n{tail}")
+        say(f"{point.name}: {step.name} done in {time.perf_counter() - start:.0f}s")
+    return collect_point(point, folder)
+
+
+# ---------------------------------------------------------------- the sweep
+
+Runner = Callable[[SweepPoint, SweepConfig, Path], dict[str, Any]]
+
+
+def run_point(point: SweepPoint, cfg: SweepConfig, out: Path, runner: Runner) -> tuple[dict[str, Any], bool]:
+    """Run (or reuse) one point. Returns (record, ran)."""
+    folder = out / "points" / point.name
+    folder.mkdir(parents=True, exist_ok=True)
+    result_path, error_path = folder / "result.json", folder / "error.json"
+    base = {"name": point.name, "point": asdict(point)}
+    if result_path.is_file():
+        return json.loads(result_path.read_text()), False
+    try:
+        point.validate()
+        start = time.perf_counter()
+        results = runner(point, cfg, folder)
+        record = {**base, "status": "ok", "seconds": round(time.perf_counter() - start, 1), **results}
+        result_path.write_text(json.dumps(record, indent=2) + "\n")
+        error_path.unlink(missing_ok=True)
+    except Exception as exc:  # a failing point is recorded, not fatal
+        record = {**base, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-4000:]}
+        error_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record, True
+
+
+def run_sweep(cfg: SweepConfig, out: str | Path, runner: Runner | None = None,
+              progress: Progress | None = None) -> dict[str, Any]:
+    """Run every point (resumably) and write report.json/.md/.png/.html into ``out``."""
+    from .report import write_report
+
+    say = progress or (lambda _m: None)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if runner is None:
+        def runner(p, c, f):
+            return subprocess_runner(p, c, f, say)
+    points = cfg.all_points()
+    records = []
+    for i, point in enumerate(points, 1):
+        say(f"[{i}/{len(points)}] {point.name}")
+        record, ran = run_point(point, cfg, out, runner)
+        say(f"[{i}/{len(points)}] {point.name}: {record['status']}" + ("" if ran else " (cached)")
+            + (f" - {record['error'][:200]}" if record["status"] == "failed" else ""))
+        records.append(record)
+    return write_report(cfg, records, out)

@@ -1,0 +1,174 @@
+"""The exports the interop suite judges, and the reference side of every comparison.
+
+Runs in the project venv. Each export is a quantspec Recipe written to a folder; the
+reference is ``quantspec.load_quantized(dir, backend="reference")``: log-probabilities of
+every vocabulary entry at every prompt position, and its own greedy continuation.
+
+Engines run in their own venvs (``venvs.py``) and return, per prompt, for every prompt
+position the top-K log-probabilities (token id -> logprob) and the greedy continuation.
+``compare`` then measures, over every position and every token of the engine's top-K:
+
+* ``max_abs_diff``  max |engine logprob - reference logprob| for the same token id
+* ``top1_agree``    fraction of positions whose engine top-1 token is the reference argmax
+* ``gen_agree``     fraction of greedy tokens equal to the reference's greedy tokens, counted
+                    up to the first divergence (after it the contexts differ)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Quantization reduces the memory footprint of large language models by",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+MAX_NEW_TOKENS = 16
+TOP_K = 20  # engine logprobs per position compared (vLLM's default max_logprobs)
+
+# name -> (recipe kwargs, scheme kwargs); method "gptq" runs on small calibration data.
+EXPORTS: dict[str, tuple[dict, dict]] = {
+    "gptq-w4g128-sym": (dict(method="rtn", format="gptq"), dict(bits=4, group_size=128, symmetric=True)),
+    "gptq-w4g128-asym": (dict(method="rtn", format="gptq"), dict(bits=4, group_size=128, symmetric=False)),
+    "gptq-w4g128-sym-actorder": (dict(method="gptq", format="gptq"),
+                                 dict(bits=4, group_size=128, symmetric=True, act_order=True)),
+    "gptq-w4g128-asym-actorder": (dict(method="gptq", format="gptq"),
+                                  dict(bits=4, group_size=128, symmetric=False, act_order=True)),
+    "gptq-w8g128-sym": (dict(method="rtn", format="gptq"), dict(bits=8, group_size=128, symmetric=True)),
+    "awq-w4g128": (dict(method="rtn", format="awq"), dict(bits=4, group_size=128, symmetric=False)),
+    "ct-w4g128-sym": (dict(method="rtn", format="compressed-tensors"),
+                      dict(bits=4, group_size=128, symmetric=True)),
+    "ct-w4g128-asym": (dict(method="rtn", format="compressed-tensors"),
+                       dict(bits=4, group_size=128, symmetric=False)),
+    "ct-w8a8": (dict(method="rtn", format="compressed-tensors"),
+                dict(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")),
+}
+GPTQ_EXPORTS = ("gptq-w4g128-sym", "gptq-w4g128-asym", "gptq-w4g128-sym-actorder",
+                "gptq-w4g128-asym-actorder", "gptq-w8g128-sym", "awq-w4g128")
+FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
+
+
+def method_available(method: str) -> str | None:
+    """None when quantspec can run ``method``, else the reason it cannot."""
+    if method == "rtn":
+        return None
+    try:
+        from quantspec.quant.methods import _factory
+
+        _factory(method)
+    except Exception as exc:  # noqa: BLE001 - any import problem means "not available yet"
+        return f"quantspec method {method!r} is not available: {exc}"
+    return None
+
+
+def make_export(name: str, model_dir: str | Path, out: str | Path) -> Path:
+    """Write export ``name`` of ``model_dir`` to ``out`` (reused when already complete)."""
+    from quantspec.quant.pipeline import quantize
+    from quantspec.quant.recipe import CalibrationConfig, Recipe
+    from quantspec.quant.scheme import QuantScheme
+
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "quant_report.json").is_file():
+        return out
+    rk, sk = EXPORTS[name]
+    calib = CalibrationConfig(data="pydoc", samples=8, seqlen=128, seed=0)
+    recipe = Recipe(name=name, scheme=QuantScheme(**sk), calibration=calib, **rk)
+    quantize(str(model_dir), recipe, out, progress=False, overwrite=True)
+    return out
+
+
+def prompt_ids(model_dir: str | Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, add_special_tokens=True)["input_ids"]
+        out.append([int(i) for i in ids])
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+@dataclass
+class Reference:
+    logprobs: list[torch.Tensor]  # per prompt: fp32 [T, V] log-softmax at each prompt position
+    greedy: list[list[int]]  # per prompt: MAX_NEW_TOKENS greedy tokens
+    seconds: float
+
+
+@torch.inference_mode()
+def model_reference(model, ids: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS) -> Reference:
+    t0 = time.perf_counter()
+    lps, greedy = [], []
+    for seq in ids:
+        x = torch.tensor([seq])
+        logits = model(input_ids=x).logits[0].float()
+        lps.append(torch.log_softmax(logits, dim=-1))
+        cur = list(seq)
+        gen = []
+        for _ in range(max_new_tokens):  # plain full recompute: exact, no cache subtleties
+            nxt = int(model(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
+            gen.append(nxt)
+            cur.append(nxt)
+        greedy.append(gen)
+    return Reference(lps, greedy, time.perf_counter() - t0)
+
+
+def quantspec_reference(ckpt: str | Path, ids, dtype: str = "float32") -> Reference:
+    import quantspec
+
+    model = quantspec.load_quantized(ckpt, dtype=_dtype(dtype), backend="reference")
+    return model_reference(model, ids)
+
+
+def compare(ref: Reference, engine: dict) -> dict:
+    """Compare an engine's result (``engine_result`` JSON, see engine scripts) to ``ref``.
+
+    The engine's ``prompt_logprobs[p][t]`` is {token_id: logprob} (the top-K of position t,
+    i.e. the distribution of token t+1 given tokens <= t); position T-1 (the last prompt
+    token) predicts the first generated token.
+    """
+    max_diff, n_pos, n_top1 = 0.0, 0, 0
+    worst = None
+    gen_match, gen_total = 0, 0
+    for p, lp in enumerate(ref.logprobs):
+        eng_pos = engine["prompt_logprobs"][p]
+        for t, top in enumerate(eng_pos):
+            if top is None:
+                continue
+            top = {int(k): float(v) for k, v in top.items()}
+            ids = torch.tensor(list(top))
+            vals = torch.tensor(list(top.values()))
+            d = (vals - lp[t, ids]).abs()
+            if float(d.max()) > max_diff:
+                max_diff = float(d.max())
+                worst = {"prompt": p, "pos": t, "token": int(ids[d.argmax()])}
+            n_pos += 1
+            n_top1 += int(max(top, key=top.get) == int(lp[t].argmax()))
+        eng_gen = engine["greedy"][p]
+        ref_gen = ref.greedy[p]
+        k = 0
+        while k < min(len(eng_gen), len(ref_gen)) and eng_gen[k] == ref_gen[k]:
+            k += 1
+        gen_match += k
+        gen_total += len(ref_gen)
+    return {
+        "max_abs_diff": round(max_diff, 5),
+        "worst": worst,
+        "positions": n_pos,
+        "top1_agree": round(n_top1 / max(n_pos, 1), 4),
+        "gen_agree": round(gen_match / max(gen_total, 1), 4),
+    }
+
+
+def save_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1))

@@ -1,0 +1,205 @@
+"""The cpu backend against the reference backend.
+
+Tolerances (relative Frobenius error of y against the reference):
+* C++ extension, weight-only: activations are quantized to int8 per block of <= 128 columns,
+  which costs ~0.5-1% relative error (observed <= 0.9% on Gaussian data): EXT_TOL = 2e-2.
+  Against the reference run on the *same* block-quantized activations the kernel must agree to
+  fp32 accumulation order: EXACT_TOL = 1e-5 (this is what catches indexing/packing bugs).
+* torch's packed ops (no compiler): bf16 activations and bf16 scales: TORCH_TOL = 1.5e-2.
+* W8A8: both paths quantize per token as the reference and multiply exactly: EXACT_TOL.
+* bf16 inputs add the rounding of the bf16 output (2^-9): BF16_TOL = 2.5e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantspec.kernels import cpu as cpu_mod
+from quantspec.kernels.cpu import CpuBackend, prepare_ext, prepare_torch
+from quantspec.kernels.cpu_ext import load_cpu_ext
+from quantspec.kernels.reference import ReferenceBackend
+from quantspec.quant.rtn import rtn
+from quantspec.quant.scheme import QuantScheme
+
+EXT_TOL, EXACT_TOL, TORCH_TOL, BF16_TOL = 2e-2, 1e-5, 1.5e-2, 2.5e-2
+MS = (1, 2, 5, 16, 33)
+SHAPES = ((48, 256), (200, 200))
+
+needs_ext = pytest.mark.skipif(load_cpu_ext() is None, reason="no C++ compiler / build failed")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: OpenMP thread wake-ups on a busy machine cost more than the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12))
+
+
+def make_result(bits, group_size, symmetric, act_order, n, k, seed=0):
+    torch.manual_seed(seed)
+    scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order)
+    result = rtn(torch.randn(n, k), scheme)
+    if act_order:
+        perm = torch.randperm(k)
+        result.g_idx = (perm // scheme.group_len(k)).to(torch.int32)
+    return result
+
+
+def reference(result, x, bias=None):
+    ref = ReferenceBackend()
+    n, k = result.shape
+    return ref.linear(x, ref.prepare(result, x.dtype), result.scheme, n, k, bias)
+
+
+def block_quantized_x(x: torch.Tensor, prepared: dict) -> torch.Tensor:
+    """What the extension sees: x gathered, int8 per block, dequantized, scattered back."""
+    k = x.shape[1]
+    block = int(prepared["meta"][2])
+    kp = prepared["w"].shape[1] * (2 if int(prepared["meta"][1]) <= 4 else 1)
+    src = prepared["src"].long() if prepared["src"].numel() else torch.arange(kp).clamp(max=k)
+    xl = torch.nn.functional.pad(x.float(), (0, 1))[:, src].reshape(x.shape[0], -1, block)
+    scale = (xl.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-10)
+    xhat = (torch.round(xl / scale).clamp(-127, 127) * scale).reshape(x.shape[0], kp)
+    out = torch.zeros(x.shape[0], k + 1)
+    out[:, src] = xhat
+    return out[:, :k]
+
+
+CASES = [
+    (bits, gs, sym, act)
+    for bits in (4, 8)
+    for gs in (-1, 32, 64, 128)
+    for sym in (True, False)
+    for act in (False, True)
+    if not (act and gs == -1)
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("bits,gs,sym,act", CASES)
+def test_extension_matches_reference(bits, gs, sym, act):
+    backend = CpuBackend()
+    for n, k in SHAPES:
+        result = make_result(bits, gs, sym, act, n, k)
+        prepared = prepare_ext(result)
+        bias = torch.randn(n)
+        for m in MS:
+            x = torch.randn(m, k)
+            y = backend.linear(x, prepared, result.scheme, n, k, bias)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert rel_err(y, reference(result, x, bias)) < EXT_TOL, (n, k, m)
+            exact = reference(result, block_quantized_x(x, prepared), bias)
+            assert rel_err(y, exact) < EXACT_TOL, (n, k, m)
+
+
+@pytest.mark.parametrize("bits,gs,sym,act", CASES)
+def test_torch_fallback_matches_reference(bits, gs, sym, act):
+    backend = CpuBackend()
+    for n, k in SHAPES:
+        result = make_result(bits, gs, sym, act, n, k, seed=1)
+        prepared = prepare_torch(result)
+        for m in (1, 5, 33):
+            x = torch.randn(m, k)
+            y = backend.linear(x, prepared, result.scheme, n, k, None)
+            assert rel_err(y, reference(result, x)) < TORCH_TOL, (n, k, m)
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", (2, 3))
+def test_low_bits_share_the_nibble_kernel(bits):
+    result = make_result(bits, 32, False, True, 48, 200)
+    prepared = prepare_ext(result)
+    x = torch.randn(5, 200)
+    y = CpuBackend().linear(x, prepared, result.scheme, 48, 200, None)
+    assert rel_err(y, reference(result, block_quantized_x(x, prepared))) < EXACT_TOL
+
+
+@pytest.mark.parametrize("use_ext", (True, False))
+def test_w8a8_matches_per_token_reference(use_ext):
+    if use_ext and load_cpu_ext() is None:
+        pytest.skip("no C++ compiler / build failed")
+    torch.manual_seed(2)
+    scheme = QuantScheme(bits=8, group_size=-1, activations="int8-token-dynamic")
+    backend = CpuBackend()
+    for n, k in SHAPES:
+        result = rtn(torch.randn(n, k), scheme)
+        prepared = prepare_ext(result) if use_ext else prepare_torch(result)
+        for m in MS:
+            x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)  # uneven channels
+            y = backend.linear(x, prepared, scheme, n, k, None)
+            assert rel_err(y, reference(result, x)) < EXACT_TOL, (n, k, m)
+
+
+@needs_ext
+def test_bf16_and_leading_dims():
+    result = make_result(4, 128, True, False, 48, 256)
+    backend = CpuBackend()
+    prepared = backend.prepare(result, torch.bfloat16)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    y = backend.linear(x, prepared, result.scheme, 48, 256, None)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    assert rel_err(y, reference(result, x)) < BF16_TOL
+
+
+@needs_ext
+def test_scalar_path_matches_simd_path():
+    ext = load_cpu_ext()
+    for bits, gs in ((4, 32), (4, 128), (8, 64)):
+        result = make_result(bits, gs, False, True, 48, 200)
+        p = prepare_ext(result)
+        x = torch.randn(7, 200)
+        args = (p["w"], p["scales"], p["zeros"], p["src"], None, 4 if bits == 4 else 8)
+        block = int(p["meta"][2])
+        fast = ext.qgemm(x, *args, block, True)
+        slow = ext.qgemm(x, *args, block, False)
+        assert rel_err(fast, slow) < EXACT_TOL
+
+
+@needs_ext
+def test_threads_split_n_without_changing_results():
+    result = make_result(4, 64, False, True, 1000, 256)
+    prepared = prepare_ext(result)
+    x = torch.randn(3, 256)
+    one = CpuBackend().linear(x, prepared, result.scheme, 1000, 256, None)
+    torch.set_num_threads(2)
+    two = CpuBackend().linear(x, prepared, result.scheme, 1000, 256, None)
+    assert torch.equal(one, two)  # each output is computed by one thread, in one order
+
+
+@needs_ext
+def test_dense_path_for_large_m(monkeypatch):
+    monkeypatch.setattr(cpu_mod, "DENSE_FROM_M", 4)
+    monkeypatch.setattr(cpu_mod, "DENSE_TILE_N", 32)  # several tiles
+    backend = CpuBackend()
+    for bits, act in ((4, True), (8, False)):
+        result = make_result(bits, 64, False, act, 200, 200)
+        prepared = prepare_ext(result)
+        x = torch.randn(9, 200)
+        y = backend.linear(x, prepared, result.scheme, 200, 200, None)
+        assert rel_err(y, reference(result, x)) < 1e-5  # fp32 activations, no int8 step
+
+
+def test_cannot_run_reasons():
+    backend = CpuBackend()
+    scheme = QuantScheme(bits=4, group_size=128)
+    cpu = torch.device("cpu")
+    assert backend.cannot_run(scheme, 4096, 4096, cpu, torch.bfloat16) is None
+    assert backend.cannot_run(scheme, 48, 200, cpu, torch.float32) is None
+    assert "CPU" in backend.cannot_run(scheme, 4096, 4096, torch.device("cuda"), torch.float16)
+    assert "fp32" in backend.cannot_run(scheme, 4096, 4096, cpu, torch.float64)
+    assert backend.cannot_run(scheme, 0, 4096, cpu, torch.float32) == "empty layer"
+
+
+def test_linear_rejects_wrong_width():
+    result = make_result(4, 32, True, False, 48, 64)
+    backend = CpuBackend()
+    prepared = backend.prepare(result, torch.float32)
+    with pytest.raises(ValueError, match="features"):
+        backend.linear(torch.randn(2, 65), prepared, result.scheme, 48, 64, None)
