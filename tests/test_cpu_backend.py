@@ -203,3 +203,18 @@ def test_linear_rejects_wrong_width():
     prepared = backend.prepare(result, torch.float32)
     with pytest.raises(ValueError, match="features"):
         backend.linear(torch.randn(2, 65), prepared, result.scheme, 48, 64, None)
+
+
+def test_falls_back_to_torch_ops_without_compiler(monkeypatch):
+    from quantspec.kernels import cpu_ext
+
+    monkeypatch.setattr(cpu_ext, "compiler_available", lambda: False)
+    cpu_ext.load_cpu_ext.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+            assert cpu_ext.load_cpu_ext() is None
+        result = make_result(4, 128, True, False, 48, 256)
+        prepared = CpuBackend().prepare(result, torch.float32)
+        assert int(prepared["meta"][0]) == cpu_mod.INT4PACK
+    finally:
+        cpu_ext.load_cpu_ext.cache_clear()

@@ -32,15 +32,28 @@ def collect_hessians(
     kwargs: dict[str, Any],
     modules: dict[str, nn.Linear],
 ) -> dict[str, torch.Tensor]:
-    """fp32 [K, K] Hessian of each Linear in ``modules`` over the block's calibration inputs."""
+    """fp32 [K, K] Hessian of each Linear in ``modules`` over the block's calibration inputs.
+
+    Linears that read the same tensor (q/k/v, gate/up) share one Hessian (computed once; the
+    returned dict holds the same tensor under each of their names).
+    """
     device = inputs.device
-    acc = {n: [make_empty_hessian(m.in_features, device), 0] for n, m in modules.items()}
+    acc: dict[str, list] = {}
+    owner: dict[str, str] = {}  # name -> the name whose Hessian it shares
+    last: list = [None, None]  # (tensor, name) of the latest call, kept alive: no id reuse
 
     def add(name: str, x: torch.Tensor) -> None:
+        if x is last[0] and (owner.get(name, last[1]) == last[1]):
+            owner[name] = owner.get(last[1], last[1])
+            return
+        last[0], last[1] = x, name
+        owner[name] = name
+        if name not in acc:
+            acc[name] = [make_empty_hessian(x.shape[-1], device), 0]
         acc[name][0], acc[name][1] = accumulate_hessian(acc[name][0], x, acc[name][1])
 
     run_linear_inputs(block, block_name, inputs, kwargs, modules, add)
-    return {n: h for n, (h, _) in acc.items()}
+    return {n: acc[owner[n]][0] for n in modules if n in owner}
 
 
 class GPTQMethod:
@@ -70,6 +83,12 @@ class GPTQMethod:
                     block, block_name, inputs, kwargs, {n: modules[n] for n in group}
                 )
                 for name in group:
+                    if name not in hessians:
+                        raise QuantspecError(
+                            f"{name} is never called by its block's forward, so GPTQ has no "
+                            "statistics for it.",
+                            "add it to the recipe's ignore list.",
+                        )
                     results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name])
         finally:
             with torch.no_grad():

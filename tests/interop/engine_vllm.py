@@ -1,0 +1,79 @@
+"""Run one checkpoint in vLLM (its own venv) and write what it computed as JSON.
+
+    <vllm-venv>/bin/python engine_vllm.py JOB.json RESULT.json
+
+JOB: {"model": DIR, "dtype": "bfloat16", "prompts": [[token ids], ...], "max_new_tokens": 16,
+      "top_k": 20, "max_model_len": 512}
+RESULT: {"ok": true, "prompt_logprobs": [[{id: logprob} per prompt position], ...],
+         "greedy": [[ids], ...], "texts": [...], "quantization": ..., "seconds": {...}}
+or {"ok": false, "error": "..."}.
+
+prompt_logprobs[p][t] is the engine's top-K distribution of the token after position t
+(t = 0 .. T-1); the last one comes from the first generated token's logprobs. Importable
+only under ``if __name__ == "__main__"``: vLLM starts its engine in child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def main(job_path: str, out_path: str) -> int:
+    job = json.load(open(job_path))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result: dict = {"ok": False}
+    t0 = time.perf_counter()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        import vllm
+
+        result["vllm_version"] = vllm.__version__
+        k = int(job.get("top_k", 20))
+        llm = LLM(
+            model=job["model"],
+            dtype=job.get("dtype", "bfloat16"),
+            enforce_eager=True,
+            max_model_len=int(job.get("max_model_len", 512)),
+            max_logprobs=k,
+            seed=0,
+        )
+        t_load = time.perf_counter() - t0
+        try:  # which quantization method vLLM picked (gptq_marlin, compressed-tensors, ...)
+            result["quantization"] = llm.llm_engine.model_config.quantization
+        except Exception:  # noqa: BLE001
+            result["quantization"] = None
+        sp = SamplingParams(temperature=0.0, max_tokens=int(job.get("max_new_tokens", 16)),
+                            logprobs=k, prompt_logprobs=k, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        t_gen = time.perf_counter() - t1
+        plps, greedy, texts = [], [], []
+        for o in outs:
+            pos = []
+            for entry in (o.prompt_logprobs or [])[1:]:  # entry t = P(token t | < t)
+                pos.append({str(tid): float(lp.logprob) for tid, lp in entry.items()} if entry else None)
+            first = o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None
+            pos.append({str(tid): float(lp.logprob) for tid, lp in first.items()} if first else None)
+            plps.append(pos)
+            greedy.append([int(t) for t in o.outputs[0].token_ids])
+            texts.append(o.outputs[0].text)
+        result.update(ok=True, prompt_logprobs=plps, greedy=greedy, texts=texts,
+                      seconds={"load": round(t_load, 1), "generate": round(t_gen, 1)})
+    except BaseException as exc:  # noqa: BLE001 - report every failure to the caller
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+    json.dump(result, open(out_path, "w"))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    rc = main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    os._exit(rc)  # skip vLLM's slow/hanging interpreter teardown

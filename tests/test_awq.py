@@ -1,0 +1,169 @@
+"""AWQ: grid helpers equal RTN, clipping and scaling lower output error, AWQ beats RTN on a
+real SmolLM2 block (W4 g128, W3 g128), scales files round-trip, quantize -> load runs."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import quantspec
+from helpers import make_tiny_model, tiny_config
+from quantspec.errors import QuantspecError
+from quantspec.quant.arch import get_arch
+from quantspec.quant.awq import (
+    AWQMethod,
+    AWQSettings,
+    apply_clip,
+    fake_quantize,
+    method_from_recipe,
+    scale_from_alpha,
+    search_clip,
+)
+from quantspec.quant.block_methods import RTNMethod
+from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
+from quantspec.quant.recipe import AWQOptions, CalibrationConfig, Recipe
+from quantspec.quant.rtn import rtn
+from quantspec.quant.scheme import QuantScheme
+
+ASYM4 = QuantScheme(bits=4, group_size=32, symmetric=False)
+
+
+@pytest.mark.parametrize("scheme", [ASYM4, QuantScheme(3, 128, True), QuantScheme(4, -1, False)],
+                         ids=lambda s: s.short_name)
+def test_fake_quantize_equals_rtn_with_partial_group(scheme):
+    w = torch.randn(24, 200, generator=torch.Generator().manual_seed(0)) * 3  # 200 % 32, 128 != 0
+    assert torch.equal(fake_quantize(w, scheme), rtn(w, scheme).dequantize())
+
+
+def test_scale_from_alpha():
+    x = torch.tensor([0.5, 2.0, 8.0])
+    assert torch.equal(scale_from_alpha(x, 0.0), torch.ones(3))
+    s = scale_from_alpha(x, 1.0)
+    torch.testing.assert_close(s.max() * s.min(), torch.tensor(1.0))
+    torch.testing.assert_close(s / s[0], x / x[0])
+
+
+def test_search_clip_lowers_group_output_error():
+    g = torch.Generator().manual_seed(0)
+    w = torch.distributions.StudentT(2.0).sample((64, 96))  # heavy tails: clipping pays off
+    x = torch.randn(256, 96, generator=g)
+    scheme = QuantScheme(bits=3, group_size=32, symmetric=False)
+    clip = search_clip(w, x, scheme)
+    assert clip.shape == (64, 3)
+    amax = w.reshape(64, 3, 32).abs().amax(2)
+    assert (clip <= amax + 1e-6).all() and (clip >= 0.5 * amax - 1e-6).all()
+    assert (clip < amax - 1e-6).any()
+    err = lambda q: (x @ (w - q).T).pow(2).mean().item()  # noqa: E731
+    assert err(fake_quantize(apply_clip(w, clip, scheme), scheme)) < err(fake_quantize(w, scheme))
+
+
+def _block_rel_error(method, block, name, inputs, kwargs, plan, arch, ref) -> float:
+    b = copy.deepcopy(block)
+    with torch.no_grad():
+        res = method.process_block(b, name, inputs, kwargs, plan, arch)
+        for n, r in res.items():
+            b.get_submodule(n[len(name) + 1 :]).weight.copy_(r.dequantize())
+        out = block_forward(b, inputs, kwargs)
+    return ((out - ref).pow(2).mean() / ref.pow(2).mean()).item()
+
+
+def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch):
+    """One real block (layer 2), 8 C4 samples x 256 tokens: AWQ's block-output error < RTN's.
+
+    Measured (16 x 256 calibration): W4 g128 rel. MSE RTN 3.3e-3 -> AWQ 1.4e-3."""
+    monkeypatch.setenv("QUANTSPEC_DATA", str(data_dir))
+    from quantspec.data import calibration_samples
+    from quantspec.models import load_dense
+
+    model, tok, _ = load_dense(str(smollm2_dir))
+    arch = get_arch(model)
+    ids = calibration_samples(tok, "c4", 8, 256, 0)
+    bi, name = 2, arch.block_name(2)
+    with torch.no_grad():
+        inputs, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
+        for i in range(bi):
+            inputs = block_forward(arch.block_list(model)[i], inputs, kwargs[i])
+        block = arch.block_list(model)[bi]
+        ref = block_forward(block, inputs, kwargs[bi])
+    for bits in (4, 3):
+        scheme = QuantScheme(bits=bits, group_size=128, symmetric=False)
+        plan = {f"{name}.{n}": scheme for n in arch.linear_names()}
+        e_rtn = _block_rel_error(RTNMethod(), block, name, inputs, kwargs[bi], plan, arch, ref)
+        e_awq = _block_rel_error(AWQMethod(AWQSettings(search_tokens=1024)), block, name, inputs,
+                                 kwargs[bi], plan, arch, ref)
+        assert e_awq < 0.8 * e_rtn, (bits, e_awq, e_rtn)
+
+
+def _tiny_llama(seed: int = 0) -> nn.Module:
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(
+            tiny_config("llama", num_key_value_heads=4), dtype=torch.float32).eval()
+
+
+def test_save_load_scales_round_trip(tmp_path):
+    dense = _tiny_llama()
+    arch = get_arch(dense)
+    calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    plan = {n: ASYM4 for n, m in dense.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
+    path = tmp_path / "scales.safetensors"
+    recipe = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(save_scales=str(path)))
+    a = copy.deepcopy(dense)
+    res_a = run_blockwise(a, arch, calib, method_from_recipe(recipe), plan, progress=False)
+    assert path.is_file()
+
+    load = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(load_scales=str(path)))
+    b = copy.deepcopy(dense)
+    res_b = run_blockwise(b, arch, calib, method_from_recipe(load), plan, progress=False)
+    assert all(res_a[n].equal(res_b[n]) for n in plan)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+    # the scales changed the model (norms smoothed) and clip values were stored
+    assert not torch.equal(a.model.layers[0].input_layernorm.weight, dense.model.layers[0].input_layernorm.weight)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.self_attn.v_proj.scales" in keys and "model.layers.1.mlp.down_proj.clip" in keys
+
+    other_recipe = Recipe(name="a", method="awq", format="awq", scheme=QuantScheme(3, 32, False),
+                          awq=AWQOptions(load_scales=str(path)))
+    with pytest.raises(QuantspecError, match="another recipe"):
+        run_blockwise(copy.deepcopy(dense), arch, calib, method_from_recipe(other_recipe),
+                      {n: QuantScheme(3, 32, False) for n in plan}, progress=False)
+    with pytest.raises(QuantspecError, match="float weights differ"):
+        run_blockwise(_tiny_llama(seed=1), arch, calib, method_from_recipe(load), plan, progress=False)
+
+
+def _calib_text(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    return CalibrationConfig(data=str(text), samples=4, seqlen=64)
+
+
+@pytest.mark.parametrize("method,fmt,scheme", [
+    ("awq", "awq", ASYM4),
+    ("awq", "compressed-tensors", ASYM4),
+    ("awq+gptq", "gptq", QuantScheme(bits=4, group_size=32, symmetric=True)),
+], ids=["awq-awq", "awq-ct", "awq+gptq-gptq"])
+def test_end_to_end_quantize_load(tmp_path, method, fmt, scheme):
+    folder = make_tiny_model(tmp_path, "llama")
+    recipe = Recipe(name="e2e", method=method, format=fmt, scheme=scheme, calibration=_calib_text(tmp_path))
+    out = quantspec.quantize(str(folder), recipe, tmp_path / "ckpt", progress=False, device="cpu").out
+    q = quantspec.load_quantized(out, backend="reference")
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = q(input_ids=ids).logits.float()
+        b = dense(input_ids=ids).logits
+    assert torch.isfinite(a).all()
+    rel = ((a - b).pow(2).mean() / b.pow(2).mean()).item()
+    assert rel < 0.1, rel  # 4-bit g32 of a smoothed tiny model stays near the dense one

@@ -1,0 +1,126 @@
+"""make_proposer specs, the draft/target compatibility check, the CLI flags and the bench
+command end to end on tiny local models (no downloads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import make_tiny_model, make_tiny_tokenizer
+from quantspec.cli.bench_specdec import add_specdec_args, sampling_from_args
+from quantspec.errors import QuantspecError
+from quantspec.specdec import (
+    DraftModel,
+    NGram,
+    QuantizedSelf,
+    make_proposer,
+    parse_scheme,
+    speculative_generate,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=0, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def test_parse_scheme():
+    assert parse_scheme("w4g128").group_size == 128
+    assert parse_scheme("w8gpc").group_size == -1 and parse_scheme("w8gpc").bits == 8
+    assert not parse_scheme("w4g64-asym").symmetric
+    with pytest.raises(QuantspecError):
+        parse_scheme("int4")
+
+
+def test_make_proposer_specs(target, target_dir):
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    assert isinstance(make_proposer("ngram", target, tok), NGram)
+    assert make_proposer("ngram:5", target, tok).max_n == 5
+    selfdraft = make_proposer("self:w4g128", target, tok)
+    assert isinstance(selfdraft, QuantizedSelf)
+    # hidden 64 / intermediate 128: g128 is regrouped where K=64, and the target is untouched
+    assert selfdraft.report["regrouped"] and selfdraft.report["quantized"]
+    assert all(type(m).__name__ != "QuantLinear" for m in target.modules())
+    draft = make_proposer(str(target_dir), target, tok)
+    assert isinstance(draft, DraftModel) and not isinstance(draft, QuantizedSelf)
+    with pytest.raises(QuantspecError):
+        make_proposer("self:w5g128", target, tok)
+
+
+def test_draft_with_other_vocab_size_is_refused(target, target_dir, tmp_path):
+    other = make_tiny_model(tmp_path, "qwen2", seed=1, vocab_size=384)
+    with pytest.raises(QuantspecError, match="384 vocabulary logits.*320"):
+        make_proposer(str(other), target, AutoTokenizer.from_pretrained(target_dir))
+
+
+def test_draft_with_other_tokenizer_is_refused(target, target_dir, tmp_path):
+    folder = make_tiny_model(tmp_path, "qwen2", seed=1)
+    make_tiny_tokenizer(vocab_size=290).save_pretrained(folder)  # other merges, same size cap
+    with pytest.raises(QuantspecError, match="tokenize") as err:
+        make_proposer(str(folder), target, AutoTokenizer.from_pretrained(target_dir))
+    assert "Fix:" in str(err.value)
+
+
+def test_quantized_checkpoint_as_self_draft(target, target_dir, tmp_path):
+    import quantspec
+
+    out = tmp_path / "ckpt"
+    quantspec.quantize(str(target_dir), "rtn-w4g128", out=out, progress=False)
+    proposer = make_proposer(f"self:{out}", target, AutoTokenizer.from_pretrained(target_dir))
+    assert isinstance(proposer, QuantizedSelf)
+    ids = torch.tensor([[5, 9, 17, 33, 5, 9]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    out_ids, stats = speculative_generate(target, proposer, ids, max_new_tokens=12, k=3)
+    assert torch.equal(out_ids, ref)
+    assert stats.accepted > 0
+
+
+def test_specdec_flags():
+    parser = argparse.ArgumentParser()
+    add_specdec_args(parser)
+    args = parser.parse_args(["--draft", "ngram", "--k", "6", "--adaptive", "--temperature", "0.7",
+                              "--top-k", "20", "--top-p", "0.9"])
+    assert (args.draft, args.k, args.adaptive) == ("ngram", 6, True)
+    s = sampling_from_args(args)
+    assert (s.temperature, s.top_k, s.top_p) == (0.7, 20, 0.9)
+    assert not parser.parse_args(["--no-adaptive"]).adaptive
+    assert sampling_from_args(parser.parse_args([])).greedy
+
+
+def test_bench_specdec_command(target_dir, tmp_path):
+    from quantspec.cli.main import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "kind": "code-edit", "prompt": "def forward(self, x):\n    return self.linear(x) + 1\n"},
+        {"id": "b", "kind": "prose", "prompt": "The quick brown fox"},
+    ]))
+    out = tmp_path / "r.json"
+    rc = main(["bench-specdec", str(target_dir), "--draft", "self:w4g64", "--prompts", str(prompts),
+               "--max-new-tokens", "8", "--k", "3", "--json", str(out), "--threads", "1"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"target", "ours", "hf_assisted"}
+    for mode in result["modes"].values():
+        assert mode["greedy_matches_target"], mode
+    assert result["modes"]["ours"]["tokens"] == result["modes"]["target"]["tokens"] > 0
+    assert len(result["prompts"]) == 2
+    assert main(["bench-specdec", str(target_dir), "--draft", "ngram", "--prompts", str(prompts),
+                 "--kinds", "nothing"]) == 2  # bad input: exit code 2
