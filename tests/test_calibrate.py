@@ -172,3 +172,20 @@ def test_plan_outside_blocks_is_skipped_and_non_linear_rejected():
     with pytest.raises(QuantspecError, match="not a Linear"):
         run_blockwise(model, arch, calib(), RTNMethod(), {"model.layers.0.mlp.act": SCHEME},
                       progress=False)
+
+
+def test_group_hessians_are_shared_and_exact():
+    from quantspec.quant.block_methods import collect_hessians
+
+    model = tiny_llama(1)
+    arch = get_arch(model)
+    with torch.no_grad():
+        h, kwargs = capture_inputs(model, arch, calib(3, 16), torch.device("cpu"))
+        block = model.model.layers[0]
+        names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                 "model.layers.0.self_attn.v_proj"]
+        mods = {n: block.get_submodule(n[len("model.layers.0."):]) for n in names}
+        hs = collect_hessians(block, "model.layers.0", h, kwargs, mods)
+        x = block.input_layernorm(h).reshape(-1, 64)
+    assert hs[names[0]] is hs[names[1]] is hs[names[2]]
+    torch.testing.assert_close(hs[names[0]], 2 / x.shape[0] * x.T @ x)

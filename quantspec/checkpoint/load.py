@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
+from .checksums import verify_manifest
 from .reader import CheckpointReader
 
 
@@ -75,8 +76,14 @@ def _empty_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
             f"config.json describes a model transformers cannot build ({exc}).",
             "upgrade transformers or rewrite the checkpoint.",
         ) from exc
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        raise QuantspecError(
+            f"transformers cannot build a {model_type!r} model from config.json ({exc}).",
+            "check config.json, or upgrade transformers if the architecture is newer.",
+        ) from exc
 
 
 def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) -> list[str]:
@@ -106,11 +113,13 @@ def load_quantized(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     backend: str = "auto",
+    verify: bool = True,
 ) -> nn.Module:
     """Load a quantized checkpoint folder (GPTQ, AWQ or compressed-tensors).
 
     dtype: the compute dtype of activations and dense layers ("auto": fp32 on CPU, bf16 on GPU).
     backend: the kernel backend of every QuantLinear ("auto" picks the fastest that can run it).
+    verify: check the files against the checkpoint's checksum manifest first (when it has one).
     Returns the transformers model in eval mode; ``model.quantspec_backends`` maps each
     quantized layer to the backend it uses.
     """
@@ -119,6 +128,8 @@ def load_quantized(
         raise QuantspecError(f"checkpoint folder {path} does not exist.", "check the path.")
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    if verify:
+        verify_manifest(path)
     cfg = read_config(path)
     qcfg = cfg.get("quantization_config")
     if not isinstance(qcfg, dict):

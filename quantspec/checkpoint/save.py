@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from .atomic import atomic_folder
+from .checksums import write_manifest
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -78,6 +79,7 @@ def write_checkpoint(
             (tmp / "recipe.yaml").write_text(recipe_yaml)
         if report is not None:
             (tmp / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_manifest(tmp)
     return out
 
 

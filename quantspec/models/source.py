@@ -175,16 +175,23 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device) -> torch
     return _DTYPES[key]
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
+
+
 def _load_tokenizer(folder: Path):
+    """The folder's tokenizer; QuantspecError when it has none (transformers 5 would build an empty one)."""
     from transformers import AutoTokenizer
 
+    fix = "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)) or use a model that ships one."
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise QuantspecError(f"the model at {folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...).", fix)
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
-        raise QuantspecError(
-            f"the model at {folder} has no usable tokenizer ({type(exc).__name__}: {exc}).",
-            "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)) or use a model that ships one.",
-        ) from exc
+        raise QuantspecError(f"the model at {folder} has no usable tokenizer ({type(exc).__name__}: {exc}).", fix) from exc
+    if len(tokenizer) < 2:
+        raise QuantspecError(f"the tokenizer in {folder} is empty (vocabulary of {len(tokenizer)}).", fix)
+    return tokenizer
 
 
 def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
