@@ -185,7 +185,7 @@ def test_group_hessians_are_shared_and_exact():
         names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                  "model.layers.0.self_attn.v_proj"]
         mods = {n: block.get_submodule(n[len("model.layers.0."):]) for n in names}
-        hs = collect_hessians(block, "model.layers.0", h, kwargs, mods)
+        hs = collect_hessians(block, "model.layers.0", h, kwargs[0], mods)
         x = block.input_layernorm(h).reshape(-1, 64)
     assert hs[names[0]] is hs[names[1]] is hs[names[2]]
     torch.testing.assert_close(hs[names[0]], 2 / x.shape[0] * x.T @ x)

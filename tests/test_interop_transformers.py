@@ -24,6 +24,17 @@ from quantspec.quant.scheme import QuantScheme
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 
+# transformers 5.x + compressed-tensors <= 0.20.1 size the module's weight_zero_point as the
+# unpacked [N, G] but asymmetric pack-quantized checkpoints (ours and llm-compressor's alike:
+# compressed-tensors' own compressor packs it along N, [N*b/32, G]) hold it packed, so
+# from_pretrained refuses them ("weight_zero_point ... size mismatch"). Upstream:
+# vllm-project/llm-compressor#1618, #1704. vLLM loads these checkpoints (tests/interop/).
+ASYM_XFAIL = pytest.mark.xfail(
+    raises=RuntimeError, strict=False,
+    reason="transformers + compressed-tensors cannot load asymmetric pack-quantized (packed "
+           "weight_zero_point); upstream llm-compressor#1618",
+)
+
 CASES = {
     "w4g32-sym": (QuantScheme(bits=4, group_size=32, symmetric=True), 1e-3),
     "w4g32-asym": (QuantScheme(bits=4, group_size=32, symmetric=False), 1e-3),
@@ -39,7 +50,9 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=ASYM_XFAIL) if "asym" in c else c for c in CASES]
+)
 def test_transformers_loads_compressed_tensors_export(tiny, tmp_path, case):
     from transformers import AutoModelForCausalLM
 

@@ -59,7 +59,7 @@ def report_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for rec in records:
         p = rec["point"]
         dense_point = p["method"] is None
-        row = {"name": rec["name"], "method": p["method"] or "dense", "bits": p["bits"],
+        row = {"name": rec["name"], "method": p["method"] or "dense", "bits": None if dense_point else p["bits"],
                "group": None if dense_point else p["group_size"], "format": p["format"] or "-",
                "status": rec["status"]}
         if rec["status"] != "ok":
@@ -85,12 +85,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         group = "-" if r["group"] is None else ("channel" if r["group"] == -1 else str(r["group"]))
         if r["status"] != "ok":
             err = (r.get("error") or "").splitlines()[0][:80].replace("|", "/")
-            lines.append(f"| {r['name']} | {r['method']} | {r['bits']} | {group} | {r['format']} | "
+            lines.append(f"| {r['name']} | {r['method']} | {_fmt(r['bits'], 'd')} | {group} | {r['format']} | "
                          f"FAILED: {err} | | | | | |")
             continue
         delta = "-" if r["ppl_delta"] is None else f"{r['ppl_delta']:+.3f}"
         lines.append(
-            f"| {r['name']} | {r['method']} | {r['bits']} | {group} | {r['format']} | {_fmt(r['size_mb'], '.1f')} | "
+            f"| {r['name']} | {r['method']} | {_fmt(r['bits'], 'd')} | {group} | {r['format']} | {_fmt(r['size_mb'], '.1f')} | "
             f"{_fmt(r['ppl'], '.3f')} | {delta} | {_fmt(r['acc'], '.3f')} | {_fmt(r['tokens_per_s'], '.1f')} | "
             f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} |"
         )

@@ -176,7 +176,7 @@ class AWQSettings:
     """AWQ's options plus the CPU-friendly sample sizes of the searches (tokens)."""
 
     awq: AWQOptions = AWQOptions()
-    search_tokens: int = 4096
+    search_tokens: int = 2048
     clip_tokens: int = 512
     quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
 

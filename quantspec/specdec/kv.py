@@ -52,6 +52,8 @@ class KVDecoder:
         """
         self._ensure(len(chunks))
         t = max(int(c.numel()) for c in chunks)
+        if t == 0:
+            raise ValueError("forward needs at least one new token in some row")
         dev = self.device
         ids = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
         new_mask = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
