@@ -1,9 +1,9 @@
 """Block-sequential calibration engine (as in GPTQ, AWQ, llm-compressor's sequential pipeline).
 
-1. Capture the inputs of every decoder block once: the hidden states entering block 0 (one per
-   calibration sample) and the keyword arguments each block receives (attention mask,
-   position embeddings from the model's rotary module, position ids; caching disabled). Every
-   block is swapped for a ``_Catcher`` that records its call, so no block computes anything.
+1. Capture the inputs of every decoder block once (``capture.py``): the hidden states entering
+   block 0 (one per calibration sample) and the keyword arguments each block receives
+   (attention mask, position embeddings from the model's rotary module, position ids; caching
+   disabled).
 2. For each block: move only that block to the device, let a ``BlockMethod`` compute its
    QuantResults, swap the dequantized (fake-quant) weights in, replay the block to produce the
    next block's inputs (measuring each Linear's relative output error on the way), move the
@@ -17,6 +17,7 @@ bit-identical results.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from .arch import ArchSpec
+from .capture import StopBlock, capture_inputs
 from .resume import ResumeState, fingerprint
 from .scheme import QuantResult, QuantScheme
 
@@ -31,8 +33,6 @@ from .scheme import QuantResult, QuantScheme
 # (the reference matmul would otherwise double the replay's Linear cost).
 ERROR_SAMPLES = 16
 
-# Keyword arguments that carry a KV cache: never replayed into a block.
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "cache", "layer_past")
 
 
 class BlockMethod(Protocol):
@@ -59,102 +59,6 @@ class BlockMethod(Protocol):
         plan: dict[str, QuantScheme],
         arch: ArchSpec,
     ) -> dict[str, QuantResult]: ...
-
-
-class _StopBlock(Exception):
-    """Ends a forward early from a hook; caught by the function that raised it."""
-
-
-class _Catcher(nn.Module):
-    """Stands in for a decoder block while inputs are captured; passes hidden states on."""
-
-    def __init__(self, block: nn.Module, index: int, store: dict, stop: bool):
-        super().__init__()
-        self.block = block
-        self.index = index
-        self.store = store
-        self.stop = stop
-
-    def __getattr__(self, name: str):  # the model loop may read attributes of its blocks
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("block"), name)
-
-    def forward(self, hidden_states=None, *args, **kwargs):
-        if args:
-            raise QuantspecError(
-                "a decoder block was called with extra positional arguments.",
-                "declare this architecture or call its blocks with keyword arguments.",
-            )
-        if hidden_states is None:
-            hidden_states = kwargs.pop("hidden_states")
-        if self.index == 0:
-            self.store.setdefault("hidden", []).append(hidden_states)
-        self.store.setdefault("kwargs", {}).setdefault(self.index, kwargs)
-        if self.stop:
-            raise _StopBlock
-        return hidden_states
-
-
-def _move_outside_blocks(model: nn.Module, arch: ArchSpec, device: torch.device) -> dict:
-    """Move every direct parameter/buffer outside the blocks and lm_head to ``device``.
-
-    Returns {(module, kind, key): original device} for ``_restore_outside``.
-    """
-    moved: dict = {}
-    skip = (arch.blocks, arch.lm_head)
-    for name, mod in model.named_modules():
-        if any(name == s or name.startswith(s + ".") for s in skip if s):
-            continue
-        for kind in ("_parameters", "_buffers"):
-            for key, t in getattr(mod, kind).items():
-                if t is not None and t.device != device:
-                    moved[(mod, kind, key)] = t.device
-                    t.data = t.data.to(device)
-    return moved
-
-
-def _restore_outside(moved: dict) -> None:
-    for (mod, kind, key), dev in moved.items():
-        t = getattr(mod, kind)[key]
-        t.data = t.data.to(dev)
-
-
-def capture_inputs(
-    model: nn.Module, arch: ArchSpec, calib_ids: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """Hidden states entering block 0 ([n, L, H] on ``device``) and each block's kwargs.
-
-    One forward per sample up to block 0 (the embedding only); sample 0 runs through all
-    catchers so blocks whose kwargs differ (Gemma's sliding/full attention) get their own.
-    """
-    blocks = arch.block_list(model)
-    originals = list(blocks)
-    store: dict = {}
-    moved = _move_outside_blocks(model, arch, device)
-    try:
-        for j in range(calib_ids.shape[0]):
-            for i, block in enumerate(originals):
-                last = i == len(originals) - 1
-                blocks[i] = _Catcher(block, i, store, stop=last if j == 0 else i == 0)
-            try:
-                model(input_ids=calib_ids[j : j + 1].to(device), use_cache=False)
-            except _StopBlock:
-                pass
-    finally:
-        for i, block in enumerate(originals):
-            blocks[i] = block
-        _restore_outside(moved)
-    kwargs = [_clean_kwargs(store["kwargs"][i]) for i in range(len(originals))]
-    return torch.cat(store["hidden"], dim=0), kwargs
-
-
-def _clean_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}
-    if "use_cache" in out:
-        out["use_cache"] = False
-    return out
 
 
 def _check_finite(x: torch.Tensor, block_name: str, where: str) -> None:
@@ -198,7 +102,7 @@ def run_linear_inputs(
             fn(name, x)
             seen.add(name)
             if len(seen) == len(modules):
-                raise _StopBlock
+                raise StopBlock
 
         return pre
 
@@ -208,7 +112,7 @@ def run_linear_inputs(
             seen.clear()
             try:
                 block(inputs[j : j + 1], **kwargs)
-            except _StopBlock:
+            except StopBlock:
                 pass
     finally:
         for h in handles:
@@ -311,6 +215,16 @@ def _apply_results(block: nn.Module, block_name: str, results: dict[str, QuantRe
     return refs
 
 
+def _to_device(res: QuantResult, device: torch.device) -> QuantResult:
+    """Results leave the processing device: only one block's worth may live there."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return replace(res, qweight=move(res.qweight), scales=move(res.scales),
+                   zeros=move(res.zeros), g_idx=move(res.g_idx))
+
+
 def _block_device(block: nn.Module) -> torch.device:
     p = next(block.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
@@ -373,19 +287,24 @@ def run_blockwise(
             block, name = blocks[i], arch.block_name(i)
             home = _block_device(block)
             block.to(device)
-            before = state.snapshot(block) if state is not None else None
-            t0 = time.perf_counter()
-            block_results = _process(method, block, name, inputs, kwargs[i], per_block[i], arch)
-            seconds = time.perf_counter() - t0
-            refs = _apply_results(block, name, block_results)
-            inputs, errors = _replay(block, name, inputs, kwargs[i], refs)
-            info = getattr(method, "info", None) or {}
-            for n in block_results:
-                report[n] = {"block": i, "rel_mse": errors[n], "block_seconds": seconds, **info.get(n, {})}
-            results.update(block_results)
-            if state is not None:
-                state.save_block(i, name, block, before, block_results, inputs, report)
-            block.to(home)
+            try:
+                before = state.snapshot(block) if state is not None else None
+                t0 = time.perf_counter()
+                block_results = _process(method, block, name, inputs, kwargs[i], per_block[i], arch)
+                seconds = time.perf_counter() - t0
+                refs = _apply_results(block, name, block_results)
+                inputs, errors = _replay(block, name, inputs, kwargs[i], refs)
+                block_results = {n: _to_device(r, home) for n, r in block_results.items()}
+                info = getattr(method, "info", None) or {}
+                for n in block_results:
+                    report.setdefault(n, {}).update(
+                        {"block": i, "rel_mse": errors[n], "block_seconds": seconds, **info.get(n, {})}
+                    )
+                results.update(block_results)
+                if state is not None:
+                    state.save_block(i, name, block, before, block_results, inputs, report)
+            finally:
+                block.to(home)
             bar.update(1)
         bar.close()
     return results
