@@ -35,18 +35,19 @@ def w8a8_hooks(model: nn.Module, names) -> list:
     return [model.get_submodule(n).register_forward_pre_hook(pre) for n in names]
 
 
-def method_for(row: str):
-    from quantspec.quant.awq import AWQMethod
+def method_for(row: str, search_tokens: int = 2048, clip_tokens: int = 512):
+    from quantspec.quant.awq import AWQMethod, AWQSettings
     from quantspec.quant.block_methods import RTNMethod
     from quantspec.quant.scheme import QuantScheme
     from quantspec.quant.smoothquant import SmoothQuantMethod
 
+    awq = AWQSettings(search_tokens=search_tokens, clip_tokens=clip_tokens)
     w8a8 = QuantScheme(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
     table = {
         "rtn-w4g128": (RTNMethod(), QuantScheme(4, 128, False)),
-        "awq-w4g128": (AWQMethod(), QuantScheme(4, 128, False)),
+        "awq-w4g128": (AWQMethod(awq), QuantScheme(4, 128, False)),
         "rtn-w3g128": (RTNMethod(), QuantScheme(3, 128, False)),
-        "awq-w3g128": (AWQMethod(), QuantScheme(3, 128, False)),
+        "awq-w3g128": (AWQMethod(awq), QuantScheme(3, 128, False)),
         "w8a8-rtn": (RTNMethod(), w8a8),
         "smoothquant-w8a8": (SmoothQuantMethod(), w8a8),
     }
@@ -58,7 +59,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--eval-seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--search-tokens", type=int, default=2048, help="AWQ scale-search token sample")
+    ap.add_argument("--clip-tokens", type=int, default=512, help="AWQ clip-search token sample")
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on shared CPUs)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/awq_sq.json"))
@@ -76,19 +80,20 @@ def main(argv=None) -> dict:
     ids = calibration_samples(tok, "c4", args.samples, args.seqlen, 0)
     names = list(block_linears(dense, arch))
     results = {"model": args.model, "calibration": f"c4 {args.samples}x{args.seqlen} seed 0",
-               "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "rows": {}}
+               "awq_tokens": {"search": args.search_tokens, "clip": args.clip_tokens},
+               "eval": f"wikitext2 seqlen {args.eval_seqlen} x {args.windows} windows", "rows": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for row in args.rows:
         model, seconds, handles = dense, 0.0, []
         if row != "dense":
-            method, scheme = method_for(row)
+            method, scheme = method_for(row, args.search_tokens, args.clip_tokens)
             model = copy.deepcopy(dense)
             t0 = time.perf_counter()
             run_blockwise(model, arch, ids, method, {n: scheme for n in names}, progress=True)
             seconds = time.perf_counter() - t0
             if scheme.activations:
                 handles = w8a8_hooks(model, names)
-        ppl = perplexity(model, tok, "wikitext2", seqlen=args.seqlen, windows=args.windows)["ppl"]
+        ppl = perplexity(model, tok, "wikitext2", seqlen=args.eval_seqlen, windows=args.windows)["ppl"]
         for h in handles:
             h.remove()
         results["rows"][row] = {"ppl": round(float(ppl), 3), "quantize_seconds": round(seconds, 1)}

