@@ -17,7 +17,7 @@ from .save import folder_size_bytes
 
 def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto") -> dict:
     """Scheme, format, per-layer bits/group size and backend, dense layers and why, size."""
-    from .load import resolve_dtype
+    from ..models import resolve_dtype
 
     path = Path(path)
     cfg = read_config(path)

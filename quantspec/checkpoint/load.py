@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
+from ..models import resolve_dtype
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
@@ -43,22 +44,6 @@ def is_quantized_folder(path: str | Path) -> bool:
         return "quantization_config" in json.loads((p / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    try:
-        out = getattr(torch, dtype)
-    except AttributeError:
-        out = None
-    if not isinstance(out, torch.dtype) or not out.is_floating_point:
-        raise QuantspecError(
-            f"unknown dtype {dtype!r}.", "use auto, float32, bfloat16 or float16."
-        )
-    return out
 
 
 def _empty_model(cfg: dict, dtype: torch.dtype) -> nn.Module:

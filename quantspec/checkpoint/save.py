@@ -55,30 +55,43 @@ def write_safetensors(folder: Path, state: dict[str, torch.Tensor], max_bytes: i
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_checkpoint(
-    out: str | Path,
-    state: dict[str, torch.Tensor],
+def write_metadata(
+    folder: Path,
     config: dict[str, Any],
     *,
     tokenizer=None,
     generation_config=None,
     recipe_yaml: str | None = None,
     report: dict[str, Any] | None = None,
+) -> None:
+    """Everything but the weights: config.json, generation config, tokenizer, recipe, report."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if recipe_yaml is not None:
+        (folder / "recipe.yaml").write_text(recipe_yaml)
+    if report is not None:
+        (folder / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write_checkpoint(
+    out: str | Path,
+    state: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
     overwrite: bool = False,
+    **metadata: Any,
 ) -> Path:
-    """Write a complete checkpoint folder atomically and return its path."""
+    """Write a complete checkpoint folder atomically and return its path.
+
+    ``metadata``: the keyword arguments of ``write_metadata`` (tokenizer, generation_config,
+    recipe_yaml, report)."""
     out = Path(out)
     with atomic_folder(out, overwrite) as tmp:
         write_safetensors(tmp, state)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if recipe_yaml is not None:
-            (tmp / "recipe.yaml").write_text(recipe_yaml)
-        if report is not None:
-            (tmp / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_metadata(tmp, config, **metadata)
         write_manifest(tmp)
     return out
 

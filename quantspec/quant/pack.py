@@ -56,6 +56,17 @@ def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[
     return cfg
 
 
+def checkpoint_config(model: nn.Module, recipe: Recipe, plan: LayerPlan, fmt, save_dtype) -> dict:
+    """config.json of the checkpoint: the model's config plus the quantization_config."""
+    all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config(fmt, recipe, plan, all_linears)
+    config["torch_dtype"] = str(save_dtype).replace("torch.", "")
+    config["dtype"] = config["torch_dtype"]
+    config.pop("_name_or_path", None)
+    return config
+
+
 def build_checkpoint(
     out: Path,
     model: nn.Module,
@@ -68,17 +79,10 @@ def build_checkpoint(
     report: dict[str, Any],
     overwrite: bool,
 ) -> Path:
-    state = checkpoint_state(model, results, fmt, save_dtype)
-    all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(fmt, recipe, plan, all_linears)
-    config["torch_dtype"] = str(save_dtype).replace("torch.", "")
-    config["dtype"] = config["torch_dtype"]
-    config.pop("_name_or_path", None)
     return write_checkpoint(
         out,
-        state,
-        config,
+        checkpoint_state(model, results, fmt, save_dtype),
+        checkpoint_config(model, recipe, plan, fmt, save_dtype),
         tokenizer=tokenizer,
         generation_config=getattr(model, "generation_config", None),
         recipe_yaml=recipe.to_yaml(),
