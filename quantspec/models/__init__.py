@@ -2,5 +2,6 @@
 
 from .aliases import ALIASES, DEFAULT_ALIAS
 from .source import ModelInfo, dense_folder, load_dense, model_slug, resolve_dtype
+from .source import _load_tokenizer as load_tokenizer
 
-__all__ = ["ALIASES", "DEFAULT_ALIAS", "ModelInfo", "dense_folder", "load_dense", "model_slug", "resolve_dtype"]
+__all__ = ["ALIASES", "DEFAULT_ALIAS", "ModelInfo", "dense_folder", "load_dense", "model_slug", "resolve_dtype", "load_tokenizer"]

@@ -247,6 +247,8 @@ def run_blockwise(
     progress: bool = True,
     resume_dir: str | None = None,
     report: dict | None = None,
+    on_block_start: Callable[[int, nn.Module], None] | None = None,
+    on_block_end: Callable[[int, nn.Module, dict[str, QuantResult]], None] | None = None,
 ) -> dict[str, QuantResult]:
     """Quantize the planned Linears of ``model`` block by block; returns results by full name.
 
@@ -258,6 +260,11 @@ def run_blockwise(
     receives ``report[name] = {"block", "rel_mse", "block_seconds", ...method info}``, where
     rel_mse is ``||x Wq^T - x W^T||^2 / ||x W^T||^2`` over the layer's inputs from the first
     ERROR_SAMPLES calibration samples.
+
+    Streaming (``streaming.py``): ``on_block_start(i, block)`` runs before block i is touched
+    (e.g. to read its weights lazily) and ``on_block_end(i, block, results)`` after it is done
+    (e.g. to write its packed tensors and release it); with ``on_block_end`` set, results are
+    handed over block by block and not accumulated (the return value is empty).
     """
     from tqdm.auto import tqdm
 
@@ -285,6 +292,8 @@ def run_blockwise(
         bar = tqdm(total=len(blocks), initial=start, disable=not progress, desc="quantize", unit="block")
         for i in range(start, len(blocks)):
             block, name = blocks[i], arch.block_name(i)
+            if on_block_start is not None:
+                on_block_start(i, block)
             home = _block_device(block)
             block.to(device)
             try:
@@ -300,11 +309,14 @@ def run_blockwise(
                     report.setdefault(n, {}).update(
                         {"block": i, "rel_mse": errors[n], "block_seconds": seconds, **info.get(n, {})}
                     )
-                results.update(block_results)
+                if on_block_end is None:
+                    results.update(block_results)
                 if state is not None:
                     state.save_block(i, name, block, before, block_results, inputs, report)
             finally:
                 block.to(home)
+            if on_block_end is not None:
+                on_block_end(i, block, block_results)
             bar.update(1)
         bar.close()
     return results

@@ -66,13 +66,10 @@ def run_method(
     report = {} if report is None else report
     if recipe.method == "rtn":
         return run_rtn(model, plan, progress, report), None
-    from ..data import calibration_samples
     from .arch import get_arch
     from .calibrate import run_blockwise
 
-    calib = recipe.calibration.resolved(on_gpu=device.type != "cpu")
-    ids = calibration_samples(tokenizer, calib.data, calib.samples, calib.seqlen, calib.seed)
-    method = _factory(recipe.method)(recipe)
+    ids, method, info = calibrated_setup(tokenizer, recipe, device)
     arch = get_arch(model)
     results = run_blockwise(
         model, arch, ids, method, plan.quantize,
@@ -82,5 +79,15 @@ def run_method(
     if missing:  # planned Linears outside the decoder blocks: round to nearest
         rest = LayerPlan(quantize={n: plan.quantize[n] for n in missing})
         results.update(run_rtn(model, rest, progress=False, report=report))
-    info = {"data": calib.data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
     return results, info
+
+
+def calibrated_setup(tokenizer, recipe: Recipe, device: torch.device):
+    """Calibration ids [n, L], the recipe's BlockMethod, and the calibration actually used."""
+    from ..data import calibration_samples
+
+    calib = recipe.calibration.resolved(on_gpu=device.type != "cpu")
+    ids = calibration_samples(tokenizer, calib.data, calib.samples, calib.seqlen, calib.seed)
+    method = _factory(recipe.method)(recipe)
+    info = {"data": calib.data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
+    return ids, method, info

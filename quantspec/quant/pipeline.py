@@ -60,6 +60,16 @@ def save_dtype_for(config) -> torch.dtype:
     return d if d in (torch.float16, torch.bfloat16) else torch.float16
 
 
+def want_streaming(streaming: bool | None, folder: Path) -> bool:
+    """Stream when asked, or (auto) when the dense weights exceed half the available memory."""
+    if streaming is not None:
+        return streaming
+    import psutil
+
+    size = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+    return size > 0.5 * psutil.virtual_memory().available
+
+
 def quantize(
     model: str | None = None,
     recipe: Recipe | str | Path | None = None,
@@ -69,52 +79,91 @@ def quantize(
     device: str | None = None,
     resume: bool = False,
     progress: bool = True,
+    streaming: bool | None = None,
 ) -> QuantizeOutcome:
     """Quantize ``model`` (hub id, local folder, .gguf file, alias; None = smollm2-135m) with
     ``recipe`` and write the checkpoint to ``out`` (default ./quantspec-out/<model>-<recipe>/).
 
+    streaming: read and write one decoder block at a time (models larger than RAM); None =
+    automatic (when the weights exceed half the available memory). Not combined with resume.
     Bad input (unknown model, impossible scheme, existing output folder) raises QuantspecError
     before any long work starts.
     """
     from ..checkpoint.atomic import check_destination
     from ..formats import get_format
-    from ..models import load_dense, model_slug
-    from .methods import run_method
-    from .pack import build_checkpoint
+    from ..models import dense_folder, model_slug
 
     recipe = resolve_recipe(recipe)
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
     check_destination(out, overwrite)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    report: dict[str, Any] = {"layers": {}}
+    if not resume and want_streaming(streaming, dense_folder(model)):
+        _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, report)
+    else:
+        _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume, report)
+    return QuantizeOutcome(out=out, report=report, recipe=recipe)
+
+
+def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume, report) -> None:
+    from ..models import load_dense
+    from .methods import run_method
+    from .pack import build_checkpoint
+    from .plan import make_plan
 
     t_load = time.perf_counter()
     dense, tokenizer, info = load_dense(model, dtype=torch.float32, device="cpu")
     load_seconds = time.perf_counter() - t_load
-    save_dtype = save_dtype_for(dense.config)
-
-    from .plan import make_plan
-
     plan = make_plan(dense, recipe.scheme, fmt, recipe.targets, recipe.ignore)
-    report: dict[str, Any] = {"layers": {}}
+    resume_dir = (out.parent / f".{out.name}.resume") if resume else None
     t0 = time.perf_counter()
     results, calib = run_method(
         dense, tokenizer, plan, recipe, device=dev, progress=progress,
-        resume_dir=(out.parent / f".{out.name}.resume") if resume else None,
-        report=report["layers"],
+        resume_dir=resume_dir, report=report["layers"],
     )
-    quant_seconds = time.perf_counter() - t0
+    fill_report(report, recipe, fmt, plan, calib, time.perf_counter() - t0, dev,
+                model=info.name, source=str(info.path), load_seconds=load_seconds, streaming=False)
+    build_checkpoint(
+        out, dense, tokenizer, results, plan, recipe, fmt, save_dtype_for(dense.config), report, overwrite
+    )
+    if resume_dir is not None:
+        import shutil
 
+        shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, report) -> None:
+    from ..checkpoint.save import write_metadata
+    from ..models import dense_folder, load_tokenizer, model_slug
+    from .streaming import quantize_streaming
+
+    folder = dense_folder(model)
+    tokenizer = load_tokenizer(folder)
+
+    def finish(tmp, dense, plan, calib, seconds, config):
+        fill_report(report, recipe, fmt, plan, calib, seconds, dev,
+                    model=model_slug(model), source=str(folder), load_seconds=0.0, streaming=True)
+        write_metadata(tmp, config, tokenizer=tokenizer,
+                       generation_config=getattr(dense, "generation_config", None),
+                       recipe_yaml=recipe.to_yaml(), report=report)
+
+    quantize_streaming(
+        folder, tokenizer, recipe, fmt, out, overwrite=overwrite, device=dev, progress=progress,
+        report=report["layers"], save_dtype_for=save_dtype_for, finish=finish,
+    )
+
+
+def fill_report(report, recipe, fmt, plan, calib, seconds, dev, **fields) -> None:
+    """quant_report.json: what was done, to which layer, how long it took, with which versions."""
     report.update(
         {
-            "model": info.name,
-            "source": str(info.path),
+            **fields,
             "method": recipe.method,
             "format": fmt.name,
             "scheme": recipe.scheme.to_dict(),
             "calibration": calib,
-            "quantize_seconds": round(quant_seconds, 3),
-            "load_seconds": round(load_seconds, 3),
+            "quantize_seconds": round(seconds, 3),
             "device": str(dev),
             "versions": {
                 "torch": torch.__version__,
@@ -133,11 +182,3 @@ def quantize(
         entry["scheme"] = scheme.short_name
         if name in plan.regrouped:
             entry["note"] = plan.regrouped[name]
-    build_checkpoint(
-        out, dense, tokenizer, results, plan, recipe, fmt, save_dtype, report, overwrite
-    )
-    if resume:
-        import shutil
-
-        shutil.rmtree(out.parent / f".{out.name}.resume", ignore_errors=True)
-    return QuantizeOutcome(out=out, report=report, recipe=recipe)

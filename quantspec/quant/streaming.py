@@ -110,7 +110,10 @@ class BlockShardWriter:
     def write(self, index: int, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> None:
         rel = {n[len(prefix) + 1 :] if prefix else n: r for n, r in results.items()}
         state = checkpoint_state(module, rel, self.fmt, self.save_dtype)
-        state = {(f"{prefix}.{k}" if prefix else k): v.contiguous() for k, v in state.items()}
+        self.write_state(index, {(f"{prefix}.{k}" if prefix else k): v for k, v in state.items()})
+
+    def write_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         fname = f"model-{index + 1:05d}-of-{self.n_files:05d}.safetensors"
         save_file(state, str(self.folder / fname), metadata={"format": "pt"})
         for k, v in state.items():
@@ -120,18 +123,6 @@ class BlockShardWriter:
     def write_index(self) -> None:
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def outside_state_module(model: nn.Module, blocks_name: str) -> nn.Module:
-    """A view of the model without its decoder blocks, for writing the remaining tensors."""
-    holder = nn.Module()
-    for name, mod in model.named_children():
-        holder.add_module(name, mod)
-    blocks_parent, _, child = blocks_name.rpartition(".")
-    parent = holder.get_submodule(blocks_parent) if blocks_parent else holder
-    saved = getattr(parent, child)
-    setattr(parent, child, nn.ModuleList())
-    return holder, (parent, child, saved)
 
 
 def block_shard_hooks(
@@ -147,3 +138,56 @@ def block_shard_hooks(
         block.to("meta")
 
     return start, end
+
+
+def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overwrite: bool,
+                       device: torch.device, progress: bool, report: dict, save_dtype_for,
+                       finish) -> None:
+    """Quantize the model in ``folder`` block by block into the checkpoint folder ``out``.
+
+    ``finish(tmp, model, plan, calib, seconds, config)`` writes the non-weight files into the
+    temporary folder before it is renamed into place."""
+    import time
+
+    from ..checkpoint.atomic import atomic_folder
+    from ..checkpoint.checksums import write_manifest
+    from .arch import get_arch
+    from .methods import calibrated_setup, run_rtn
+    from .pack import checkpoint_config
+    from .plan import LayerPlan, make_plan
+    from .calibrate import run_blockwise
+
+    model = empty_model(folder, torch.float32)
+    arch = get_arch(model)
+    weights = LazyWeights(folder)
+    load_outside_blocks(model, weights, arch.blocks, torch.float32)
+    save_dtype = save_dtype_for(model.config)
+    plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
+    blocks = arch.block_list(model)
+    inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
+    calib = None
+    with atomic_folder(out, overwrite) as tmp:
+        writer = BlockShardWriter(tmp, len(blocks) + 1, fmt, save_dtype)
+        start, end = block_shard_hooks(model, weights, writer, arch, torch.float32)
+        t0 = time.perf_counter()
+        if recipe.method == "rtn":
+            for i, block in enumerate(blocks):
+                start(i, block)
+                prefix = arch.block_name(i) + "."
+                sub = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if n.startswith(prefix)})
+                end(i, block, run_rtn(model, sub, progress=False, report=report))
+        else:
+            ids, method, calib = calibrated_setup(tokenizer, recipe, device)
+            run_blockwise(
+                model, arch, ids, method, plan.quantize, device=device, progress=progress,
+                report=report, on_block_start=start, on_block_end=end,
+            )
+        outside = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if not inside(n)})
+        results = run_rtn(model, outside, progress=False, report=report)
+        seconds = time.perf_counter() - t0
+        state = checkpoint_state(model, results, fmt, save_dtype)
+        writer.write_state(len(blocks), {k: v for k, v in state.items() if not inside(k)})
+        writer.write_index()
+        config = checkpoint_config(model, recipe, plan, fmt, save_dtype)
+        finish(tmp, model, plan, calib, seconds, config)
+        write_manifest(tmp)
