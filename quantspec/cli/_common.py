@@ -19,15 +19,7 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
 
 def load_any(spec: str | None, dtype: str = "auto", device: str = "cpu", backend: str = "auto"):
     """Load a quantized checkpoint folder or a dense model; returns (model, tokenizer, label)."""
-    from transformers import AutoTokenizer
+    from ..checkpoint.load import load_model
 
-    from ..checkpoint.load import is_quantized_folder, load_quantized
-
-    if spec is not None and is_quantized_folder(spec):
-        model = load_quantized(spec, dtype=dtype, device=device, backend=backend)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-        return model, tokenizer, str(spec)
-    from ..models import load_dense
-
-    model, tokenizer, info = load_dense(spec, dtype=dtype, device=device)
-    return model, tokenizer, info.name
+    model, tokenizer, desc = load_model(spec, dtype=dtype, device=device, backend=backend)
+    return model, tokenizer, desc.get("name") or desc["path"]

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkpoint.load import is_quantized_folder
+
 from ..errors import QuantspecError
 from .machine import describe_machine
 
@@ -68,16 +70,6 @@ class SpeedConfig:
 # ---------------------------------------------------------------- loading
 
 
-def is_quantized_dir(path: str | Path) -> bool:
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        return False
-    try:
-        return "quantization_config" in json.loads((p / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-
-
 def dense_source(path: str | Path) -> str | None:
     """The dense model a quantized folder was made from (quant_report.json, then recipe.yaml)."""
     p = Path(path)
@@ -103,28 +95,10 @@ def dense_source(path: str | Path) -> str | None:
 
 
 def load_for_eval(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu", backend: str = "auto"):
-    """Load a quantized folder (QuantLinear model) or any dense model spec.
+    """Load a quantized folder or a dense model spec: (model, tokenizer, description)."""
+    from ..checkpoint.load import load_model
 
-    Returns (model, tokenizer, description dict with kind, path, dtype and backends).
-    """
-    from transformers import AutoTokenizer
-
-    if is_quantized_dir(model):
-        from ..checkpoint.load import load_quantized
-
-        lm = load_quantized(model, dtype=dtype, device=device, backend=backend)
-        tok = AutoTokenizer.from_pretrained(model)
-        backends = sorted(set(getattr(lm, "quantspec_backends", {}).values()))
-        desc = {"kind": "quantized", "path": str(model), "format": getattr(lm, "quantspec_format", None),
-                "backend": ",".join(backends) or None}
-    else:
-        from ..models import load_dense
-
-        lm, tok, info = load_dense(model, dtype=dtype, device=device)
-        desc = {"kind": "dense", "path": str(info.path), "format": None, "backend": "torch dense"}
-    desc["dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
-    desc["device"] = str(device)
-    return lm, tok, desc
+    return load_model(model, dtype=dtype, device=device, backend=backend)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -340,7 +314,7 @@ def speed_report(model: str, baseline: str | None = None, config: SpeedConfig | 
     """
     config = config or SpeedConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if measure_baseline and baseline is None and is_quantized_dir(model):
+    if measure_baseline and baseline is None and is_quantized_folder(model):
         baseline = dense_source(model)
         if baseline is None:
             raise QuantspecError(
