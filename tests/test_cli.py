@@ -78,3 +78,14 @@ def test_existing_out_needs_overwrite(tiny, tmp_path, capsys):
     rc = main(["quantize", str(tiny), "--method", "rtn", "--out", str(out), "--group-size", "32",
                "--overwrite", "--no-progress"])
     assert rc == 0 and (out / "config.json").is_file()
+
+
+def test_generate_with_ngram_draft_matches_plain_greedy(tiny, tmp_path):
+    plain, spec = tmp_path / "plain.json", tmp_path / "spec.json"
+    prompt = "word1 word2 word3 word1 word2 word3 word1 word2"
+    assert main(["generate", str(tiny), "--prompt", prompt, "--max-new-tokens", "12", "--json", str(plain)]) == 0
+    assert main(["generate", str(tiny), "--prompt", prompt, "--max-new-tokens", "12",
+                 "--draft", "ngram", "--k", "3", "--json", str(spec)]) == 0
+    a, b = json.loads(plain.read_text()), json.loads(spec.read_text())
+    assert a["text"] == b["text"]
+    assert b["specdec"]["target_calls"] >= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ._common import load_any, write_json
+from .bench_specdec import add_specdec_args, sampling_from_args
 
 
 def add_parser(sub) -> None:
@@ -16,13 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--json")
-    try:
-        from .bench_specdec import add_specdec_args
-
-        add_specdec_args(p)
-    except ImportError:
-        pass
+    add_specdec_args(p)
     p.set_defaults(func=run)
 
 
@@ -41,27 +38,24 @@ def run(args) -> int:
 
     model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
     input_ids = _encode(tok, args.prompt, args.chat).to(args.device)
-    draft = getattr(args, "draft", None)
     out: dict = {"model": label, "prompt": args.prompt}
     t0 = time.perf_counter()
-    if draft:
+    if args.draft:
         from ..specdec import make_proposer, speculative_generate
-        from ..specdec.sampling import SamplingConfig
 
-        proposer = make_proposer(draft, model, tok)
-        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        proposer = make_proposer(args.draft, model, tok)
         ids, stats = speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
-            adaptive=args.adaptive, sampling=sampling, eos_token_id=tok.eos_token_id,
-            seed=getattr(args, "seed", None),
+            adaptive=args.adaptive, sampling=sampling_from_args(args), eos_token_id=tok.eos_token_id,
+            seed=args.seed,
         )
         out["specdec"] = stats.to_dict()
     else:
-        temperature = getattr(args, "temperature", 0.0) or 0.0
-        kw = {"do_sample": temperature > 0}
-        if temperature > 0:
-            kw.update(temperature=temperature, top_p=getattr(args, "top_p", None) or 1.0,
-                      top_k=getattr(args, "top_k", None) or 0)
+        kw = {"do_sample": args.temperature > 0}
+        if args.temperature > 0:
+            if args.seed is not None:
+                torch.manual_seed(args.seed)
+            kw.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         with torch.inference_mode():
             ids = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids),
