@@ -16,6 +16,8 @@ import pytest
 
 from interop import exports, venvs
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; a hub probe can hang here
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -42,14 +43,26 @@ def run_engine(engine: str, job: dict, *, timeout: float = 900, venv: str | None
         jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
         jp.write_text(json.dumps(job))
         t0 = time.perf_counter()
-        try:
-            p = subprocess.run([str(py), str(HERE / SCRIPTS[engine]), str(jp), str(rp)],
-                               capture_output=True, text=True, timeout=timeout, env=engine_env(),
-                               cwd=tmp)
-            log = (p.stdout + p.stderr)[-8000:]
-        except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or b"") + (exc.stderr or b"")
-            log = out.decode(errors="replace")[-8000:] if isinstance(out, bytes) else str(out)[-8000:]
+        logf = Path(tmp) / "engine.log"
+        with open(logf, "w") as lf:
+            # own process group: vLLM leaves engine-core / worker children behind when its
+            # main process exits; they are killed with the group (and never hold our pipes)
+            p = subprocess.Popen([str(py), str(HERE / SCRIPTS[engine]), str(jp), str(rp)], stdout=lf,
+                                 stderr=subprocess.STDOUT, env=engine_env(), cwd=tmp,
+                                 start_new_session=True)
+            try:
+                p.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        log = logf.read_text(errors="replace")[-8000:]
+        if timed_out:
             return {"ok": False, "error": f"timed out after {timeout:.0f} s", "log": log,
                     "wall_s": round(time.perf_counter() - t0, 1)}
         wall = round(time.perf_counter() - t0, 1)

