@@ -38,6 +38,24 @@ def dense_size_bytes(model) -> int:
     return total
 
 
+def data_or_fallback(data: str) -> str:
+    """``data``, or the built-in pydoc corpus (with a warning) when a named set is unreachable."""
+    import warnings
+
+    from ..data import load_text
+    from ..errors import QuantspecError
+    from ..quant.methods import FALLBACK_FROM
+
+    if data not in FALLBACK_FROM:
+        return data
+    try:
+        load_text(data)
+        return data
+    except QuantspecError as exc:
+        warnings.warn(f"{exc} Measuring perplexity on the built-in pydoc corpus instead.", stacklevel=2)
+        return "pydoc"
+
+
 def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, windows=40, progress=True) -> dict:
     from ..checkpoint.load import load_quantized
     from ..checkpoint.save import folder_size_bytes
@@ -46,6 +64,7 @@ def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, wind
 
     rows = {}
     dense, tok, info = load_dense(model_spec, dtype=torch.float32, device="cpu")
+    data = data_or_fallback(data)
     prompt = tok("The history of the city begins", return_tensors="pt").input_ids
     r = perplexity(dense, tok, data, seqlen=seqlen, windows=windows, progress=progress)
     rows["dense fp32"] = {

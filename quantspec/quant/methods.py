@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import importlib
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import QuantspecError
 from .plan import LayerPlan
 from .recipe import Recipe
 from .rtn import rtn
 from .scheme import QuantResult
+
+# Named datasets that fall back to the built-in pydoc corpus when neither a local copy
+# (QUANTSPEC_DATA) nor the hub is reachable; the report says so.
+FALLBACK_FROM = ("c4", "wikitext2")
 
 # method name -> (module, factory name); the factory takes the Recipe and returns a BlockMethod.
 BLOCK_METHODS: dict[str, tuple[str, str]] = {
@@ -87,7 +93,15 @@ def calibrated_setup(tokenizer, recipe: Recipe, device: torch.device):
     from ..data import calibration_samples
 
     calib = recipe.calibration.resolved(on_gpu=device.type != "cpu")
-    ids = calibration_samples(tokenizer, calib.data, calib.samples, calib.seqlen, calib.seed)
+    data = calib.data
+    try:
+        ids = calibration_samples(tokenizer, data, calib.samples, calib.seqlen, calib.seed)
+    except QuantspecError as exc:
+        if data not in FALLBACK_FROM:
+            raise
+        warnings.warn(f"{exc} Calibrating on the built-in pydoc corpus instead.", stacklevel=2)
+        data = "pydoc (built-in fallback corpus)"
+        ids = calibration_samples(tokenizer, "pydoc", calib.samples, calib.seqlen, calib.seed)
     method = _factory(recipe.method)(recipe)
-    info = {"data": calib.data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
+    info = {"data": data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
     return ids, method, info
