@@ -89,3 +89,19 @@ def test_generate_with_ngram_draft_matches_plain_greedy(tiny, tmp_path):
     a, b = json.loads(plain.read_text()), json.loads(spec.read_text())
     assert a["text"] == b["text"]
     assert b["specdec"]["target_calls"] >= 1
+
+
+def test_quantize_compare_table(tiny, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
+    rc = main(["quantize", str(tiny), "--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "o"),
+               "--compare", "--compare-data", str(text), "--compare-windows", "2", "--no-progress",
+               "--json", str(tmp_path / "q.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "dense fp32" in out and "quantized" in out
+    table = json.loads((tmp_path / "q.json").read_text())["compare"]
+    rows = table["rows"]
+    assert rows["dense fp32"]["ppl"] > 1 and all(r["decode_tok_s"] > 0 for r in rows.values())
+    q = next(v for k, v in rows.items() if k.startswith("quantized"))
+    assert q["size_mb"] < rows["dense fp32"]["size_mb"]

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 
-@torch.inference_mode()
-def decode_tokens_per_s(model, prompt_ids: torch.Tensor, new_tokens: int = 32, runs: int = 3) -> float:
-    """Greedy decode speed at batch 1 with the KV cache (median of ``runs``, one warm-up)."""
-    from transformers import DynamicCache
+DECODE = dict(prompt_lengths=(16,), batch_sizes=(1,), decode_prompt_length=16, new_tokens=32, repeats=3, warmup=1)
 
-    speeds = []
-    for i in range(runs + 1):
-        cache = DynamicCache()
-        out = model(prompt_ids, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-        if i:  # the first run is the warm-up
-            speeds.append(new_tokens / (time.perf_counter() - t0))
-    return statistics.median(speeds)
+
+@torch.inference_mode()
+def decode_tokens_per_s(model) -> float:
+    """Greedy decode tokens/s at batch 1 (32 new tokens, median of 3 runs after a warm-up)."""
+    from .speed import SpeedConfig, measure_speed
+
+    return measure_speed(model, SpeedConfig(**DECODE))["decode"]["1"]["tokens_per_s"]
 
 
 def dense_size_bytes(model) -> int:
@@ -65,22 +54,21 @@ def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, wind
     rows = {}
     dense, tok, info = load_dense(model_spec, dtype=torch.float32, device="cpu")
     data = data_or_fallback(data)
-    prompt = tok("The history of the city begins", return_tensors="pt").input_ids
     r = perplexity(dense, tok, data, seqlen=seqlen, windows=windows, progress=progress)
     rows["dense fp32"] = {
         "ppl": r["ppl"], "size_mb": dense_size_bytes(dense) / 1e6,
-        "decode_tok_s": decode_tokens_per_s(dense, prompt),
+        "decode_tok_s": decode_tokens_per_s(dense),
     }
     dense_bf16 = dense.to(torch.bfloat16)
     rows["dense bf16"] = {"ppl": None, "size_mb": rows["dense fp32"]["size_mb"],
-                          "decode_tok_s": decode_tokens_per_s(dense_bf16, prompt)}
+                          "decode_tok_s": decode_tokens_per_s(dense_bf16)}
     del dense, dense_bf16
     q = load_quantized(qdir)
     backends = sorted(set(q.quantspec_backends.values()))
     rq = perplexity(q, tok, data, seqlen=seqlen, windows=windows, progress=progress)
     rows[f"quantized ({'/'.join(backends)})"] = {
         "ppl": rq["ppl"], "size_mb": folder_size_bytes(qdir) / 1e6,
-        "decode_tok_s": decode_tokens_per_s(q, prompt),
+        "decode_tok_s": decode_tokens_per_s(q),
     }
     return {"data": r["data"], "seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"], "rows": rows}
 
