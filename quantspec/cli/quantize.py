@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
     p.add_argument("--device", help="device for the per-block work (default: cuda if present, else cpu)")
+    p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="read and write one decoder block at a time (default: when the model exceeds half the free RAM)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="print a dense vs quantized table (default: on when MODEL is omitted)")
     p.add_argument("--compare-data", default="wikitext2")
@@ -100,7 +102,7 @@ def run(args) -> int:
     compare = args.compare if args.compare is not None else args.model is None
     outcome = quantize(
         args.model, recipe, args.out, overwrite=args.overwrite, device=args.device,
-        resume=args.resume, progress=args.progress,
+        resume=args.resume, progress=args.progress, streaming=args.streaming,
     )
     rep = outcome.report
     n_q = sum(1 for v in rep["layers"].values() if v.get("status") == "quantized")
