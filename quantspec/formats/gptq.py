@@ -27,7 +27,8 @@ refuses: an asymmetric zero point of 0 (v1 stores zero-1 = -1 and every v1 loade
 back as 2**b; GPTQModel's v1 -> v2 conversion wraps it) — write such a layer in
 compressed-tensors or AWQ.
 
-quantization_config: quant_method "gptq", bits, group_size, desc_act (= act_order), sym,
+quantization_config: quant_method "gptq", bits, group_size, desc_act (= act_order without
+static groups: vLLM 0.32 refuses desc_act=true and serves only sym=true), sym,
 static_groups, lm_head false, checkpoint_format "gptq", meta.quantizer. Layers left dense
 are listed in GPTQModel's ``dynamic`` field as negative entries ``"-:^<escaped name>$"``,
 which GPTQModel and vLLM both honour (both re.match the pattern against module names).
@@ -211,7 +212,9 @@ class GPTQFormat:
             "quant_method": "gptq",
             "bits": scheme.bits,
             "group_size": scheme.group_size,
-            "desc_act": scheme.act_order,
+            # vLLM (0.32) refuses desc_act=true; with static groups the stored layout is the
+            # natural one (g_idx = k // group_size), so it is written as desc_act=false.
+            "desc_act": scheme.act_order and not scheme.static_groups,
             "sym": scheme.symmetric,
             "static_groups": scheme.static_groups,
             "lm_head": False,
@@ -242,13 +245,15 @@ class GPTQFormat:
             )
         if "bits" not in config:
             raise QuantspecError("GPTQ quantization_config has no 'bits'.", "add bits (2, 3, 4 or 8).")
-        act_order = bool(config.get("desc_act", False))
+        # static groups imply act-order even when written as desc_act=false (see above)
+        static = bool(config.get("static_groups", False))
+        act_order = bool(config.get("desc_act", False)) or static
         scheme = QuantScheme(
             bits=int(config["bits"]),
             group_size=int(config.get("group_size", 128)),
             symmetric=bool(config.get("sym", True)),
             act_order=act_order,
-            static_groups=act_order and bool(config.get("static_groups", False)),
+            static_groups=static,
         )
         ignore = ["lm_head"] + dynamic_to_ignore(config.get("dynamic") or {})
         extra = {"checkpoint_format": ckpt}
