@@ -27,10 +27,10 @@ def tensors(folder):
     return out
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
-def test_streaming_equals_in_memory(tmp_path, method, monkeypatch):
+@pytest.mark.parametrize("method,tied", [("rtn", False), ("gptq", False), ("rtn", True)])
+def test_streaming_equals_in_memory(tmp_path, method, tied):
     torch.set_num_threads(1)
-    tiny = make_tiny_model(tmp_path, "llama")
+    tiny = make_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
     recipe = Recipe(

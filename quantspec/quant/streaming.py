@@ -35,6 +35,13 @@ class LazyWeights:
         self.keys = self.reader.keys()
         self._where = self.reader._keys  # name -> file
 
+    def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[key]), framework="pt") as h:
+            t = h.get_tensor(key)
+        return t.to(dtype) if t.is_floating_point() else t
+
     def load_into(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
         """Assign every parameter/buffer of ``module`` (named ``prefix.*`` in the files)."""
         from safetensors import safe_open
@@ -68,12 +75,14 @@ def empty_model(folder: Path, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load_outside_blocks(model: nn.Module, weights: LazyWeights, blocks_name: str, dtype) -> None:
-    """Materialise every tensor that is not inside the decoder blocks."""
+def load_outside_blocks(
+    model: nn.Module, weights: LazyWeights, blocks_name: str, dtype, skip: tuple[str, ...] = ()
+) -> None:
+    """Materialise every tensor outside the decoder blocks, except the modules in ``skip``."""
     blocks = model.get_submodule(blocks_name)
     inside = {id(t) for t in list(blocks.parameters()) + list(blocks.buffers())}
     for name, mod in model.named_modules():
-        if name == blocks_name or name.startswith(blocks_name + "."):
+        if name == blocks_name or name.startswith(blocks_name + ".") or name in skip:
             continue
         direct = [
             (n, t)
@@ -93,7 +102,7 @@ def load_outside_blocks(model: nn.Module, weights: LazyWeights, blocks_name: str
     model.tie_weights()
     missing = [
         n for n, t in model.named_parameters()
-        if t.is_meta and not n.startswith(blocks_name + ".")
+        if t.is_meta and not n.startswith(blocks_name + ".") and n.rpartition(".")[0] not in skip
     ]
     if missing:
         raise QuantspecError(f"the model's weights lack {missing[:4]}.", "check the model folder.")
@@ -160,14 +169,21 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
     model = empty_model(folder, torch.float32)
     arch = get_arch(model)
     weights = LazyWeights(folder)
-    load_outside_blocks(model, weights, arch.blocks, torch.float32)
-    save_dtype = save_dtype_for(model.config)
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
-    blocks = arch.block_list(model)
     inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
+    head = _head_name(model)
+    # The output head is not needed to calibrate: it is streamed to the checkpoint at the end
+    # (unless the recipe quantizes it or it is tied to the embeddings).
+    stream_head = head is not None and head not in plan.quantize and not model.config.tie_word_embeddings
+    load_outside_blocks(model, weights, arch.blocks, torch.float32, (head,) if stream_head else ())
+    save_dtype = save_dtype_for(model.config)
+    blocks = arch.block_list(model)
+    outside_plan = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if not inside(n)})
+    rest_keys = _outside_keys(model, inside)
     calib = None
     with atomic_folder(out, overwrite) as tmp:
-        writer = BlockShardWriter(tmp, len(blocks) + 1, fmt, save_dtype)
+        n_files = len(blocks) + (1 if outside_plan.quantize else len(rest_keys))
+        writer = BlockShardWriter(tmp, n_files, fmt, save_dtype)
         start, end = block_shard_hooks(model, weights, writer, arch, torch.float32)
         t0 = time.perf_counter()
         if recipe.method == "rtn":
@@ -182,12 +198,44 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
                 model, arch, ids, method, plan.quantize, device=device, progress=progress,
                 report=report, on_block_start=start, on_block_end=end,
             )
-        outside = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if not inside(n)})
-        results = run_rtn(model, outside, progress=False, report=report)
+        results = run_rtn(model, outside_plan, progress=False, report=report)
         seconds = time.perf_counter() - t0
-        state = checkpoint_state(model, results, fmt, save_dtype)
-        writer.write_state(len(blocks), {k: v for k, v in state.items() if not inside(k)})
-        writer.write_index()
         config = checkpoint_config(model, recipe, plan, fmt, save_dtype)
+        if outside_plan.quantize:
+            state = checkpoint_state(model, results, fmt, save_dtype)
+            writer.write_state(len(blocks), {k: v for k, v in state.items() if not inside(k)})
+        else:  # one tensor at a time, each in its own shard, released after writing
+            for j, key in enumerate(rest_keys):
+                mod_name, _, attr = key.rpartition(".")
+                mod = model.get_submodule(mod_name) if mod_name else model
+                t = getattr(mod, attr)
+                t = weights.read(key, save_dtype) if t.is_meta else t.detach().to(save_dtype)
+                writer.write_state(len(blocks) + j, {key: t})
+                del t
+                _release(mod, attr)
+        writer.write_index()
         finish(tmp, model, plan, calib, seconds, config)
         write_manifest(tmp)
+
+
+def _head_name(model: nn.Module) -> str | None:
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _outside_keys(model: nn.Module, inside) -> list[str]:
+    """State-dict keys outside the blocks; a tied output head is stored once (as the input)."""
+    keys = [k for k in model.state_dict() if not inside(k)]
+    if model.config.tie_word_embeddings:
+        head = _head_name(model)
+        keys = [k for k in keys if head is None or k != f"{head}.weight"]
+    return keys
+
+
+def _release(module: nn.Module, attr: str) -> None:
+    t = getattr(module, attr)
+    meta = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        setattr(module, attr, nn.Parameter(meta, requires_grad=False))
+    else:
+        setattr(module, attr, meta)
