@@ -27,14 +27,25 @@ def tensors(folder):
     return out
 
 
-@pytest.mark.parametrize("method,tied", [("rtn", False), ("gptq", False), ("rtn", True)])
-def test_streaming_equals_in_memory(tmp_path, method, tied):
+@pytest.mark.parametrize(
+    "method,tied,fmt,scheme",
+    [
+        ("rtn", False, "gptq", QuantScheme(4, 32, symmetric=False)),
+        ("gptq", False, "gptq", QuantScheme(4, 32, symmetric=False)),
+        ("rtn", True, "gptq", QuantScheme(4, 32, symmetric=False)),
+        ("awq", False, "awq", QuantScheme(4, 32, symmetric=False)),
+        ("smoothquant", False, "compressed-tensors",
+         QuantScheme(8, -1, symmetric=True, activations="int8-token-dynamic")),
+    ],
+    ids=["rtn", "gptq", "rtn-tied", "awq", "smoothquant"],
+)
+def test_streaming_equals_in_memory(tmp_path, method, tied, fmt, scheme):
     torch.set_num_threads(1)
     tiny = make_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
     recipe = Recipe(
-        name="t", method=method, format="gptq", scheme=QuantScheme(4, 32, symmetric=False),
+        name="t", method=method, format=fmt, scheme=scheme,
         calibration=CalibrationConfig(data=str(text), samples=4, seqlen=32),
     )
     a = quantspec.quantize(str(tiny), recipe, tmp_path / "mem", progress=False, streaming=False)

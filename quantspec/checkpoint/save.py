@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from .atomic import atomic_folder
-from .checksums import write_manifest
+from . import checksums
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -92,7 +92,7 @@ def write_checkpoint(
     with atomic_folder(out, overwrite) as tmp:
         write_safetensors(tmp, state)
         write_metadata(tmp, config, **metadata)
-        write_manifest(tmp)
+        checksums.write_manifest(tmp)
     return out
 
 

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
     p.add_argument("--device", help="device for the per-block work (default: cuda if present, else cpu)")
     p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
-                   help="read and write one decoder block at a time (default: when the model exceeds half the free RAM)")
+                   help="read and write one decoder block at a time (default: whenever the model allows it)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="print a dense vs quantized table (default: on when MODEL is omitted)")
     p.add_argument("--compare-data", default="wikitext2")

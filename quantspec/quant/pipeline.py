@@ -61,13 +61,21 @@ def save_dtype_for(config) -> torch.dtype:
 
 
 def want_streaming(streaming: bool | None, folder: Path) -> bool:
-    """Stream when asked, or (auto) when the dense weights exceed half the available memory."""
+    """Stream when asked; by default whenever it can: the weights are safetensors files and the
+    architecture has a declaration (the generic fallback needs a real forward to find its
+    groups, which the meta-device model of the streaming path cannot run)."""
     if streaming is not None:
         return streaming
-    import psutil
+    import json
 
-    size = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
-    return size > 0.5 * psutil.virtual_memory().available
+    from .arch import ARCHS
+
+    folder = Path(folder)
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return model_type in ARCHS and any(folder.glob("*.safetensors"))
 
 
 def quantize(
@@ -84,8 +92,9 @@ def quantize(
     """Quantize ``model`` (hub id, local folder, .gguf file, alias; None = smollm2-135m) with
     ``recipe`` and write the checkpoint to ``out`` (default ./quantspec-out/<model>-<recipe>/).
 
-    streaming: read and write one decoder block at a time (models larger than RAM); None =
-    automatic (when the weights exceed half the available memory). Not combined with resume.
+    streaming: read and write one decoder block at a time, so peak memory is one block plus
+    the calibration activations (models larger than RAM); None = whenever possible (see
+    ``want_streaming``). ``resume`` uses the in-memory path.
     Bad input (unknown model, impossible scheme, existing output folder) raises QuantspecError
     before any long work starts.
     """
