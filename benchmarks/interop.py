@@ -80,10 +80,11 @@ def main() -> None:
                                                   "top_k": exports.TOP_K})
                 dtype = "bfloat16"
             elif eng == "gptqmodel":
-                res = engines.run_engine("gptqmodel", {"action": "load", "model": str(ckpt), "dtype": "float32",
+                # GPTQModel's torch kernels take only fp16/bf16 activations
+                res = engines.run_engine("gptqmodel", {"action": "load", "model": str(ckpt), "dtype": "bfloat16",
                                                        "prompts": ids, "backend": "gptq_torch" if fam == "gptq"
                                                        else "awq_torch", "top_k": exports.TOP_K}, timeout=1800)
-                dtype = "float32"
+                dtype = "bfloat16"
             else:
                 res = transformers_result(ckpt, ids)
                 dtype = "float32"
