@@ -161,3 +161,12 @@ def test_hessian_is_running_mean():
     flat = x.reshape(-1, 16)
     assert n == 35
     torch.testing.assert_close(H, 2 / 35 * flat.T @ flat)
+
+
+def test_gram_by_blocks_matches_the_full_product():
+    from quantspec.quant.hessian import TRI_MIN_K, gram
+
+    torch.manual_seed(0)
+    for k in (8, TRI_MIN_K, TRI_MIN_K + 7):  # below the threshold, on it, not a multiple of the blocks
+        x = torch.randn(300, k, dtype=torch.float64)
+        torch.testing.assert_close(gram(x), x.t() @ x, rtol=1e-12, atol=1e-9)

@@ -180,10 +180,11 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device) -> torch
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
 
 
-def _load_tokenizer(folder: Path):
+def _load_tokenizer(folder: Path | str):
     """The folder's tokenizer; QuantspecError when it has none (transformers 5 would build an empty one)."""
     from transformers import AutoTokenizer
 
+    folder = Path(folder)
     fix = "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)) or use a model that ships one."
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise QuantspecError(f"the model at {folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...).", fix)

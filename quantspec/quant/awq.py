@@ -431,6 +431,11 @@ class AWQGPTQMethod:
         self.info = {n: {**self.awq.info.get(n, {}), **self.gptq.info.get(n, {})} for n in plan}
         return results
 
+    @property
+    def outputs(self):
+        """The block's output from GPTQ's single pass (None when it re-ran per group)."""
+        return self.gptq.outputs
+
 
 def awq_gptq_from_recipe(recipe: Recipe) -> AWQGPTQMethod:
     """AWQ scales (recipe.awq, clip off) followed by GPTQ (recipe.gptq) as one BlockMethod."""

@@ -1,11 +1,20 @@
 """BlockMethods for the calibration engine: GPTQ (true-sequential) and RTN.
 
-GPTQMethod follows the reference GPTQ's ``--true-sequential`` loop: within a block the Linear
-groups of the ArchSpec are handled in order; forward pre-hooks collect the Hessians of one
-group's Linears on the block's current forward (which stops right after that group), the
-group is quantized with ``gptq.gptq_quantize`` and its weights are set to their dequantized
-values, so the next group sees already-quantized predecessors. On return the dense weights are
-put back (the engine contract); the engine swaps the fake-quant values in.
+GPTQMethod follows the reference GPTQ's ``--true-sequential`` loop, in one of two ways:
+
+- single pass (when the activations of the whole calibration set fit in
+  ``GPTQOptions.single_pass_gb`` and the block treats the samples of a batch independently):
+  the block runs once on all samples as one batch; a forward pre-hook on each planned Linear
+  forms the Hessian from the input it receives, quantizes the Linear and sets its weight to
+  the dequantized values before the Linear runs. Every Linear thus sees
+  already-quantized predecessors, and the forward's output is the next block's input (handed
+  to the engine as ``outputs``, so no replay is needed). Linears called on the same tensors
+  (q/k/v, gate/up) share one Hessian. One block forward instead of one per group plus a replay.
+- per group: the Linear groups of the ArchSpec are handled in order; pre-hooks collect one
+  group's Hessians on a forward that stops right after that group, sample by sample.
+
+On return the dense weights are put back (the engine contract); the engine swaps the
+fake-quant values in.
 """
 
 from __future__ import annotations
@@ -18,8 +27,8 @@ from torch import nn
 
 from ..errors import QuantspecError
 from .arch import ArchSpec
-from .calibrate import block_groups, planned_linears, run_linear_inputs
-from .gptq import accumulate_hessian, gptq_quantize, make_empty_hessian
+from .calibrate import check_finite, block_groups, block_outputs, planned_linears, run_linear_inputs
+from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
 from .recipe import GPTQOptions
 from .rtn import rtn
 from .scheme import QuantResult, QuantScheme
@@ -56,13 +65,83 @@ def collect_hessians(
     return {n: acc[owner[n]][0] for n in modules if n in owner}
 
 
+def relative_output_error(dense: torch.Tensor, deq: torch.Tensor, H: torch.Tensor) -> float:
+    """``||X dW^T||^2 / ||X W^T||^2`` over the rows X that made ``H`` (~ X^T X), dW = deq - W.
+
+    The relative output MSE of a Linear (bias left out) from its Hessian, with no forward.
+    """
+    W = dense.to(device=H.device, dtype=torch.float32)
+    D = deq.to(device=H.device, dtype=torch.float32) - W
+    num = float(((D @ H) * D).sum())
+    den = float(((W @ H) * W).sum())
+    return max(num, 0.0) / max(den, 1e-30)
+
+
+def single_pass_bytes(block: nn.Module, modules: dict[str, nn.Module], inputs: torch.Tensor) -> int:
+    """Rough bytes of the activations alive while ``block`` runs on all of ``inputs`` at once."""
+    tokens = inputs.shape[0] * inputs.shape[1]
+    widest = max([m.out_features for m in modules.values() if isinstance(m, nn.Linear)] + [inputs.shape[-1]])
+    return tokens * (4 * inputs.shape[-1] + 3 * widest) * max(inputs.element_size(), 4)
+
+
 class GPTQMethod:
-    """GPTQ as a BlockMethod. ``info`` holds per-layer details of the last block."""
+    """GPTQ as a BlockMethod. After ``process_block``: ``info`` holds per-layer details
+    (including ``rel_mse``) and ``outputs`` the block's output with quantized weights when the
+    single pass ran (None otherwise)."""
 
     def __init__(self, options: GPTQOptions | None = None, scale_dtype: torch.dtype = torch.float16):
         self.options = options or GPTQOptions()
         self.scale_dtype = scale_dtype
         self.info: dict[str, dict] = {}
+        self.outputs: torch.Tensor | None = None
+        self._batches: dict[tuple, bool] = {}
+
+    def _single_pass_ok(self, block, inputs, kwargs) -> bool:
+        modules = dict(block.named_modules())
+        if single_pass_bytes(block, modules, inputs) > self.options.single_pass_gb * 2**30:
+            return False
+        if inputs.shape[0] < 2:
+            return True
+        key = (type(block), tuple(sorted((k, id(v)) for k, v in kwargs.items())))
+        if key not in self._batches:  # does the block treat the samples of a batch independently?
+            both = block_outputs(block, inputs[:2], kwargs)
+            each = torch.cat([block_outputs(block, inputs[j : j + 1], kwargs) for j in range(2)])
+            err = (both.float() - each.float()).norm() / each.float().norm().clamp(min=1e-30)
+            self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))
+        return self._batches[key]
+
+    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan) -> dict[str, QuantResult]:
+        results: dict[str, QuantResult] = {}
+        last: list = [None, None]  # (input tensor, its Hessian): kept alive, shared by q/k/v
+
+        def hook(name: str):
+            def pre(mod, args):
+                if name in results:  # called twice in one forward: quantized at the first call
+                    return
+                x = args[0]
+                check_finite(x, block_name, f"the input of {name}")
+                if last[0] is not x:
+                    H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0)
+                    last[0], last[1] = x, H
+                results[name] = self._quantize(name, mod, last[1], plan[name])
+
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+        try:
+            self.outputs = block_outputs(block, inputs, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        check_finite(self.outputs, block_name, "its output")
+        for name in modules:
+            if name not in results:
+                raise QuantspecError(
+                    f"{name} is never called by its block's forward, so GPTQ has no "
+                    "statistics for it.",
+                    "add it to the recipe's ignore list.",
+                )
+        return results
 
     def process_block(
         self,
@@ -74,10 +153,13 @@ class GPTQMethod:
         arch: ArchSpec,
     ) -> dict[str, QuantResult]:
         self.info = {}
+        self.outputs = None
         modules = planned_linears(block, block_name, plan)
         dense = {n: m.weight.detach().clone() for n, m in modules.items()}
         results: dict[str, QuantResult] = {}
         try:
+            if self._single_pass_ok(block, inputs, kwargs):
+                return self._single_pass(block, block_name, inputs, kwargs, modules, plan)
             for group in block_groups(block, block_name, plan, arch):
                 hessians = collect_hessians(
                     block, block_name, inputs, kwargs, {n: modules[n] for n in group}
@@ -99,7 +181,7 @@ class GPTQMethod:
     def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme) -> QuantResult:
         t0 = time.perf_counter()
         try:
-            res, info = gptq_quantize(
+            res, deq, info = gptq_quantize_with_values(
                 mod.weight, H, scheme,
                 damp_percent=self.options.damp_percent,
                 block_size=self.options.block_size,
@@ -107,6 +189,7 @@ class GPTQMethod:
             )
         except QuantspecError as exc:
             raise QuantspecError(f"GPTQ failed on {name}: {exc.problem}", exc.fix) from exc
+        info["rel_mse"] = relative_output_error(mod.weight, deq, H)
         with torch.no_grad():
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
         self.info[name] = {**info, "seconds": time.perf_counter() - t0}

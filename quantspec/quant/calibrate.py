@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import QuantspecError
 from .arch import ArchSpec
 from .capture import StopBlock, capture_inputs
+from .heap import reuse_freed_memory
 from .resume import ResumeState, fingerprint
 from .scheme import QuantResult, QuantScheme
 
@@ -46,8 +47,11 @@ class BlockMethod(Protocol):
     Contract: when it returns, every planned Linear's ``.weight`` holds the dense weight its
     QuantResult approximates (smoothing methods leave the smoothed weight); the engine then
     swaps in the dequantized values. Other tensors of the block (e.g. a norm a smoothing scale
-    was folded into) may be changed. Optional attribute ``info: dict[str, dict]``: per-layer
-    details of the last call, merged into the engine's report.
+    was folded into) may be changed. Optional attributes: ``info: dict[str, dict]``, per-layer
+    details of the last call, merged into the engine's report (a ``rel_mse`` there replaces
+    the engine's); ``outputs``, when not None, the block's output on ``inputs`` with the
+    dequantized weights, which the engine then takes as the next block's inputs instead of
+    replaying the block.
     """
 
     def process_block(
@@ -61,7 +65,7 @@ class BlockMethod(Protocol):
     ) -> dict[str, QuantResult]: ...
 
 
-def _check_finite(x: torch.Tensor, block_name: str, where: str) -> None:
+def check_finite(x: torch.Tensor, block_name: str, where: str) -> None:
     if not torch.isfinite(x).all():
         raise QuantspecError(
             f"NaN/Inf activations in block {block_name} at {where}.",
@@ -70,12 +74,15 @@ def _check_finite(x: torch.Tensor, block_name: str, where: str) -> None:
         )
 
 
+def block_outputs(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """One call of ``block`` on ``inputs`` as a batch; its hidden-states output."""
+    out = block(inputs, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 def block_forward(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """Run ``block`` on each calibration sample; [n, L, H] -> [n, L, H]."""
-    outs = [inputs[:0]]
-    for j in range(inputs.shape[0]):
-        out = block(inputs[j : j + 1], **kwargs)
-        outs.append(out[0] if isinstance(out, (tuple, list)) else out)
+    outs = [inputs[:0]] + [block_outputs(block, inputs[j : j + 1], kwargs) for j in range(inputs.shape[0])]
     return torch.cat(outs, dim=0)
 
 
@@ -98,7 +105,7 @@ def run_linear_inputs(
     def hook(name: str):
         def pre(_mod, args):
             x = args[0]
-            _check_finite(x, block_name, f"the input of {name}")
+            check_finite(x, block_name, f"the input of {name}")
             fn(name, x)
             seen.add(name)
             if len(seen) == len(modules):
@@ -184,7 +191,7 @@ def _replay(
     def hook(name: str, dense: torch.Tensor):
         def post(mod, args, out):
             x = args[0]
-            _check_finite(x, block_name, f"the input of {name}")
+            check_finite(x, block_name, f"the input of {name}")
             ref = torch.nn.functional.linear(x, dense, mod.bias)
             num[name] += float((out.float() - ref.float()).pow(2).sum())
             den[name] += float(ref.float().pow(2).sum())
@@ -199,7 +206,7 @@ def _replay(
         for h in handles:
             h.remove()
     out = torch.cat([head, block_forward(block, inputs[k:], kwargs)], dim=0)
-    _check_finite(out, block_name, "its output")
+    check_finite(out, block_name, "its output")
     return out, {n: num[n] / max(den[n], 1e-30) for n in refs}
 
 
@@ -282,9 +289,9 @@ def run_blockwise(
     if resume_dir is not None:
         fp = fingerprint(model, arch, plan, method_description(method), calib_ids)
         state = ResumeState(resume_dir, fp)
-    with torch.no_grad():
+    with torch.no_grad(), reuse_freed_memory():
         inputs, kwargs = capture_inputs(model, arch, calib_ids, device)
-        _check_finite(inputs, arch.block_name(0), "its input (the embeddings)")
+        check_finite(inputs, arch.block_name(0), "its input (the embeddings)")
         start = 0
         if state is not None and state.done > 0:
             start = state.done
@@ -302,12 +309,16 @@ def run_blockwise(
                 block_results = _process(method, block, name, inputs, kwargs[i], per_block[i], arch)
                 seconds = time.perf_counter() - t0
                 refs = _apply_results(block, name, block_results)
-                inputs, errors = _replay(block, name, inputs, kwargs[i], refs)
+                outputs = getattr(method, "outputs", None) if block_results else None
+                if outputs is not None:
+                    inputs, errors = outputs, {}
+                else:
+                    inputs, errors = _replay(block, name, inputs, kwargs[i], refs)
                 block_results = {n: _to_device(r, home) for n, r in block_results.items()}
                 info = getattr(method, "info", None) or {}
                 for n in block_results:
                     report.setdefault(n, {}).update(
-                        {"block": i, "rel_mse": errors[n], "block_seconds": seconds, **info.get(n, {})}
+                        {"block": i, "rel_mse": errors.get(n), "block_seconds": seconds, **info.get(n, {})}
                     )
                 if on_block_end is None:
                     results.update(block_results)

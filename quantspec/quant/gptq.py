@@ -20,7 +20,7 @@ import torch
 
 from ..errors import QuantspecError
 from .hessian import accumulate_hessian, make_empty_hessian
-from .rtn import dequantize_codes, qparams, quantize_codes
+from .rtn import qparams
 from .scheme import QuantResult, QuantScheme
 
 __all__ = [
@@ -98,32 +98,40 @@ def _quantize_columns(
     codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)
     deq = torch.empty(n, k, dtype=torch.float32, device=W.device)
     groups: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    loss = torch.zeros((), dtype=torch.float64, device=W.device)
+    loss = 0.0
     starts = _group_starts(k, glen, block_size, static is None)
+    diag = torch.diagonal(U).tolist()
     scale = zero = None
     for b, i1 in enumerate(starts):
         i2 = starts[b + 1] if b + 1 < len(starts) else k
         if static is None and i1 % glen == 0:
             scale, zero = qparams(W[:, i1 : i1 + glen], scheme, scale_dtype)
             groups.append((scale, zero))
-        W1 = W[:, i1:i2].clone()
+        # The block transposed: column i of W is row i here (contiguous for the rank-1 updates).
+        W1 = W[:, i1:i2].t().contiguous()
+        Q1 = torch.empty_like(W1)
+        D1 = torch.empty_like(W1)
         Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
+        s = z = None
         for i in range(i2 - i1):
             col = i1 + i
             if static is not None:
                 scale, zero = static[int(perm[col] if perm is not None else col) // glen]
-            w = W1[:, i : i + 1]
-            q = quantize_codes(w, scale, zero, scheme)
-            dq = dequantize_codes(q, scale, zero, scheme)
-            codes[:, col : col + 1] = q
-            deq[:, col : col + 1] = dq
-            d = U1[i, i]
-            err = (w - dq).squeeze(1) / d
-            loss += (err.double() ** 2).sum() / 2
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
-            Err1[:, i] = err
-        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+                s = z = None
+            if s is None:
+                s = scale.to(torch.float32)
+                z = float(scheme.sym_zero) if zero is None else zero.to(torch.float32)
+            w = W1[i]
+            q = torch.div(w, s, out=Q1[i]).round_().add_(z).clamp_(0, scheme.maxq)
+            dq = torch.sub(q, z, out=D1[i]).mul_(s)
+            err = torch.sub(w, dq, out=Err1[i]).div_(diag[col])
+            if i + 1 < i2 - i1:
+                W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1.0)
+        codes[:, i1:i2] = Q1.t().to(torch.uint8)
+        deq[:, i1:i2] = D1.t()
+        loss += float(Err1.double().pow(2).sum()) / 2
+        W[:, i2:].addmm_(Err1.t(), U[i1:i2, i2:], alpha=-1.0)
     return codes, deq, groups, float(loss)
 
 
