@@ -52,7 +52,9 @@ def add_parser(sub) -> None:
 
 def recipe_from_args(args):
     from ..quant.pipeline import resolve_recipe
-    from ..quant.recipe import default_recipe_name
+    from dataclasses import asdict
+
+    from ..quant.recipe import HESSIAN_METHODS, default_recipe_name, default_scheme
 
     recipe = resolve_recipe(args.recipe)
     scheme_fields = {
@@ -82,7 +84,12 @@ def recipe_from_args(args):
     }
     if changes or top or calib or args.alpha is not None or args.save_scales or args.load_scales:
         data = recipe.to_dict()
-        data["scheme"] = {**data["scheme"], **changes}
+        if "method" in top and args.recipe is None:  # the new method's own default scheme
+            data["scheme"] = {**asdict(default_scheme(top["method"])), **changes}
+        else:
+            data["scheme"] = {**data["scheme"], **changes}
+            if top.get("method", recipe.method) not in HESSIAN_METHODS and args.act_order is None:
+                data["scheme"].update(act_order=False, static_groups=False)  # GPTQ-only settings
         data.update(top)
         data["calibration"] = {**data["calibration"], **calib}
         if args.alpha is not None:

@@ -163,11 +163,12 @@ class SweepConfig:
 
 
 def default_sweep_path() -> Path:
-    """recipes/sweep-default.yaml of the source tree (or of the installed package)."""
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "recipes" / "sweep-default.yaml", here.parents[1] / "recipes" / "sweep-default.yaml"):
-        if cand.is_file():
-            return cand
+    """recipes/sweep-default.yaml, shipped in the package (quantspec/recipes)."""
+    from ..quant.pipeline import RECIPES_DIR
+
+    cand = RECIPES_DIR / "sweep-default.yaml"
+    if cand.is_file():
+        return cand
     raise QuantspecError("recipes/sweep-default.yaml was not found.", "pass a sweep YAML: quantspec sweep SWEEP.yaml.")
 
 

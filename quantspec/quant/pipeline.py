@@ -20,7 +20,7 @@ import torch
 from ..errors import QuantspecError
 from .recipe import Recipe
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # a link to the repo's recipes/, shipped in the wheel
 
 
 @dataclass

@@ -110,12 +110,27 @@ class SmoothQuantOptions:
             )
 
 
+# Methods that have a Hessian, so act-order applies.
+HESSIAN_METHODS = ("gptq", "awq+gptq")
+
+
+def default_scheme(method: str) -> QuantScheme:
+    """W4 g128 symmetric; GPTQ methods add static act-order (columns by decreasing Hessian
+    diagonal, groups fixed before the pass: better perplexity, no g_idx, loads everywhere);
+    AWQ is asymmetric; SmoothQuant is W8A8."""
+    if method == "smoothquant":
+        return QuantScheme(bits=8, group_size=-1, activations="int8-token-dynamic")
+    if method in HESSIAN_METHODS:
+        return QuantScheme(act_order=True, static_groups=True)
+    return QuantScheme(symmetric=method != "awq")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str = "gptq-w4g128"
     method: str = "gptq"
     format: str = "gptq"
-    scheme: QuantScheme = field(default_factory=QuantScheme)
+    scheme: QuantScheme | None = None  # None: default_scheme(method)
     targets: tuple[str, ...] = ()  # regexes of Linear names; empty = every Linear in the blocks
     ignore: tuple[str, ...] = ("lm_head",)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -128,6 +143,8 @@ class Recipe:
             raise QuantspecError(
                 f"unknown method {self.method!r}.", f"use one of {list(METHODS)}."
             )
+        if self.scheme is None:
+            object.__setattr__(self, "scheme", default_scheme(self.method))
         if self.format not in FORMATS:
             raise QuantspecError(
                 f"unknown format {self.format!r}.", f"use one of {list(FORMATS)}."
