@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from llmc_gptq import perplexity
+from peer_common import perplexity
 
 
 def main() -> None:

@@ -27,6 +27,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _size_bytes(spec: str, model) -> int:
+    """A quantized checkpoint's bytes on disk; a dense model's bytes as a 16-bit checkpoint."""
+    from pathlib import Path
+
+    from ..checkpoint.load import is_quantized_folder
+    from ..checkpoint.save import folder_size_bytes
+    from ..eval.compare import dense_size_bytes
+
+    if Path(spec).is_dir() and is_quantized_folder(Path(spec)):
+        return folder_size_bytes(Path(spec))
+    return dense_size_bytes(model)
+
+
 def run(args) -> int:
     from ..eval.perplexity import perplexity
 
@@ -35,6 +48,7 @@ def run(args) -> int:
     if datas:
         model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
         out["model"] = label
+        out["size_mb"] = round(_size_bytes(args.model, model) / 2**20, 3)
         out["ppl"] = {}
         for data in datas:
             r = perplexity(

@@ -30,11 +30,41 @@ def pareto_front(points: list[tuple[float, float]], x_higher: bool, y_higher: bo
     return sorted(front, key=lambda i: points[i][0])
 
 
+def _label(row: dict[str, Any]) -> str:
+    return str(row["name"]).replace("compressed-tensors", "ct")
+
+
+def _overlaps(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _place_labels(ax, pts, xkey, ykey) -> None:
+    """Annotate each point, moving a label down (with a leader line) while it would cover an
+    earlier one: points of equal size or speed otherwise print their names on top of each other."""
+    ax.autoscale_view()
+    scale = ax.figure.dpi / 72.0  # points -> pixels
+    placed: list[tuple[float, float, float, float]] = []
+    for r in sorted(pts, key=lambda r: (r[xkey], r[ykey])):
+        text = _label(r)
+        x, y = ax.transData.transform((r[xkey], r[ykey]))
+        width, height = len(text) * 4.9 * scale, 10 * scale
+        dy = 5.0
+        for _ in range(16):
+            box = (x + 6 * scale, y + dy * scale, x + 6 * scale + width, y + dy * scale + height)
+            if not any(_overlaps(box, b) for b in placed):
+                break
+            dy -= 11.0
+        placed.append(box)
+        leader = {"arrowstyle": "-", "color": "gray", "lw": 0.5} if dy != 5.0 else None
+        ax.annotate(text, (r[xkey], r[ykey]), textcoords="offset points", xytext=(6, dy), fontsize=8,
+                    arrowprops=leader)
+
+
 def _panel(ax, rows, xkey, xlabel, x_higher, ykey, ylabel, y_higher) -> None:
     pts = [r for r in rows if r.get(xkey) is not None and r.get(ykey) is not None]
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, alpha=0.3, which="both")
     if not pts:
         ax.text(0.5, 0.5, f"no {xlabel.split(' (')[0]} data", ha="center", va="center", transform=ax.transAxes)
         return
@@ -45,7 +75,6 @@ def _panel(ax, rows, xkey, xlabel, x_higher, ykey, ylabel, y_higher) -> None:
         ax.scatter(r[xkey], r[ykey], s=160 if dense else 60, marker="*" if dense else "o",
                    color="black" if dense else ("tab:red" if i in front else "tab:blue"), zorder=3,
                    edgecolors="white", linewidths=0.8)
-        ax.annotate(r["name"], (r[xkey], r[ykey]), textcoords="offset points", xytext=(6, 5), fontsize=8)
         if dense:
             ax.axhline(r[ykey], color="gray", ls="--", lw=0.8, zorder=1)
             ax.axvline(r[xkey], color="gray", ls="--", lw=0.8, zorder=1)
@@ -53,8 +82,20 @@ def _panel(ax, rows, xkey, xlabel, x_higher, ykey, ylabel, y_higher) -> None:
     if len(fx) > 1:
         ax.plot([p[0] for p in fx], [p[1] for p in fx], color="tab:red", lw=1.2, alpha=0.7, zorder=2,
                 label="Pareto front")
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
+    ys = [p[1] for p in xy]
+    if not y_higher and min(ys) > 0 and max(ys) / min(ys) > 3:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_yscale("log")  # perplexities that span a wide range
+        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.margins(0.15)
+    if not y_higher:
+        ax.invert_yaxis()  # better is up on both panels
+    _place_labels(ax, pts, xkey, ykey)
 
 
 def plot_report(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -71,9 +112,6 @@ def plot_report(rows: list[dict[str, Any]], path: str | Path, title: str = "") -
     _panel(ax2, ok, "size_mb", "weights size (MB)", False, ykey, ylabel, y_higher)
     ax1.set_title("quality vs speed (dense = black star)")
     ax2.set_title("quality vs size (red = Pareto-optimal)")
-    if not y_higher:
-        for ax in (ax1, ax2):
-            ax.invert_yaxis()  # better is up on both panels
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -236,7 +236,10 @@ def collect_point(point: SweepPoint, folder: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"quantize": read("quantize.json"), "eval": read("eval.json"), "bench": read("bench.json"),
                            "tasks": _lmeval_results(folder / "lmeval") if (folder / "lmeval").exists() else None}
     ckpt = folder / "checkpoint"
-    out["size_mb"] = round(folder_size_bytes(ckpt) / 2**20, 3) if ckpt.is_dir() else None
+    if ckpt.is_dir():
+        out["size_mb"] = round(folder_size_bytes(ckpt) / 2**20, 3)
+    else:  # the dense point: its weights as a 16-bit checkpoint, as `quantspec eval` measured them
+        out["size_mb"] = (out["eval"] or {}).get("size_mb")
     return out
 
 

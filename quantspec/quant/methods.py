@@ -52,6 +52,11 @@ def run_rtn(model: nn.Module, plan: LayerPlan, progress: bool, report: dict) -> 
     return results
 
 
+def block_method(recipe: Recipe):
+    """The BlockMethod that runs ``recipe`` on the calibration engine (a calibrated method)."""
+    return _factory(recipe.method)(recipe)
+
+
 def _factory(method: str) -> Callable[[Recipe], Any]:
     module, attr = BLOCK_METHODS[method]
     return getattr(importlib.import_module(module), attr)
@@ -102,6 +107,6 @@ def calibrated_setup(tokenizer, recipe: Recipe, device: torch.device):
         warnings.warn(f"{exc} Calibrating on the built-in pydoc corpus instead.", stacklevel=2)
         data = "pydoc (built-in fallback corpus)"
         ids = calibration_samples(tokenizer, "pydoc", calib.samples, calib.seqlen, calib.seed)
-    method = _factory(recipe.method)(recipe)
+    method = block_method(recipe)
     info = {"data": data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
     return ids, method, info

@@ -1,0 +1,69 @@
+"""Peer runner (runs in llm-compressor's own venv, not ours): GPTQ, AWQ or SmoothQuant + GPTQ.
+
+    python llmc.py MODEL_DIR DATA.pt --method gptq|awq|smoothquant --bits 4 --group 64 [--asym] [--actorder static|none]
+
+DATA.pt (written by benchmarks/quant_peers.py): {"calib": LongTensor [n, L], "eval": LongTensor
+[w, L]}. Prints one JSON line: quantization seconds (the oneshot call: no load, no save) and the
+perplexity of the fake-quantized model (llm-compressor's own fake quantization, activations
+included for W8A8) on the eval windows.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from peer_common import perplexity
+
+
+def recipe_for(args):
+    weights = {"num_bits": args.bits, "type": "int", "symmetric": not args.asym,
+               "strategy": "group", "group_size": args.group}
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    if args.method == "gptq":
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        return GPTQModifier(config_groups=groups, ignore=["lm_head"],
+                            actorder=None if args.actorder == "none" else args.actorder)
+    if args.method == "awq":
+        from llmcompressor.modifiers.awq import AWQModifier
+        from llmcompressor.pipelines import cache
+
+        cache.IntermediatesCache.pin_memory = lambda self, *a, **k: None  # CPU-only machine
+        return AWQModifier(config_groups=groups, ignore=["lm_head"])
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+
+    return [SmoothQuantModifier(smoothing_strength=0.5),
+            GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("data")
+    ap.add_argument("--method", default="gptq", choices=["gptq", "awq", "smoothquant"])
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--asym", action="store_true")
+    ap.add_argument("--actorder", default="static")
+    args = ap.parse_args()
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    data = torch.load(args.data)
+    calib = data["calib"]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    ds = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
+    recipe = recipe_for(args)
+    t0 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=calib.shape[1],
+            num_calibration_samples=calib.shape[0], shuffle_calibration_samples=False)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "ppl": perplexity(model, data["eval"])}))
+
+
+if __name__ == "__main__":
+    main()

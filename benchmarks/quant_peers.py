@@ -1,0 +1,167 @@
+"""Quantization methods against their peers, side by side in one run: quantspec vs
+llm-compressor (GPTQ, AWQ, SmoothQuant) and GPTQModel (GPTQ).
+
+Protocol (issues: GPTQ engine; AWQ and SmoothQuant): a model in float32 (default SmolLM2-135M),
+calibration 64 C4 documents x 512 tokens (the same token ids for every tool), perplexity on
+wikitext2 with seqlen 512 and the first 40 windows (the same ids and the same plain NLL loop,
+peers/peer_common.py, for every tool). Quantization time: the tool's quantize call only (no load, no
+save); median of --runs runs, the runs of all tools interleaved so that machine noise hits them
+alike. Each tool uses its own default act-order (stated in the table); AWQ is asymmetric.
+
+Each peer runs in its own venv (built by --setup: ``pip install torch==2.13.0 PEER``) from a
+runner in benchmarks/peers/ that prints one JSON line.
+
+    python benchmarks/quant_peers.py --setup                 # once: build the peer venvs
+    python benchmarks/quant_peers.py --method gptq --configs w4g128,w4g64,w3g128 [--runs 2]
+    python benchmarks/quant_peers.py --method awq --configs w4g64,w3g64
+    python benchmarks/quant_peers.py --method smoothquant --configs w8a8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+VENVS = Path(os.environ.get("QUANTSPEC_PEER_VENVS", Path.home() / ".cache" / "quantspec" / "peer-venvs"))
+DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"))
+
+# tool -> (pip requirement of its venv, or None for ours; runner; extra environment)
+TOOLS = {
+    "ours": (None, "ours.py", {}),
+    "llmc": ("llmcompressor==0.14.0.1", "llmc.py", {}),
+    "gptqmodel": ("gptqmodel==7.6.0", "gptqmodel_gptq.py", {"GPTQMODEL_CPU_WORKERS": "2"}),
+}
+# method -> tools that run it, and each tool's default act-order (GPTQ only)
+METHODS = {
+    "gptq": {"ours": "static", "llmc": "static", "gptqmodel": "default"},
+    "awq": {"ours": None, "llmc": None},
+    "smoothquant": {"ours": None, "llmc": None},
+    "dense": {"ours": None},
+}
+
+
+def python_of(tool: str) -> str:
+    return sys.executable if TOOLS[tool][0] is None else str(VENVS / tool / "bin" / "python")
+
+
+def setup(tools) -> None:
+    for tool in tools:
+        req = TOOLS[tool][0]
+        if req is None or Path(python_of(tool)).exists():
+            continue
+        subprocess.run([sys.executable, "-m", "venv", str(VENVS / tool)], check=True)
+        pip = [python_of(tool), "-m", "pip", "install", "-q"]
+        subprocess.run(pip + ["torch==2.13.0"], check=True)  # the CPU wheel first: never a CUDA torch
+        subprocess.run(pip + [req, "torch==2.13.0"], check=True)
+
+
+def prepare(model_dir: Path, out: Path, samples: int, seqlen: int, windows: int) -> None:
+    from quantspec.data import calibration_samples, load_text
+    from quantspec.eval.perplexity import cached_token_ids, window_starts
+    from quantspec.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    calib = calibration_samples(tok, str(DATA / "c4" / "c4-validation-2k.jsonl"), samples, seqlen, seed=0)
+    ids = cached_token_ids(tok, load_text(str(DATA / "wikitext2" / "wikitext-2-raw-v1.test.txt")))
+    ev = torch.stack([ids[s : s + seqlen] for s in window_starts(ids.numel(), seqlen, seqlen, windows)])
+    torch.save({"calib": calib, "eval": ev}, out)
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"w(\d+)(?:g(\d+)|a8)", text)
+    if not m:
+        raise SystemExit(f"bad config {text!r}: use e.g. w4g128 or w8a8")
+    return int(m.group(1)), int(m.group(2) or -1)
+
+
+def run_tool(tool: str, method: str, model_dir: Path, data: Path, bits: int, group: int, log) -> dict:
+    _, script, env = TOOLS[tool]
+    actorder = METHODS[method][tool]
+    cmd = [python_of(tool), str(HERE / "peers" / script), str(model_dir), str(data),
+           "--bits", str(bits), "--group", str(group)]
+    if method != "gptq" or tool != "gptqmodel":
+        cmd += ["--method", method]
+    if actorder:
+        cmd += ["--actorder", actorder]
+    if method == "awq":
+        cmd += ["--asym"]
+    env = {**os.environ, **env, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log.write(f"$ {' '.join(cmd)}\n{proc.stderr[-3000:]}\n")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return {**json.loads(lines[-1]), "actorder": actorder}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--setup", action="store_true", help="create the peer venvs, then exit")
+    ap.add_argument("--method", default="gptq", choices=sorted(METHODS))
+    ap.add_argument("--model", default=str(Path.home() / ".cache" / "quantspec" / "models" / "smollm2-135m"))
+    ap.add_argument("--configs", default="w4g128,w4g64,w3g128")
+    ap.add_argument("--tools", default=None, help="comma-separated subset of the method's tools")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=None, help="results prefix (default results/METHOD-peers)")
+    args = ap.parse_args()
+    tools = args.tools.split(",") if args.tools else list(METHODS[args.method])
+    if args.setup:
+        setup(TOOLS if args.tools is None else tools)
+        return
+    out = args.out or RESULTS / f"{args.method}-peers"
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, open(f"{out}.log", "w") as log:
+        data = Path(tmp) / "data.pt"
+        prepare(Path(args.model), data, args.samples, args.seqlen, args.windows)
+        for run in range(args.runs):
+            for bits, group in configs:
+                for tool in tools:
+                    res = run_tool(tool, args.method, Path(args.model), data, bits, group, log)
+                    print(f"run {run} w{bits}g{group} {tool}: {res}", flush=True)
+                    rows.setdefault((bits, group, tool), []).append(res)
+    write_tables(out, args, rows)
+
+
+def write_tables(out: Path, args, rows: dict) -> None:
+    table = []
+    for (bits, group, tool), runs in rows.items():
+        ok = [r for r in runs if "error" not in r]
+        table.append({
+            "method": args.method, "config": f"W{bits}" + ("A8" if group == -1 else f" g{group}"), "tool": tool,
+            "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
+            "seconds": [round(r["seconds"], 1) for r in ok],
+            "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,
+            "settings": ok[0].get("settings") if ok else None,
+            "error": next((r["error"] for r in runs if "error" in r), None),
+        })
+    meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "runs": args.runs,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__}
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
+    lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; {meta['machine']})", "",
+             "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) |", "|---|---|---|---|---|---|"]
+    for r in table:
+        ppl = f"{r['ppl']:.3f}" if r["ppl"] else f"failed: {r['error']}"
+        lines.append(f"| {r['config']} | {r['tool']} | {r['actorder'] or '-'} | {ppl} | {r['median_s']} | {r['seconds']} |")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
