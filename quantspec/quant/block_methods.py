@@ -77,11 +77,19 @@ def relative_output_error(dense: torch.Tensor, deq: torch.Tensor, H: torch.Tenso
     return max(num, 0.0) / max(den, 1e-30)
 
 
-def single_pass_bytes(block: nn.Module, modules: dict[str, nn.Module], inputs: torch.Tensor) -> int:
-    """Rough bytes of the activations alive while ``block`` runs on all of ``inputs`` at once."""
+def single_pass_bytes(modules: dict[str, nn.Module], inputs: torch.Tensor) -> int:
+    """Rough bytes of the activations alive while a block of ``modules`` runs on all of
+    ``inputs`` at once (hidden states in and out, residual, and three of the widest outputs)."""
     tokens = inputs.shape[0] * inputs.shape[1]
     widest = max([m.out_features for m in modules.values() if isinstance(m, nn.Linear)] + [inputs.shape[-1]])
     return tokens * (4 * inputs.shape[-1] + 3 * widest) * max(inputs.element_size(), 4)
+
+
+def _never_called(name: str) -> QuantspecError:
+    return QuantspecError(
+        f"{name} is never called by its block's forward, so GPTQ has no statistics for it.",
+        "add it to the recipe's ignore list.",
+    )
 
 
 class GPTQMethod:
@@ -97,8 +105,7 @@ class GPTQMethod:
         self._batches: dict[tuple, bool] = {}
 
     def _single_pass_ok(self, block, inputs, kwargs) -> bool:
-        modules = dict(block.named_modules())
-        if single_pass_bytes(block, modules, inputs) > self.options.single_pass_gb * 2**30:
+        if single_pass_bytes(dict(block.named_modules()), inputs) > self.options.single_pass_gb * 2**30:
             return False
         if inputs.shape[0] < 2:
             return True
@@ -136,11 +143,7 @@ class GPTQMethod:
         check_finite(self.outputs, block_name, "its output")
         for name in modules:
             if name not in results:
-                raise QuantspecError(
-                    f"{name} is never called by its block's forward, so GPTQ has no "
-                    "statistics for it.",
-                    "add it to the recipe's ignore list.",
-                )
+                raise _never_called(name)
         return results
 
     def process_block(
@@ -166,11 +169,7 @@ class GPTQMethod:
                 )
                 for name in group:
                     if name not in hessians:
-                        raise QuantspecError(
-                            f"{name} is never called by its block's forward, so GPTQ has no "
-                            "statistics for it.",
-                            "add it to the recipe's ignore list.",
-                        )
+                        raise _never_called(name)
                     results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name])
         finally:
             with torch.no_grad():

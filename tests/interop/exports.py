@@ -42,6 +42,8 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
                                   dict(bits=4, group_size=128, symmetric=False, act_order=True)),
     "gptq-w8g128-sym": (dict(method="rtn", format="gptq"), dict(bits=8, group_size=128, symmetric=True)),
     "awq-w4g128": (dict(method="rtn", format="awq"), dict(bits=4, group_size=128, symmetric=False)),
+    # g64 divides every K of SmolLM2 (576, 1536): no layer left dense (GPTQModel needs that)
+    "awq-w4g64": (dict(method="rtn", format="awq"), dict(bits=4, group_size=64, symmetric=False)),
     "ct-w4g128-sym": (dict(method="rtn", format="compressed-tensors"),
                       dict(bits=4, group_size=128, symmetric=True)),
     "ct-w4g128-asym": (dict(method="rtn", format="compressed-tensors"),
@@ -50,7 +52,7 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
                 dict(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")),
 }
 GPTQ_EXPORTS = ("gptq-w4g128-sym", "gptq-w4g128-asym", "gptq-w4g128-sym-actorder",
-                "gptq-w4g128-asym-actorder", "gptq-w8g128-sym", "awq-w4g128")
+                "gptq-w4g128-asym-actorder", "gptq-w8g128-sym", "awq-w4g128", "awq-w4g64")
 FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
 
 
@@ -59,9 +61,9 @@ def method_available(method: str) -> str | None:
     if method == "rtn":
         return None
     try:
-        from quantspec.quant.methods import _factory
+        from quantspec.quant.methods import BLOCK_METHODS, _factory
 
-        _factory(method)
+        _factory(method) if method in BLOCK_METHODS else None
     except Exception as exc:  # noqa: BLE001 - any import problem means "not available yet"
         return f"quantspec method {method!r} is not available: {exc}"
     return None
