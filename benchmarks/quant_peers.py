@@ -8,8 +8,8 @@ peers/peer_common.py, for every tool). Quantization time: the tool's quantize ca
 save); median of --runs runs, the runs of all tools interleaved so that machine noise hits them
 alike. Each tool uses its own default act-order (stated in the table); AWQ is asymmetric.
 
-Each peer runs in its own venv (built by --setup: ``pip install torch==2.13.0 PEER``) from a
-runner in benchmarks/peers/ that prints one JSON line.
+Each peer runs in its own venv (the interop suite's, tests/interop/venvs.py: built by --setup or
+on first use) from a runner in benchmarks/peers/ that prints one JSON line.
 
     python benchmarks/quant_peers.py --setup                 # once: build the peer venvs
     python benchmarks/quant_peers.py --method gptq --configs w4g128,w4g64,w3g128 [--runs 2]
@@ -34,14 +34,16 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-VENVS = Path(os.environ.get("QUANTSPEC_PEER_VENVS", Path.home() / ".cache" / "quantspec" / "peer-venvs"))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from interop import venvs  # noqa: E402  (the engine venvs of the interop suite, shared)
+
 DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"))
 
-# tool -> (pip requirement of its venv, or None for ours; runner; extra environment)
+# tool -> (its venv in tests/interop/venvs.py, or None for ours; runner; extra environment)
 TOOLS = {
     "ours": (None, "ours.py", {}),
-    "llmc": ("llmcompressor==0.14.0.1", "llmc.py", {}),
-    "gptqmodel": ("gptqmodel==7.6.0", "gptqmodel_gptq.py", {"GPTQMODEL_CPU_WORKERS": "2"}),
+    "llmc": ("llmcompressor", "llmc.py", {}),
+    "gptqmodel": ("gptqmodel", "gptqmodel_gptq.py", {"GPTQMODEL_CPU_WORKERS": "2"}),
 }
 # method -> tools that run it, and each tool's default act-order (GPTQ only)
 METHODS = {
@@ -53,18 +55,13 @@ METHODS = {
 
 
 def python_of(tool: str) -> str:
-    return sys.executable if TOOLS[tool][0] is None else str(VENVS / tool / "bin" / "python")
+    return sys.executable if TOOLS[tool][0] is None else str(venvs.python_of(TOOLS[tool][0]))
 
 
 def setup(tools) -> None:
     for tool in tools:
-        req = TOOLS[tool][0]
-        if req is None or Path(python_of(tool)).exists():
-            continue
-        subprocess.run([sys.executable, "-m", "venv", str(VENVS / tool)], check=True)
-        pip = [python_of(tool), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["torch==2.13.0"], check=True)  # the CPU wheel first: never a CUDA torch
-        subprocess.run(pip + [req, "torch==2.13.0"], check=True)
+        if TOOLS[tool][0] is not None:
+            print(tool, venvs.ensure(TOOLS[tool][0], verify=True), flush=True)
 
 
 def prepare(model_dir: Path, out: Path, samples: int, seqlen: int, windows: int) -> None:
@@ -123,6 +120,7 @@ def main() -> None:
     if args.setup:
         setup(TOOLS if args.tools is None else tools)
         return
+    setup(tools)
     out = args.out or RESULTS / f"{args.method}-peers"
     configs = [parse_config(c) for c in args.configs.split(",")]
     rows: dict = {}

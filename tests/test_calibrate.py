@@ -151,14 +151,15 @@ def test_stale_resume_state_is_rejected(tmp_path):
                       progress=False, resume_dir=tmp_path)
 
 
-def test_non_finite_activations_name_block_and_layer():
+@pytest.mark.parametrize("gb", [2.0, 0.0])  # single pass, per-group path
+def test_non_finite_activations_name_block_and_layer(gb):
     model = tiny_llama()
     with torch.no_grad():
         model.model.layers[1].self_attn.o_proj.weight.fill_(float("inf"))
     arch = get_arch(model)
     plan = {n: s for n, s in full_plan(model, arch).items() if "o_proj" not in n}
     with pytest.raises(QuantspecError, match=r"model\.layers\.1 at the input of model\.layers\.1\.mlp"):
-        run_blockwise(model, arch, calib(), GPTQMethod(), plan, progress=False)
+        run_blockwise(model, arch, calib(), GPTQMethod(GPTQOptions(single_pass_gb=gb)), plan, progress=False)
 
 
 def test_plan_outside_blocks_is_skipped_and_non_linear_rejected():
@@ -238,3 +239,4 @@ def test_single_pass_needs_samples_that_do_not_mix():
     assert not method._single_pass_ok(Mixing(), x, {})
     assert method._single_pass_ok(nn.Sequential(nn.Linear(8, 8)), x, {})
     assert not GPTQMethod(GPTQOptions(single_pass_gb=0))._single_pass_ok(nn.Sequential(nn.Linear(8, 8)), x, {})
+

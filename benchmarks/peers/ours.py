@@ -27,7 +27,7 @@ from quantspec.quant.plan import make_plan
 from quantspec.quant.recipe import Recipe
 
 ACT_ORDER = {"none": {}, "static": {"act_order": True, "static_groups": True}, "group": {"act_order": True}}
-FORMAT = {"gptq": "gptq", "awq": "awq", "awq+gptq": "gptq", "smoothquant": "compressed-tensors"}
+FORMAT = {"gptq": "gptq", "awq": "compressed-tensors", "awq+gptq": "gptq", "smoothquant": "compressed-tensors"}  # formats that hold the configs (AWQ GEMM is 4-bit only)
 
 
 def fake_quantize_activations(model, names) -> None:
