@@ -98,6 +98,26 @@ def test_regroup_rule_records_per_layer_group_size(tiny, tmp_path):
         assert (model(ids).logits - ref(ids).logits).abs().max().item() < 1e-3 * 50
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_default_gptq_recipe_regroups_with_static_act_order(tiny, tmp_path, fmt):
+    """The default recipe (GPTQ, static act-order) regroups K=64 layers like RTN does: no layer
+    but lm_head is left dense, and the checkpoint loads and matches the reference backend."""
+    from quantspec.quant.recipe import CalibrationConfig
+
+    recipe = Recipe(name="t", format=fmt, calibration=CalibrationConfig(data="pydoc", samples=4, seqlen=32))
+    assert recipe.scheme.act_order and recipe.scheme.static_groups
+    outcome = quantspec.quantize(str(tiny), recipe, tmp_path / "ckpt", progress=False)
+    assert list(outcome.report["dense_layers"]) == ["lm_head"]
+    assert outcome.report["regrouped_layers"]
+    fast = quantspec.load_quantized(outcome.out)
+    ref = quantspec.load_quantized(outcome.out, backend="reference")
+    groups = {m.scheme.group_size for m in ref.modules() if isinstance(m, QuantLinear)}
+    assert 64 in groups
+    ids = torch.randint(0, 200, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, ref(ids).logits, rtol=0, atol=2e-2)
+
+
 def test_existing_output_refused_before_work(tiny, tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()

@@ -77,7 +77,8 @@ def _fit(scheme: QuantScheme, fmt, n: int, k: int) -> tuple[QuantScheme | None, 
     from ..formats.overrides import SUPPORTS_OVERRIDES
 
     regroup = fmt.name in SUPPORTS_OVERRIDES
-    if regroup and scheme.group_size != -1 and k % scheme.group_size != 0 and not scheme.act_order:
+    permuted = scheme.act_order and not scheme.static_groups  # g_idx written: kept as asked
+    if regroup and scheme.group_size != -1 and k % scheme.group_size != 0 and not permuted:
         for g in (128, 64, 32, -1):
             if g != -1 and (g >= scheme.group_size or k % g != 0):
                 continue
