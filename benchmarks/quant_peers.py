@@ -95,7 +95,7 @@ def run_tool(tool: str, method: str, model_dir: Path, data: Path, bits: int, gro
     if method == "awq":
         cmd += ["--asym"]
     env = {**os.environ, **env, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=data.parent)  # peers write logs/ there
     log.write(f"$ {' '.join(cmd)}\n{proc.stderr[-3000:]}\n")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
