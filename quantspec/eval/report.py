@@ -106,7 +106,7 @@ def protocol(cfg_dict: dict[str, Any], records: list[dict[str, Any]]) -> dict[st
         "tasks": {"names": list(ev["tasks"]), "limit": ev["limit"], "metric": "mean acc over tasks"},
         "speed": {"settings": sp, "bench": bench.get("protocol") if bench else None,
                   "speedup": "decode tokens/s over the dense model's, measured in the same bench run"},
-        "size": "quantized: safetensors bytes of the checkpoint; dense: weight bytes as loaded (run dtype)",
+        "size": "quantized: bytes of the checkpoint folder; dense: its weights as a 16-bit checkpoint (MiB)",
         "dtype": cfg_dict["dtype"],
     }
 
