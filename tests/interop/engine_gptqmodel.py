@@ -11,19 +11,9 @@ JOB {"action": "quantize", "model": DENSE_DIR, "out": DIR, "bits": 4, "group_siz
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-import traceback
 
-
-def _topk(logits, k):
-    import torch
-
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    v, i = lp.topk(k, dim=-1)
-    return [{str(int(a)): float(b) for a, b in zip(ii, vv)} for ii, vv in zip(i.tolist(), v.tolist())]
+from engine_common import logprobs_and_greedy, run_main
 
 
 def load(job: dict) -> dict:
@@ -39,19 +29,8 @@ def load(job: dict) -> dict:
     hf.eval()
     kernels = sorted({type(mod).__name__ for mod in hf.modules() if "QuantLinear" in type(mod).__name__
                       or "Linear" in type(mod).__name__ and hasattr(mod, "qweight")})
-    k = int(job.get("top_k", 20))
-    plps, greedy = [], []
     t1 = time.perf_counter()
-    with torch.inference_mode():
-        for ids in job["prompts"]:
-            logits = hf(input_ids=torch.tensor([ids])).logits[0]
-            plps.append(_topk(logits, k))
-            cur, gen = list(ids), []
-            for _ in range(int(job.get("max_new_tokens", 16))):
-                nxt = int(hf(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
-                gen.append(nxt)
-                cur.append(nxt)
-            greedy.append(gen)
+    plps, greedy = logprobs_and_greedy(hf, job)
     return {"ok": True, "prompt_logprobs": plps, "greedy": greedy, "kernels": kernels,
             "seconds": {"load": round(t_load, 1), "generate": round(time.perf_counter() - t1, 1)}}
 
@@ -70,20 +49,5 @@ def quantize(job: dict) -> dict:
     return {"ok": True, "out": job["out"]}
 
 
-def main(job_path: str, out_path: str) -> int:
-    job = json.load(open(job_path))
-    try:
-        import gptqmodel
-
-        res = {"load": load, "quantize": quantize}[job.get("action", "load")](job)
-        res["gptqmodel_version"] = gptqmodel.__version__
-    except BaseException as exc:  # noqa: BLE001
-        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-6000:]}
-    json.dump(res, open(out_path, "w"))
-    return 0 if res["ok"] else 1
-
-
 if __name__ == "__main__":
-    rc = main(sys.argv[1], sys.argv[2])
-    sys.stdout.flush()
-    os._exit(rc)
+    run_main({"load": load, "quantize": quantize}, "gptqmodel")

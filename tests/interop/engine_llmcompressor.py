@@ -13,15 +13,11 @@ JOB {"action": "load", "model": DIR, "dtype": "float32", "prompts": [[ids]], "ma
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import sys
 import time
-import traceback
 from pathlib import Path
 
-from engine_gptqmodel import _topk
+from engine_common import logprobs_and_greedy, run_main
 
 
 def quantize(job: dict) -> dict:
@@ -61,34 +57,9 @@ def load(job: dict) -> dict:
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
     t_load = time.perf_counter() - t0
-    k = int(job.get("top_k", 20))
-    plps, greedy = [], []
-    with torch.inference_mode():
-        for ids in job["prompts"]:
-            plps.append(_topk(hf(input_ids=torch.tensor([ids])).logits[0], k))
-            cur, gen = list(ids), []
-            for _ in range(int(job.get("max_new_tokens", 16))):
-                nxt = int(hf(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
-                gen.append(nxt)
-                cur.append(nxt)
-            greedy.append(gen)
+    plps, greedy = logprobs_and_greedy(hf, job)
     return {"ok": True, "prompt_logprobs": plps, "greedy": greedy, "seconds": {"load": round(t_load, 1)}}
 
 
-def main(job_path: str, out_path: str) -> int:
-    job = json.load(open(job_path))
-    try:
-        import llmcompressor
-
-        res = {"load": load, "quantize": quantize}[job.get("action", "load")](job)
-        res["llmcompressor_version"] = llmcompressor.__version__
-    except BaseException as exc:  # noqa: BLE001
-        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-6000:]}
-    json.dump(res, open(out_path, "w"))
-    return 0 if res["ok"] else 1
-
-
 if __name__ == "__main__":
-    rc = main(sys.argv[1], sys.argv[2])
-    sys.stdout.flush()
-    os._exit(rc)
+    run_main({"load": load, "quantize": quantize}, "llmcompressor")
