@@ -58,17 +58,9 @@ GPTQ_EXPORTS = ("gptq-w4g128-sym", "gptq-w4g128-asym", "gptq-w4g128-sym-actorder
 FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
 
 
-def reference_dtype(name: str, engine_dtype: str) -> str:
-    """The dtype our reference runs in when judging an engine that ran ``engine_dtype``.
-
-    Weight-only exports: float32 (the engine's bf16 drift is part of the bound). Exports that
-    quantize activations at run time: the engine's own dtype, because rounding activations to
-    int8 turns dtype noise into whole quantization steps; measured on SmolLM2 ``ct-w8a8``, our
-    own reference in bf16 against itself in fp32 differs by 2.86 in logprob (top-1 0.82), where
-    the W4 exports differ by 0.43 (top-1 0.98).
-    """
-    acts = EXPORTS[name][1].get("activations")
-    return engine_dtype if acts else "float32"
+def quantizes_activations(name: str) -> bool:
+    """True for exports that quantize activations at run time (W8A8)."""
+    return bool(EXPORTS[name][1].get("activations"))
 
 
 def method_available(method: str) -> str | None:
@@ -145,6 +137,25 @@ def quantspec_reference(ckpt: str | Path, ids, dtype: str = "float32") -> Refere
 
     model = quantspec.load_quantized(ckpt, dtype=_dtype(dtype), backend="reference")
     return model_reference(model, ids)
+
+
+def as_engine_result(ref: Reference, top_k: int = TOP_K) -> dict:
+    """``ref`` in an engine's result shape (top-K logprobs per position), for ``compare``."""
+    plps = []
+    for lp in ref.logprobs:
+        vals, ids = lp.topk(top_k, dim=-1)
+        plps.append([{int(i): float(v) for i, v in zip(ri, rv)} for ri, rv in zip(ids, vals)])
+    return {"prompt_logprobs": plps, "greedy": ref.greedy}
+
+
+def own_drift(ckpt: str | Path, ids, dtype: str) -> dict:
+    """``compare`` of our reference in ``dtype`` against itself in float32.
+
+    For W8A8 exports this is the noise floor of any bf16 engine: rounding activations to int8
+    per token turns dtype noise into whole quantization steps (SmolLM2 ``ct-w8a8``, RTN
+    weights: max |dlogprob| 2.86, top-1 0.82, where the W4 exports give 0.43 and 0.98).
+    """
+    return compare(quantspec_reference(ckpt, ids, "float32"), as_engine_result(quantspec_reference(ckpt, ids, dtype)))
 
 
 def compare(ref: Reference, engine: dict) -> dict:

@@ -7,8 +7,10 @@ top-1 agreement, and the 16-token greedy continuation (matched up to the first d
 vLLM runs bf16 (its CPU 4-bit paths need bf16/fp16); the reference runs fp32, so the bound
 covers bf16 activations over 30 layers, not format error: a wrong zero point, group or
 nibble order moves logprobs by whole units and drops top-1 agreement far below 0.9. W8A8
-exports (int8 activations per token) are judged against our reference in bf16 too
-(``exports.reference_dtype``): int8 rounding of activations amplifies dtype noise.
+exports (int8 activations per token) amplify bf16 noise into whole int8 steps, so their bound
+is our own reference's bf16-vs-fp32 drift (``exports.own_drift``): vLLM may differ at most
+twice as much, with top-1 agreement at most 0.1 below ours; a wrong scale or layout still
+drops top-1 agreement towards zero.
 
 Facts of vLLM 0.32 (its source, confirmed by these runs), marked xfail(strict) below:
 GPTQ needs sym=true (asymmetric GPTQ raises "Unsupported quantization config"); GPTQ
@@ -55,8 +57,13 @@ def test_vllm_matches_reference(name, smollm2_export, smollm2_prompts, engine_py
                                       "max_new_tokens": exports.MAX_NEW_TOKENS, "top_k": exports.TOP_K,
                                       "max_model_len": 512})
     assert res["ok"], f"vLLM failed on {name}: {res.get('error')}\n{res.get('log', '')[-3000:]}"
-    ref = exports.quantspec_reference(ckpt, smollm2_prompts, exports.reference_dtype(name, "bfloat16"))
+    ref = exports.quantspec_reference(ckpt, smollm2_prompts, "float32")
     cmp = exports.compare(ref, res)
     print(f"{name}: {cmp} kernel={res.get('wna16_kernel')} quantization={res.get('quantization')}")
-    assert cmp["top1_agree"] >= MIN_TOP1, cmp
-    assert cmp["max_abs_diff"] <= MAX_DIFF, cmp
+    max_diff, min_top1 = MAX_DIFF, MIN_TOP1
+    if exports.quantizes_activations(name):  # bound by our own bf16-vs-fp32 drift (see exports.own_drift)
+        own = exports.own_drift(ckpt, smollm2_prompts, "bfloat16")
+        print(f"{name}: our own bf16 vs fp32: {own}")
+        max_diff, min_top1 = max(MAX_DIFF, 2 * own["max_abs_diff"]), min(MIN_TOP1, own["top1_agree"] - 0.1)
+    assert cmp["top1_agree"] >= min_top1, cmp
+    assert cmp["max_abs_diff"] <= max_diff, cmp
