@@ -94,7 +94,7 @@ def main() -> None:
             if res.get("ok"):
                 cell.update(exports.compare(ref, res))
                 if exports.quantizes_activations(name) and dtype != "float32":
-                    cell["own_drift"] = exports.own_drift(ckpt, ids, dtype)
+                    cell["own_drift"] = exports.own_drift(ckpt, ids, dtype, ref)
             else:
                 cell["error"] = str(res.get("error"))[:400]
             print(json.dumps(cell), flush=True)

@@ -62,7 +62,7 @@ def test_vllm_matches_reference(name, smollm2_export, smollm2_prompts, engine_py
     print(f"{name}: {cmp} kernel={res.get('wna16_kernel')} quantization={res.get('quantization')}")
     max_diff, min_top1 = MAX_DIFF, MIN_TOP1
     if exports.quantizes_activations(name):  # bound by our own bf16-vs-fp32 drift (see exports.own_drift)
-        own = exports.own_drift(ckpt, smollm2_prompts, "bfloat16")
+        own = exports.own_drift(ckpt, smollm2_prompts, "bfloat16", ref)
         print(f"{name}: our own bf16 vs fp32: {own}")
         max_diff, min_top1 = max(MAX_DIFF, 2 * own["max_abs_diff"]), min(MIN_TOP1, own["top1_agree"] - 0.1)
     assert cmp["top1_agree"] >= min_top1, cmp
