@@ -309,15 +309,14 @@ def run_blockwise(
                 block_results = _process(method, block, name, inputs, kwargs[i], per_block[i], arch)
                 seconds = time.perf_counter() - t0
                 refs = _apply_results(block, name, block_results)
+                info = getattr(method, "info", None) or {}
                 outputs = getattr(method, "outputs", None) if block_results else None
                 if outputs is not None:
                     inputs, errors = outputs, {}
                 else:  # reference matmuls only for layers whose error the method did not report
-                    info = getattr(method, "info", None) or {}
                     need = {n: r for n, r in refs.items() if "rel_mse" not in info.get(n, {})}
                     inputs, errors = _replay(block, name, inputs, kwargs[i], need)
                 block_results = {n: _to_device(r, home) for n, r in block_results.items()}
-                info = getattr(method, "info", None) or {}
                 for n in block_results:
                     report.setdefault(n, {}).update(
                         {"block": i, "rel_mse": errors.get(n), "block_seconds": seconds, **info.get(n, {})}

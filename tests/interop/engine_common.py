@@ -26,13 +26,20 @@ def logprobs_and_greedy(hf, job: dict) -> tuple[list, list]:
     with torch.inference_mode():
         for ids in job["prompts"]:
             plps.append(topk(hf(input_ids=torch.tensor([ids])).logits[0], k))
-            cur, gen = list(ids), []
-            for _ in range(int(job.get("max_new_tokens", 16))):
-                nxt = int(hf(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
-                gen.append(nxt)
-                cur.append(nxt)
-            greedy.append(gen)
+            greedy.append(greedy_continuation(hf, ids, int(job.get("max_new_tokens", 16))))
     return plps, greedy
+
+
+def greedy_continuation(model, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids``, each from a full recompute (exact, no cache subtleties)."""
+    import torch
+
+    cur, gen = list(ids), []
+    for _ in range(n):
+        nxt = int(model(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
+        gen.append(nxt)
+        cur.append(nxt)
+    return gen
 
 
 def run_main(actions: dict, package: str) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .engine_common import greedy_continuation
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -122,13 +124,7 @@ def model_reference(model, ids: list[list[int]], max_new_tokens: int = MAX_NEW_T
         x = torch.tensor([seq])
         logits = model(input_ids=x).logits[0].float()
         lps.append(torch.log_softmax(logits, dim=-1))
-        cur = list(seq)
-        gen = []
-        for _ in range(max_new_tokens):  # plain full recompute: exact, no cache subtleties
-            nxt = int(model(input_ids=torch.tensor([cur])).logits[0, -1].float().argmax())
-            gen.append(nxt)
-            cur.append(nxt)
-        greedy.append(gen)
+        greedy.append(greedy_continuation(model, seq, max_new_tokens))
     return Reference(lps, greedy, time.perf_counter() - t0)
 
 
