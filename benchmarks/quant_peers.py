@@ -141,7 +141,8 @@ def write_tables(out: Path, args, rows: dict) -> None:
     for (bits, group, tool), runs in rows.items():
         ok = [r for r in runs if "error" not in r]
         table.append({
-            "method": args.method, "config": f"W{bits}" + ("A8" if group == -1 else f" g{group}"), "tool": tool,
+            "method": args.method, "tool": tool,
+            "config": "fp32" if args.method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}"),
             "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
             "seconds": [round(r["seconds"], 1) for r in ok],
             "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,
