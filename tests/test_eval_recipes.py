@@ -11,7 +11,8 @@ from quantspec.quant.recipe import Recipe
 
 RECIPES = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")
                  if not p.name.startswith("sweep"))
-EXPECTED = {"rtn-w4g128", "rtn-w8pc", "gptq-w4g128", "gptq-w3g128", "gptq-w4g64", "awq-w4g128", "smoothquant-w8a8"}
+EXPECTED = {"rtn-w4g128", "rtn-w8pc", "gptq-w4g128", "gptq-w3g128", "gptq-w4g64", "awq-w4g128", "awq-gptq-w4g128",
+            "smoothquant-w8a8"}
 
 
 def test_the_recipe_set_is_complete():
