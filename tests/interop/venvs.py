@@ -33,7 +33,8 @@ SPECS: dict[str, dict] = {
     },
     "gptqmodel": {
         # 7.6.0 is the last release that accepts torch 2.13 (newer ones need torch>=2.14.1)
-        "install": ["gptqmodel==7.6.0"],
+        # optimum: transformers' own GPTQ loader needs it beside gptqmodel (from_pretrained path)
+        "install": ["gptqmodel==7.6.0", "optimum==2.3.0"],
         "remove": ["torchvision", "torchaudio", "torchcodec"],
         "check": "from gptqmodel import GPTQModel",
     },
