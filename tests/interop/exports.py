@@ -16,6 +16,7 @@ position the top-K log-probabilities (token id -> logprob) and the greedy contin
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -132,10 +133,18 @@ def model_reference(model, ids: list[list[int]], max_new_tokens: int = MAX_NEW_T
 
 
 def quantspec_reference(ckpt: str | Path, ids, dtype: str = "float32") -> Reference:
+    """Our reference backend on ``ckpt``; computed once per process for the same checkpoint
+    files, prompts and dtype (several engines are judged against it)."""
+    files = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in Path(ckpt).iterdir() if p.is_file()))
+    return _reference(str(Path(ckpt).resolve()), files, tuple(map(tuple, ids)), dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(ckpt: str, files: tuple, ids: tuple, dtype: str) -> Reference:
     import quantspec
 
     model = quantspec.load_quantized(ckpt, dtype=_dtype(dtype), backend="reference")
-    return model_reference(model, ids)
+    return model_reference(model, [list(seq) for seq in ids])
 
 
 def as_engine_result(ref: Reference, top_k: int = TOP_K) -> dict:
