@@ -85,9 +85,8 @@ def main() -> None:
                 dtype = "bfloat16"
             elif eng in ("gptqmodel", "transformers+gptqmodel"):
                 # GPTQModel's torch kernels take only fp16/bf16 activations
-                job = {"action": "load", "backend": "gptq_torch" if fam == "gptq" else "awq_torch"}
-                if eng != "gptqmodel":
-                    job = {"action": "hf_load"}
+                job = ({"action": "load", "backend": "gptq_torch" if fam == "gptq" else "awq_torch"}
+                       if eng == "gptqmodel" else {"action": "hf_load"})
                 res = engines.run_engine("gptqmodel", {**job, "model": str(ckpt), "dtype": "bfloat16",
                                                        "prompts": ids, "max_new_tokens": exports.MAX_NEW_TOKENS,
                                                        "top_k": exports.TOP_K}, timeout=1800)

@@ -30,8 +30,6 @@ from interop import engines, exports
 
 pytestmark = pytest.mark.interop
 
-MAX_DIFF = float(os.environ.get("QUANTSPEC_INTEROP_MAX_DIFF", "0.6"))  # bf16 engine vs fp32 ref (CT W4: 0.49 seen)
-MIN_TOP1 = 0.9
 
 VLLM_REFUSES = {
     "gptq-w4g128-asym": "vLLM 0.32 GPTQ takes sym=true only (Unsupported quantization config)",
@@ -60,10 +58,9 @@ def test_vllm_matches_reference(name, smollm2_export, smollm2_prompts, engine_py
     ref = exports.quantspec_reference(ckpt, smollm2_prompts, "float32")
     cmp = exports.compare(ref, res)
     print(f"{name}: {cmp} kernel={res.get('wna16_kernel')} quantization={res.get('quantization')}")
-    max_diff, min_top1 = MAX_DIFF, MIN_TOP1
+    max_diff, min_top1 = exports.MAX_DIFF, exports.MIN_TOP1
     if exports.quantizes_activations(name):  # bound by our own bf16-vs-fp32 drift (see exports.own_drift)
-        own = exports.own_drift(ckpt, smollm2_prompts, "bfloat16", ref)
-        print(f"{name}: our own bf16 vs fp32: {own}")
-        max_diff, min_top1 = max(MAX_DIFF, 2 * own["max_abs_diff"]), min(MIN_TOP1, own["top1_agree"] - 0.1)
+        max_diff, own = exports.drift_bound(ckpt, smollm2_prompts, ref, name)
+        min_top1 = min(exports.MIN_TOP1, own["top1_agree"] - 0.1)
     assert cmp["top1_agree"] >= min_top1, cmp
     assert cmp["max_abs_diff"] <= max_diff, cmp
