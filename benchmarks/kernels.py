@@ -1,12 +1,15 @@
 """Kernel micro-benchmark: quantized linear vs the dense fp16/bf16 matmul vs the reference.
 
     python benchmarks/kernels.py --device cuda [--smoke] [--dtype fp16|bf16] [--no-autotune]
+                                 [--prewarm 16] [--deadline S] [--schemes ...] [--m ...]
     python benchmarks/kernels.py --device cpu [args for kernels_cpu.py]   (delegates)
     python benchmarks/kernels.py --dry-run     (the whole structure on CPU, tiny shapes; with
                                                 TRITON_INTERPRET=1 our kernels run interpreted)
 
 For each scheme, M (tokens) and N x K (a Llama-3-8B/70B projection): median microseconds
-(triton.testing.do_bench after warm-up, L2 flushed), TFLOP/s, effective GB/s (weights +
+(triton.testing.do_bench after warm-up, L2 flushed: includes the Python launch cost) and, on
+GPUs, inside a CUDA graph cycling through weight copies larger than L2 (no launch cost, as
+serving engines run decode), TFLOP/s, effective GB/s (weights +
 scales + zeros + activations + output, each moved once), % of the GPU's peak bandwidth and the
 speed-up over the dense matmul. Writes benchmarks/results/kernels-<gpu>.{json,md}.
 
@@ -37,15 +40,17 @@ M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NK_LIST = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672))
 SMOKE_M, SMOKE_NK = (1, 16, 128), ((4096, 4096), (14336, 4096))
 DRY_M, DRY_NK = (1, 17), ((48, 256),)
-SCHEMES = {  # name -> (scheme, act-order strategy of the Triton backend)
-    "w4g128": (QuantScheme(4, 128, True), "permute"),
-    "w4g128-asym": (QuantScheme(4, 128, False), "permute"),
-    "w4g128-actorder-permute": (QuantScheme(4, 128, True, act_order=True), "permute"),
-    "w4g128-actorder-gidx": (QuantScheme(4, 128, True, act_order=True), "gidx"),
-    "w8a16": (QuantScheme(8, -1, True), "permute"),
-    "w8a8": (QuantScheme(8, -1, True, activations="int8-token-dynamic"), "permute"),
+SCHEMES = {  # name -> (scheme, act-order strategy of the Triton backend, packed-word loads)
+    "w4g128": (QuantScheme(4, 128, True), "permute", True),
+    "w4g128-rows": (QuantScheme(4, 128, True), "permute", False),
+    "w4g128-asym": (QuantScheme(4, 128, False), "permute", True),
+    "w4g128-actorder-permute": (QuantScheme(4, 128, True, act_order=True), "permute", True),
+    "w4g128-actorder-gidx": (QuantScheme(4, 128, True, act_order=True), "gidx", True),
+    "w8a16": (QuantScheme(8, -1, True), "permute", True),
+    "w8a8": (QuantScheme(8, -1, True, activations="int8-token-dynamic"), "permute", True),
 }
-SMOKE_SCHEMES = ("w4g128", "w4g128-actorder-gidx", "w8a8")
+SMOKE_SCHEMES = ("w4g128", "w4g128-rows", "w4g128-actorder-gidx", "w8a8")
+ROTATE_BYTES = 256 << 20  # graph timing cycles through weight copies of at least this much (> L2)
 PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "MI300X": 5.3e12}
 
 
@@ -57,7 +62,8 @@ def cases(smoke: bool, dry: bool = False) -> list[tuple[str, int, int, int]]:
 
 
 def time_us(fn, device: str, reps: int = 50) -> float:
-    """Median microseconds of ``fn()``: do_bench on GPUs, perf_counter otherwise."""
+    """Median microseconds of ``fn()``: do_bench on GPUs (L2 flushed before each call),
+    perf_counter otherwise."""
     if device == "cuda":
         from triton.testing import do_bench
 
@@ -69,6 +75,35 @@ def time_us(fn, device: str, reps: int = 50) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
+
+
+def time_graph_us(fns: list, replays: int = 10) -> float:
+    """Median microseconds per call inside a CUDA graph (as serving engines run decode), with
+    no launch overhead. The graph calls ``fns`` in turn (each on its own copy of the weights,
+    together larger than L2), so weights come from HBM as in a model's forward."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (autotuning) outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    calls = len(fns) * max(1, 24 // len(fns))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def peak_bandwidth(gpu_name: str) -> float | None:
@@ -100,51 +135,65 @@ def moved_bytes(scheme: QuantScheme, m: int, n: int, k: int, act_bytes: int) -> 
     return w + m * k * act_bytes + m * n * act_bytes
 
 
-def measure(name, m, n, k, impls, device, dtype, peak):
-    """One row: time each implementation ({label: (fn, bytes)}) and derive the rates."""
+def measure(name, m, n, k, impls, device, dtype, peak, graph=False):
+    """One row: time each implementation ({label: (fns, bytes)}; fns[0] for eager timing, all
+    of them in turn for graph timing) and derive the rates."""
     row = {"scheme": name, "M": m, "N": n, "K": k}
-    for label, (fn, nbytes) in impls.items():
-        us = time_us(fn, device)
-        row[f"{label}_us"] = round(us, 2)
-        row[f"{label}_tflops"] = round(2 * m * n * k / us / 1e6, 3)
-        row[f"{label}_gbps"] = round(nbytes / us / 1e3, 1)
-        if peak:
-            row[f"{label}_peak_pct"] = round(100 * nbytes / (us * 1e-6) / peak, 1)
+    for label, (fns, nbytes) in impls.items():
+        timings = [("", time_us(fns[0], device))]
+        if graph and label != "reference":
+            timings.append(("_graph", time_graph_us(fns)))
+        for suffix, us in timings:
+            row[f"{label}{suffix}_us"] = round(us, 2)
+            row[f"{label}{suffix}_tflops"] = round(2 * m * n * k / us / 1e6, 3)
+            row[f"{label}{suffix}_gbps"] = round(nbytes / us / 1e3, 1)
+            if peak:
+                row[f"{label}{suffix}_peak_pct"] = round(100 * nbytes / (us * 1e-6) / peak, 1)
     row["speedup_vs_dense"] = round(row["dense_us"] / row["quant_us"], 3)
+    if graph:
+        row["speedup_graph"] = round(row["dense_graph_us"] / row["quant_graph_us"], 3)
     return row
 
 
-def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference):
-    """{label: (callable, bytes moved)} for one case: our kernel, dense matmul, the reference."""
+def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1):
+    """{label: ([callable per weight copy], bytes moved)} for one case: our kernel, the dense
+    matmul, the reference. ``copies`` 0: as many as make ROTATE_BYTES (graph timing)."""
     from quantspec.kernels.reference import ReferenceBackend
     from quantspec.kernels.backend import get_backend
 
-    scheme, strategy = SCHEMES[name]
+    scheme, strategy, packed = SCHEMES[name]
     r = random_result(scheme, n, k, device)
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from quantspec.kernels.triton_backend import TritonBackend
 
-        ours = TritonBackend(act_order=strategy, **triton_kw)
+        ours = TritonBackend(act_order=strategy, packed=packed, **triton_kw)
     else:  # dry run without the interpreter: the reference stands in
         ours = get_backend("reference")
-    p = ours.prepare(r, dtype)
     elt = x.element_size()
+    qbytes, dbytes = moved_bytes(scheme, m, n, k, elt), n * k * elt + m * k * elt + m * n * elt
+    qcopies = copies or max(1, min(32, -(-ROTATE_BYTES // qbytes)))
+    dcopies = copies or max(1, min(32, -(-ROTATE_BYTES // dbytes)))
+    preps = [ours.prepare(r, dtype) for _ in range(qcopies)]
+    ws = [w] + [w.clone() for _ in range(dcopies - 1)]
     impls = {
-        "quant": (lambda: ours.linear(x, p, scheme, n, k, None), moved_bytes(scheme, m, n, k, elt)),
-        "dense": (lambda: x @ w.T, n * k * elt + m * k * elt + m * n * elt),
+        "quant": ([lambda p=p: ours.linear(x, p, scheme, n, k, None) for p in preps], qbytes),
+        "dense": ([lambda w_=w_: x @ w_.T for w_ in ws], dbytes),
     }
     if with_reference:
         ref = ReferenceBackend()
         rp = ref.prepare(r, dtype)
-        impls["reference"] = (lambda: ref.linear(x, rp, scheme, n, k, None), moved_bytes(scheme, m, n, k, elt))
+        impls["reference"] = ([lambda: ref.linear(x, rp, scheme, n, k, None)], qbytes)
     return impls
 
 
 COLUMNS = [("scheme", "scheme"), ("M", "M"), ("N", "N"), ("K", "K"), ("quant_us", "ours us"),
            ("dense_us", "dense us"), ("reference_us", "ref us"), ("quant_tflops", "TFLOP/s"),
-           ("quant_gbps", "GB/s"), ("quant_peak_pct", "% peak BW"), ("speedup_vs_dense", "x dense")]
+           ("quant_gbps", "GB/s"), ("quant_peak_pct", "% peak BW"), ("speedup_vs_dense", "x dense"),
+           ("quant_graph_us", "ours graph us"), ("dense_graph_us", "dense graph us"),
+           ("quant_graph_peak_pct", "graph % peak BW"), ("speedup_graph", "graph x dense"),
+           ("rel_err_vs_ref", "rel err")]
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -172,28 +221,72 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, tag: str) -> tupl
     return jpath, mpath
 
 
+def _prewarm_worker(job) -> int:
+    """Run each case's kernel once (autotuning: every config compiled into Triton's disk cache)."""
+    todo, dtype, triton_kw = job
+    for name, m, n, k in todo:
+        impls = layer_impls(name, m, n, k, "cuda", dtype, triton_kw, False, copies=1)
+        impls["quant"][0][0]()
+    torch.cuda.synchronize()
+    return len(todo)
+
+
+def prewarm(todo: list, workers: int, dtype, triton_kw) -> None:
+    """Compile in ``workers`` processes first, so that the timed run's autotuning loads every
+    kernel from the disk cache instead of compiling one config after another. The workers'
+    own tuning choices are thrown away (they ran side by side on one GPU)."""
+    import multiprocessing
+
+    jobs = [(todo[i::workers], dtype, triton_kw) for i in range(workers) if todo[i::workers]]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        pool.map(_prewarm_worker, jobs)
+
+
 def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     peak = peak_bandwidth(device_name)
     triton_kw = {"autotune": not args.no_autotune}
+    todo = [c for c in cases(args.smoke, dry) if not args.schemes or c[0] in args.schemes]
+    todo = [c for c in todo if not args.m or c[1] in args.m]
+    todo = [c for c in todo if not args.nk or f"{c[2]}x{c[3]}" in args.nk]
+    graph = device == "cuda" and not args.no_graph
+    started = time.monotonic()
+    if device == "cuda" and args.prewarm > 1:
+        prewarm(todo, args.prewarm, dtype, triton_kw)
+        print(f"prewarm: {len(todo)} cases compiled in {time.monotonic() - started:.0f} s", flush=True)
     rows = []
-    for name, m, n, k in cases(args.smoke, dry):
-        if args.schemes and name not in args.schemes:
-            continue
-        impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference)
-        rows.append(measure(name, m, n, k, impls, device, dtype, peak))
+    for name, m, n, k in todo:
+        if args.deadline and time.monotonic() - started > args.deadline:
+            print(f"deadline of {args.deadline} s reached: {len(todo) - len(rows)} cases not run", flush=True)
+            break
+        impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference,
+                            copies=0 if graph else 1)
+        rows.append(measure(name, m, n, k, impls, device, dtype, peak, graph))
+        if "reference" in impls:  # the timed kernel's output against the reference's
+            y, y_ref = impls["quant"][0][0]().float(), impls["reference"][0][0]().float()
+            rows[-1]["rel_err_vs_ref"] = float(f"{((y - y_ref).abs().max() / y_ref.abs().max()).item():.3g}")
         print(json.dumps(rows[-1]), flush=True)
+        del impls
         if device == "cuda":
             torch.cuda.empty_cache()
     tag = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or device
     meta = {"device_name": device_name, "dtype": args.dtype, "smoke": args.smoke, "dry_run": dry,
             "autotune": not args.no_autotune, "peak_tb_s": None if peak is None else peak / 1e12,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "triton": _triton_version(), "graph_timing": graph,
+            "cases_planned": len(todo), "seconds": round(time.monotonic() - started, 1)}
     out = Path(args.out) if args.out else ROOT / "results"
     print_table(rows)
-    for p in write_results(rows, meta, out, ("dry-run-" if dry else "") + tag):
+    for p in write_results(rows, meta, out, ("dry-run-" if dry else "") + tag + args.tag):
         print(f"wrote {p}")
     return rows
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def run_cuda(args) -> list[dict]:
@@ -227,6 +320,14 @@ def parse_args(argv):
     p.add_argument("--no-autotune", action="store_true", help="first config per target, no tuning")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference backend")
     p.add_argument("--out", help="results folder (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
+    p.add_argument("--m", type=int, nargs="*", help="only these M")
+    p.add_argument("--nk", nargs="*", metavar="NxK", help="only these layer shapes, e.g. 4096x4096")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing")
+    p.add_argument("--prewarm", type=int, default=0, metavar="N",
+                   help="compile every case's kernels in N processes before timing")
+    p.add_argument("--deadline", type=float, default=0, metavar="S",
+                   help="stop starting new cases after S seconds and write what was measured")
     return p.parse_known_args(argv)
 
 

@@ -128,15 +128,17 @@ def _weight_only_cases():
             for strategy in strategies:
                 dtype = DTYPES[(i + j) % 3]
                 n, k = SHAPES[(i + j) % 2]
-                yield pytest.param(scheme, m, dtype, n, k, strategy,
-                                   id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}")
+                packed = (i + j) % 4 != 3  # both ways of reading packed words, every path
+                yield pytest.param(scheme, m, dtype, n, k, strategy, packed,
+                                   id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}"
+                                      f"{'' if packed else '-rows'}")
 
 
 @interp
-@pytest.mark.parametrize("scheme,m,dtype,n,k,strategy", list(_weight_only_cases()))
-def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy):
+@pytest.mark.parametrize("scheme,m,dtype,n,k,strategy,packed", list(_weight_only_cases()))
+def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy, packed):
     r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
-    backend = tk.backend.TritonBackend(act_order=strategy)
+    backend = tk.backend.TritonBackend(act_order=strategy, packed=packed)
     y, y_ref = run_both(backend, r, x, b)
     check_close(y, y_ref, dtype)
 
@@ -288,11 +290,12 @@ def _gpu():
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY + [S(8, -1, True, activations="int8-token-dynamic")],
                          ids=lambda s: s.short_name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_matches_reference(scheme, dtype):
+@pytest.mark.parametrize("packed", (True, False), ids=("packed", "rows"))
+def test_gpu_matches_reference(scheme, dtype, packed):
     """Every path (M 1/4 GEMV, 17/32 small-M, 40/300 tiled) with the first config per family."""
     mods = _gpu()
     for strategy in ("permute", "gidx") if scheme.act_order else ("permute",):
-        backend = mods.backend.TritonBackend(strategy, autotune=False)
+        backend = mods.backend.TritonBackend(strategy, autotune=False, packed=packed)
         for m in (1, 4, 17, 32, 40, 300):
             for n, k in ((72, 384), (1024, 1000)):
                 r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
@@ -307,3 +310,24 @@ def test_gpu_autotuned_w4g128(m):
     r, x, b = make_case(S(4, 128, True), 4096, 4096, m, torch.float16, device="cuda")
     y, y_ref = run_both(mods.backend.TritonBackend(), r, x, b)
     check_close(y, y_ref, torch.float16, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("gemv", "small_m", "large_m", "w8a8"))
+def test_gpu_every_config_of_the_target(family, monkeypatch):
+    """Each config the autotuner may pick for this GPU compiles and computes the right result
+    (K = 1000: a partial last group and K off every tile; N = 1000 off every tile)."""
+    mods = _gpu()
+    from quantspec.kernels.triton import configs
+
+    real = configs.configs_for
+    scheme = S(8, -1, True, activations="int8-token-dynamic") if family == "w8a8" else S(4, 128, False)
+    ms = {"gemv": (1, 3), "small_m": (9, 17), "large_m": (40, 300), "w8a8": (1, 40)}[family]
+    for cfg in real(family, configs.current_target()):
+        monkeypatch.setattr(configs, "configs_for", lambda fam, tgt, c=cfg: [c] if fam == family else real(fam, tgt))
+        for packed in (True,) if family == "w8a8" else (True, False):
+            backend = mods.backend.TritonBackend(autotune=False, packed=packed)
+            for m in ms:
+                r, x, b = make_case(scheme, 1000, 1000, m, torch.float16, device="cuda")
+                y, y_ref = run_both(backend, r, x, b)
+                check_close(y, y_ref, torch.float16, GPU_TOL)

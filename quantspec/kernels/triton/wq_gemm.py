@@ -36,14 +36,25 @@ def field_bits(bits: int) -> int:
 @triton.jit
 def _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_k, offs_n, K, N,
                   FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 dequantized weight rows offs_k, columns offs_n (0 outside)."""
+                  HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, PACKED: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32 dequantized weight rows offs_k = k0 + arange(BLOCK_K), columns
+    offs_n (0 outside K or N; with PACKED, rows past K inside the last word are not zero: the
+    caller's x is 0 there)."""
     PF: tl.constexpr = 32 // FB
     mask_k = offs_k < K
     mask_n = offs_n < N
     mask = mask_k[:, None] & mask_n[None, :]
-    words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    q = ((words >> ((offs_k % PF) * FB)[:, None]) & ((1 << FB) - 1)).to(tl.float32)
+    if PACKED:  # each word loaded once, its PF fields split by a broadcast shift
+        KW: tl.constexpr = BLOCK_K // PF
+        offs_w = k0 // PF + tl.arange(0, KW)
+        wmask = (offs_w[:, None] < tl.cdiv(K, PF)) & mask_n[None, :]
+        words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+        fields = (words[:, None, :] >> (tl.arange(0, PF) * FB)[None, :, None]) & ((1 << FB) - 1)
+        q = tl.reshape(fields, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row PF*j+i = field i of word j
+    else:  # one load per row: each word is read PF times (cache hits)
+        words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask, other=0)
+        q = ((words >> ((offs_k % PF) * FB)[:, None]) & ((1 << FB) - 1)).to(tl.float32)
     if HAS_GIDX:  # act-order kept as g_idx: gather one scale per (row, column)
         g = tl.load(gidx_ptr + offs_k, mask=mask_k, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
@@ -87,8 +98,8 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
                     M, N, K, stride_xm, M_KEY,
                     FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    SPLIT_K: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """M <= 4 rows: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,7 +111,7 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
-                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, BLOCK_K)
+                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, PACKED, BLOCK_K, BLOCK_N)
         xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
@@ -112,7 +123,8 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    M, N, K, stride_xm, M_KEY,
                    FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr,
+                   BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
@@ -138,7 +150,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
         xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
-                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, BLOCK_K)
+                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, PACKED, BLOCK_K, BLOCK_N)
         if DOT_F32:
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
         else:
@@ -229,6 +241,7 @@ def wq_linear(
     group_size: int,
     split_k: int | None = None,
     autotune: bool = True,
+    packed: bool = True,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight-only quantized W, in one fused dequant-GEMM.
 
@@ -241,6 +254,7 @@ def wq_linear(
     bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
     split_k:  K splits for M <= 32 (None: from the grid size and the GPU's compute units).
     autotune: False runs the first fitting config of the target's list (no tuning runs).
+    packed:   load each packed word once and split its fields (True), or load it once per row.
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -277,7 +291,7 @@ def wq_linear(
     part = torch.empty((split_k, m, n), device=x.device, dtype=torch.float32) if split_k > 1 else out
     group = PER_CHANNEL_GROUP if group_size == -1 else group_size
     meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
-                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k)
+                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k, PACKED=packed)
     dummy = scales  # never read: the matching HAS_* flag is False
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One prepared GPU session (NVIDIA or AMD): the GPU tests, then the kernel benchmark, each phase
+# under its own time limit, every output written to $OUT (default benchmarks/results/gpu-run).
+# Runs with whatever python3 holds torch + triton there (no install: the repo is on PYTHONPATH).
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [others]
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu-run}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+PHASES=${*:-tests main others}
+PY=${PY:-python3}
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null \
+    || rocm-smi --showproductname 2>/dev/null
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/machine.txt"
+
+for phase in $PHASES; do
+  case $phase in
+    tests)
+      stamp "GPU tests"
+      timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu -n 16 tests/test_triton_kernels.py \
+        2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
+    main)  # the w4g128 sweep: every M and layer shape of the issue
+      stamp "benchmark: w4g128, all shapes"
+      timeout 210 $PY benchmarks/kernels.py --device cuda --schemes w4g128 --prewarm 16 --deadline 140 \
+        --out "$OUT" --tag -w4g128 2>&1 | tee "$OUT/bench-w4g128.log" | grep -v '^{' ;;
+    others)  # the other layouts and the packed-vs-rows comparison, fewer shapes
+      stamp "benchmark: other schemes"
+      timeout 200 $PY benchmarks/kernels.py --device cuda --prewarm 16 --deadline 110 --m 1 16 256 \
+        --nk 4096x4096 14336x4096 8192x28672 \
+        --schemes w4g128-rows w4g128-asym w4g128-actorder-permute w4g128-actorder-gidx w8a16 w8a8 \
+        --out "$OUT" --tag -others 2>&1 | tee "$OUT/bench-others.log" | grep -v '^{' ;;
+    *) echo "unknown phase $phase (tests, main, others)" ;;
+  esac
+done
+stamp "done"
