@@ -3,13 +3,13 @@
 # under its own time limit, every output written to $OUT (default benchmarks/results/gpu-run).
 # Runs with whatever python3 holds torch + triton there (no install: the repo is on PYTHONPATH).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [others]
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [others] [bf16]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-PHASES=${*:-tests main others}
+PHASES=${*:-tests main others bf16}
 PY=${PY:-python3}
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -23,20 +23,24 @@ for phase in $PHASES; do
   case $phase in
     tests)  # SIGINT at the limit: pytest still prints the failures of what ran
       stamp "GPU tests"
-      timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -m gpu -n 16 --tb=short -rfE \
+      timeout -s INT 100 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -m gpu -n 16 --tb=short -rfE \
         tests/test_triton_kernels.py > "$OUT/tests.txt" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -30 ;;
     main)  # the w4g128 sweep: every M and layer shape of the issue
       stamp "benchmark: w4g128, all shapes"
-      timeout 170 $PY benchmarks/kernels.py --device cuda --schemes w4g128 --prewarm 16 --deadline 110 \
-        --out "$OUT" --tag=-w4g128 2>&1 | tee "$OUT/bench-w4g128.log" | grep -v '^{' ;;
-    others)  # the other layouts and the packed-vs-rows comparison, fewer shapes
+      timeout 130 $PY benchmarks/kernels.py --device cuda --schemes w4g128 --prewarm 16 --deadline 95 \
+        --out "$OUT" --tag=-w4g128 2>&1 | grep -v '^{' ;;
+    others)  # the other layouts, fewer shapes
       stamp "benchmark: other schemes"
-      timeout 200 $PY benchmarks/kernels.py --device cuda --prewarm 16 --deadline 110 --m 1 16 256 \
+      timeout 130 $PY benchmarks/kernels.py --device cuda --prewarm 16 --deadline 95 --m 1 16 256 \
         --nk 4096x4096 14336x4096 8192x28672 \
-        --schemes w4g128-rows w4g128-asym w4g128-actorder-permute w4g128-actorder-gidx w8a16 w8a8 \
-        --out "$OUT" --tag=-others 2>&1 | tee "$OUT/bench-others.log" | grep -v '^{' ;;
-    *) echo "unknown phase $phase (tests, main, others)" ;;
+        --schemes w4g128-asym w4g128-actorder-permute w4g128-actorder-gidx w4g32 w8a16 w8a8 \
+        --out "$OUT" --tag=-others 2>&1 | grep -v '^{' ;;
+    bf16)  # bf16 activations, w4g128
+      stamp "benchmark: bf16"
+      timeout 80 $PY benchmarks/kernels.py --device cuda --dtype bf16 --prewarm 16 --deadline 55 --m 1 16 256 \
+        --schemes w4g128 --no-reference --out "$OUT" --tag=-bf16 2>&1 | grep -v '^{' ;;
+    *) echo "unknown phase $phase (tests, main, others, bf16)" ;;
   esac
 done
 stamp "done"

@@ -40,16 +40,16 @@ M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NK_LIST = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672))
 SMOKE_M, SMOKE_NK = (1, 16, 128), ((4096, 4096), (14336, 4096))
 DRY_M, DRY_NK = (1, 17), ((48, 256),)
-SCHEMES = {  # name -> (scheme, act-order strategy of the Triton backend, packed-word loads)
-    "w4g128": (QuantScheme(4, 128, True), "permute", True),
-    "w4g128-rows": (QuantScheme(4, 128, True), "permute", False),
-    "w4g128-asym": (QuantScheme(4, 128, False), "permute", True),
-    "w4g128-actorder-permute": (QuantScheme(4, 128, True, act_order=True), "permute", True),
-    "w4g128-actorder-gidx": (QuantScheme(4, 128, True, act_order=True), "gidx", True),
-    "w8a16": (QuantScheme(8, -1, True), "permute", True),
-    "w8a8": (QuantScheme(8, -1, True, activations="int8-token-dynamic"), "permute", True),
+SCHEMES = {  # name -> (scheme, act-order strategy of the Triton backend)
+    "w4g128": (QuantScheme(4, 128, True), "permute"),
+    "w4g128-asym": (QuantScheme(4, 128, False), "permute"),
+    "w4g128-actorder-permute": (QuantScheme(4, 128, True, act_order=True), "permute"),
+    "w4g128-actorder-gidx": (QuantScheme(4, 128, True, act_order=True), "gidx"),
+    "w4g32": (QuantScheme(4, 32, True), "permute"),
+    "w8a16": (QuantScheme(8, -1, True), "permute"),
+    "w8a8": (QuantScheme(8, -1, True, activations="int8-token-dynamic"), "permute"),
 }
-SMOKE_SCHEMES = ("w4g128", "w4g128-rows", "w4g128-actorder-gidx", "w8a8")
+SMOKE_SCHEMES = ("w4g128", "w4g128-actorder-gidx", "w8a8")
 ROTATE_BYTES = 256 << 20  # graph timing cycles through weight copies of at least this much (> L2)
 PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "MI300X": 5.3e12}
 
@@ -161,14 +161,14 @@ def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=
     from quantspec.kernels.reference import ReferenceBackend
     from quantspec.kernels.backend import get_backend
 
-    scheme, strategy, packed = SCHEMES[name]
+    scheme, strategy = SCHEMES[name]
     r = random_result(scheme, n, k, device)
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from quantspec.kernels.triton_backend import TritonBackend
 
-        ours = TritonBackend(act_order=strategy, packed=packed, **triton_kw)
+        ours = TritonBackend(act_order=strategy, **triton_kw)
     else:  # dry run without the interpreter: the reference stands in
         ours = get_backend("reference")
     elt = x.element_size()

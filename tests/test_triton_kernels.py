@@ -118,7 +118,7 @@ WEIGHT_ONLY = [
 ]
 M_VALUES = (1, 3, 17, 40)  # GEMV, GEMV with a padded row, small-M tl.dot, tiled tl.dot
 DTYPES = (torch.float16, torch.float32, torch.bfloat16)
-SHAPES = ((48, 256), (72, 384))  # N and K off the 128-wide interpreter tiles; K off 256
+SHAPES = ((48, 256), (72, 320), (256, 256))  # N, K off the 128-wide interpreter tiles; none off
 
 
 def _weight_only_cases():
@@ -127,18 +127,16 @@ def _weight_only_cases():
         for j, m in enumerate(M_VALUES):
             for strategy in strategies:
                 dtype = DTYPES[(i + j) % 3]
-                n, k = SHAPES[(i + j) % 2]
-                packed = (i + j) % 4 != 3  # both ways of reading packed words, every path
-                yield pytest.param(scheme, m, dtype, n, k, strategy, packed,
-                                   id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}"
-                                      f"{'' if packed else '-rows'}")
+                n, k = SHAPES[(i + j) % 3]
+                yield pytest.param(scheme, m, dtype, n, k, strategy,
+                                   id=f"{scheme.short_name}-M{m}-{str(dtype)[6:]}-{n}x{k}-{strategy}")
 
 
 @interp
-@pytest.mark.parametrize("scheme,m,dtype,n,k,strategy,packed", list(_weight_only_cases()))
-def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy, packed):
+@pytest.mark.parametrize("scheme,m,dtype,n,k,strategy", list(_weight_only_cases()))
+def test_weight_only_matches_reference(tk, scheme, m, dtype, n, k, strategy):
     r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
-    backend = tk.backend.TritonBackend(act_order=strategy, packed=packed)
+    backend = tk.backend.TritonBackend(act_order=strategy)
     y, y_ref = run_both(backend, r, x, b)
     check_close(y, y_ref, dtype)
 
@@ -156,7 +154,7 @@ def test_w4g128_every_dtype_and_3d_input(tk, dtype):
 
 
 @interp
-@pytest.mark.parametrize("m,split_k", [(2, 3), (20, 2), (20, 4)])
+@pytest.mark.parametrize("m,split_k", [(2, 3), (20, 2), (20, 4), (40, 2)])
 def test_split_k_partials_are_reduced(tk, m, split_k):
     """Explicit split-K (one split is empty when split_k > K tiles) on the GEMV and dot paths."""
     scheme = S(4, 32, False)
@@ -239,7 +237,7 @@ def test_cannot_run_and_bad_shapes(tk, monkeypatch):
         tk.wq.wq_linear(x[:, :128], p["qweight"], p["scales"], None, None, b, bits=4, group_size=128)
     with pytest.raises(ValueError, match="split_k"):
         tk.wq.wq_linear(torch.randn(40, 256).half(), p["qweight"], p["scales"], None, None, b,
-                        bits=4, group_size=128, split_k=2)
+                        bits=4, group_size=128, split_k=0)
 
 
 @interp
@@ -290,17 +288,14 @@ def _gpu():
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY + [S(8, -1, True, activations="int8-token-dynamic")],
                          ids=lambda s: s.short_name)
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("packed", (True, False), ids=("packed", "rows"))
 @pytest.mark.parametrize("m", (1, 4, 17, 300))
-def test_gpu_matches_reference(scheme, dtype, packed, m):
+def test_gpu_matches_reference(scheme, dtype, m):
     """Every path (M 1/4 GEMV, 17 small-M, 300 tiled) with the first config per family; fp32
     runs the same kernels (IEEE tl.dot) and is covered by the interpreter tests."""
     mods = _gpu()
-    if scheme.activations and not packed:
-        pytest.skip("W8A8 has one weight layout")
     for strategy in ("permute", "gidx") if scheme.act_order else ("permute",):
-        backend = mods.backend.TritonBackend(strategy, autotune=False, packed=packed)
-        for n, k in ((72, 384), (1024, 1000)):
+        backend = mods.backend.TritonBackend(strategy, autotune=False)
+        for n, k in ((72, 384), (1024, 1000), (512, 1024)):  # masked tiles; no masks (EVEN)
             r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
             y, y_ref = run_both(backend, r, x, b)
             check_close(y, y_ref, dtype, GPU_TOL)
@@ -320,7 +315,7 @@ def test_gpu_autotuned_w4g128(m):
 @pytest.mark.parametrize("index", range(12))
 def test_gpu_every_config_of_the_target(family, index, monkeypatch):
     """Config ``index`` of the family's list for this GPU compiles and computes the right result
-    (K = 1000: a partial last group and K off every tile; N = 1000 off every tile)."""
+    (1000 x 1000: a partial last group, N and K off every tile; 512 x 1024: no masks)."""
     mods = _gpu()
     from quantspec.kernels.triton import configs
 
@@ -331,9 +326,9 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
     monkeypatch.setattr(configs, "configs_for", lambda fam, tgt: [cfgs[index]] if fam == family else real(fam, tgt))
     scheme = S(8, -1, True, activations="int8-token-dynamic") if family == "w8a8" else S(4, 128, False)
     ms = {"gemv": (1, 3), "small_m": (9,), "large_m": (300,), "w8a8": (1, 40)}[family]
-    for packed in (True,) if family == "w8a8" else (True, False):
-        backend = mods.backend.TritonBackend(autotune=False, packed=packed)
-        for m in ms:
-            r, x, b = make_case(scheme, 1000, 1000, m, torch.float16, device="cuda")
+    backend = mods.backend.TritonBackend(autotune=False)
+    for m in ms:
+        for n, k in ((1000, 1000), (512, 1024)):
+            r, x, b = make_case(scheme, n, k, m, torch.float16, device="cuda")
             y, y_ref = run_both(backend, r, x, b)
             check_close(y, y_ref, torch.float16, GPU_TOL)

@@ -66,17 +66,15 @@ class TritonBackend:
 
     act_order: the act-order strategy, "permute" (default) or "gidx" (see the module doc).
     autotune: False runs the first fitting config per target instead of tuning (tests).
-    packed: how the kernels read packed words (``wq_linear``'s ``packed``).
     """
 
     name = "triton"
 
-    def __init__(self, act_order: str = "permute", autotune: bool = True, packed: bool = True):
+    def __init__(self, act_order: str = "permute", autotune: bool = True):
         if act_order not in ACT_ORDER_STRATEGIES:
             raise ValueError(f"act_order must be one of {ACT_ORDER_STRATEGIES}, got {act_order!r}")
         self.act_order = act_order
         self.autotune = autotune
-        self.packed = packed
 
     def cannot_run(
         self, scheme: QuantScheme, out_features: int, in_features: int,
@@ -144,6 +142,6 @@ class TritonBackend:
             y = wq_linear(
                 x2, prepared["qweight"], prepared["scales"], prepared.get("zeros"),
                 prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
-                autotune=self.autotune, packed=self.packed,
+                autotune=self.autotune,
             )
         return y.reshape(*lead, out_features)

@@ -49,8 +49,8 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
         return [
             _cfg(None, bn, bk, w, s)
             for bn, bk, w, s in [
-                (64, 64, 2, deep), (128, 32, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3),
-                (256, 32, 4, deep), (256, 64, 8, 3), (64, 128, 4, 3), (32, 128, 2, 4),
+                (128, 64, 4, deep), (256, 32, 4, deep), (256, 64, 8, 3), (512, 32, 4, deep),
+                (512, 16, 4, deep), (512, 32, 8, 3), (1024, 16, 8, 3), (128, 128, 4, 3),
             ]
         ]
     if family == "small_m":
@@ -82,8 +82,8 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
         return [
             _cfg(None, bn, bk, w, 2, waves_per_eu=wpe)
             for bn, bk, w, wpe in [
-                (64, 64, 4, 0), (128, 32, 4, 0), (128, 64, 4, 2), (256, 32, 8, 0),
-                (64, 128, 4, 2), (128, 128, 8, 0),
+                (128, 64, 4, 0), (256, 32, 4, 0), (512, 32, 8, 0), (512, 16, 4, 2),
+                (256, 64, 8, 2), (1024, 16, 8, 0),
             ]
         ]
     if family == "small_m":

@@ -66,7 +66,7 @@ def _w8a8_kernel(qx_ptr, sx_ptr, qw_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, M_KEY,
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
         b = tl.load(qw_ptr + offs_n[None, :] * K + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
     sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sx[:, None] * sw[None, :]

@@ -26,6 +26,9 @@ from . import configs
 GEMV_MAX_M = 4
 SMALL_M_MAX = 32
 PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is in group 0
+# K and N multiples of the config's tiles need no masks (set per config, after autotuning)
+_EVEN = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
+                           "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})
 
 
 def field_bits(bits: int) -> int:
@@ -34,49 +37,71 @@ def field_bits(bits: int) -> int:
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_k, offs_n, K, N,
-                  FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, PACKED: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 dequantized weight rows offs_k = k0 + arange(BLOCK_K), columns
-    offs_n (0 outside K or N; with PACKED, rows past K inside the last word are not zero: the
-    caller's x is 0 there)."""
+def _load_codes(qw_ptr, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """uint32 codes [KW, PF, BLOCK_N] of rows k0 .. k0 + BLOCK_K (field i of word j is row
+    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift. Words past
+    K or N read as 0 (EVEN: none are, no masks)."""
     PF: tl.constexpr = 32 // FB
-    mask_k = offs_k < K
-    mask_n = offs_n < N
-    mask = mask_k[:, None] & mask_n[None, :]
-    if PACKED:  # each word loaded once, its PF fields split by a broadcast shift
-        KW: tl.constexpr = BLOCK_K // PF
-        offs_w = k0 // PF + tl.arange(0, KW)
-        wmask = (offs_w[:, None] < tl.cdiv(K, PF)) & mask_n[None, :]
-        words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=wmask, other=0)
-        fields = (words[:, None, :] >> (tl.arange(0, PF) * FB)[None, :, None]) & ((1 << FB) - 1)
-        q = tl.reshape(fields, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row PF*j+i = field i of word j
-    else:  # one load per row: each word is read PF times (cache hits)
-        words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :], mask=mask, other=0)
-        q = ((words >> ((offs_k % PF) * FB)[:, None]) & ((1 << FB) - 1)).to(tl.float32)
-    if HAS_GIDX:  # act-order kept as g_idx: gather one scale per (row, column)
-        g = tl.load(gidx_ptr + offs_k, mask=mask_k, other=0)
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    KW: tl.constexpr = BLOCK_K // PF
+    offs_w = k0 // PF + tl.arange(0, KW)
+    ptrs = qw_ptr + offs_w[:, None] * N + offs_n[None, :]
+    if EVEN:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=(offs_w[:, None] < tl.cdiv(K, PF)) & (offs_n[None, :] < N), other=0)
+    shifts = (tl.arange(0, PF) * FB).to(tl.uint32)
+    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & ((1 << FB) - 1)
+
+
+@triton.jit
+def _magic_f32(codes, zf):
+    """codes - zero as exact fp32, with no int->float conversion instruction (those run at a
+    fraction of the ALU rate): ``code | 0x4B000000`` read as fp32 is 2**23 + code, and
+    ``zf`` = zero + 2**23."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - zf
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
+    """fp32 scales and zero points [BLOCK_N] of group g."""
+    if EVEN_N:
+        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        if EVEN_N:
+            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
         else:
-            z = SYM_ZERO
-    elif GROUP % BLOCK_K == 0:  # the tile lies inside one group: one row of scales
-        g0 = k0 // GROUP
-        s = tl.load(s_ptr + g0 * N + offs_n[None, :], mask=mask_n[None, :], other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g0 * N + offs_n[None, :], mask=mask_n[None, :], other=0).to(tl.float32)
-        else:
-            z = SYM_ZERO
-    else:  # the tile spans several groups
+            z = tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + SYM_ZERO
+    return s, z
+
+
+@triton.jit
+def _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
+                      FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, EVEN: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32 dequantized rows k0 .. k0 + BLOCK_K when one tile holds several
+    groups: a scale (and zero) gathered per element, from g_idx or from k // GROUP. Rows past
+    K are not zero (the caller's x is 0 there); columns past N are."""
+    codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
+    q = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + offs_k, mask=offs_k < K, other=0)
+    else:
         g = offs_k // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-        else:
-            z = SYM_ZERO
-    return (q - z) * s.to(tl.float32)
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    else:
+        z = SYM_ZERO
+    return (q - z) * s
 
 
 @triton.jit
@@ -93,43 +118,72 @@ def _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr,
         tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
 
 
+@_EVEN
 @triton.jit
 def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
                     M, N, K, stride_xm, M_KEY,
                     FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SPLIT_K: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """M <= 4 rows: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range."""
+                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                    MAGIC16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """M <= 4 rows, no tl.dot: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range.
+
+    A tile inside one group (no g_idx, GROUP % BLOCK_K == 0) is reduced on the integer codes
+    (code - zero, exact in fp32) and scaled once per column; otherwise each element is
+    dequantized with its gathered scale. MAGIC16 is unused here (one signature for both kernels).
+    """
+    PF: tl.constexpr = 32 // FB
+    KW: tl.constexpr = BLOCK_K // PF
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, KW)[:, None] * PF + tl.arange(0, PF)[None, :]  # [KW, PF]: row of each code
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
-                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, PACKED, BLOCK_K, BLOCK_N)
-        xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+        k0 = t * BLOCK_K
+        if HAS_GIDX or GROUP % BLOCK_K != 0:
+            w = _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
+                                  SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+        else:
+            codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            qz = _magic_f32(codes, (z + 8388608.0)[None, None, :])  # [KW, PF, BN] code - zero
+            for mi in tl.static_range(BLOCK_M):  # rows >= M read row mi % M and are never stored
+                x_row = x_ptr + (mi % M) * stride_xm + k0
+                if EVEN_K:
+                    xm = tl.load(x_row + rows)
+                else:
+                    xm = tl.load(x_row + rows, mask=k0 + rows < K, other=0.0)
+                a = tl.sum(tl.sum(xm.to(tl.float32)[:, :, None] * qz, axis=1), axis=0)  # [BN]
+                acc += tl.where(offs_m[:, None] == mi, (a * s)[None, :], 0.0)
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
 
 
+@_EVEN
 @triton.jit
 def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
                    M, N, K, stride_xm, M_KEY,
                    FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr,
-                   BLOCK_M: tl.constexpr,
+                   SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
-    The weight tile is dequantized in fp32, cast to x's dtype and fed to tl.dot with fp32
-    accumulation. DOT_F32 keeps both operands in fp32 (fp32 activations, IEEE precision).
+    Inside one group the weight operand is code - zero, built in x's dtype with no conversion
+    instruction when MAGIC16 is set (fp16: ``0x6400 | code`` is 1024 + code; bf16, codes < 128:
+    ``0x4300 | code`` is 128 + code; both exact), else through fp32. Small tiles (BLOCK_M <= 32:
+    decode, memory-bound) multiply the scale into the dot's fp32 result, once per column; large
+    tiles scale the operand so that the dots chain in one accumulator. A tile of several groups
+    (g_idx, small groups) dequantizes each element in fp32. DOT_F32: fp32 operands, IEEE dot.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -146,15 +200,40 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, t * BLOCK_K, offs_k, offs_n, K, N,
-                          FB, GROUP, SYM_ZERO, HAS_ZEROS, HAS_GIDX, PACKED, BLOCK_K, BLOCK_N)
-        if DOT_F32:
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        k0 = t * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        if HAS_GIDX or GROUP % BLOCK_K != 0:
+            w = _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
+                                  SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
+            if DOT_F32:
+                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        else:
+            codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            if DOT_F32:
+                wq = tl.reshape(_magic_f32(codes, (z + 8388608.0)[None, None, :]), (BLOCK_K, BLOCK_N))
+            elif MAGIC16 != 0:
+                base = 1024.0 if MAGIC16 == 0x6400 else 128.0
+                v = (codes | MAGIC16).to(tl.uint16).to(x.dtype, bitcast=True)
+                wq = tl.reshape(v - (z + base).to(x.dtype)[None, None, :], (BLOCK_K, BLOCK_N))
+            else:
+                wq = tl.reshape(_magic_f32(codes, (z + 8388608.0)[None, None, :]), (BLOCK_K, BLOCK_N)).to(x.dtype)
+            if BLOCK_M <= 32:
+                if DOT_F32:
+                    acc += tl.dot(x.to(tl.float32), wq, input_precision="ieee") * s[None, :]
+                else:
+                    acc += tl.dot(x, wq) * s[None, :]
+            elif DOT_F32:
+                acc = tl.dot(x.to(tl.float32), wq * s[None, :], acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, wq * s.to(x.dtype)[None, :], acc)
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
 
 
@@ -172,6 +251,17 @@ def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _magic16(dtype: torch.dtype, fb: int) -> int:
+    """The 16-bit pattern that turns a code into ``base + code`` in x's dtype with one OR (fp16:
+    0x6400 = 1024, codes < 1024; bf16: 0x4300 = 128, codes < 128), or 0: build in fp32. The
+    interpreter computes bf16 wrongly, so bf16 runs there in fp32 (DOT_F32)."""
+    if dtype == torch.float16:
+        return 0x6400
+    if dtype == torch.bfloat16 and fb <= 4 and not configs.interpreting():
+        return 0x4300
+    return 0
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -184,11 +274,15 @@ def _compute_units(device: torch.device) -> int:
 
 
 def default_split_k(m: int, n: int, k: int, units: int) -> int:
-    """Split K until the grid has ~2 programs per compute unit, keeping >= 4 K-tiles of 64
-    per split; at most 16. Only the GEMV and small-M paths split."""
-    tiles = triton.cdiv(n, 128) * triton.cdiv(m, SMALL_M_MAX)
+    """Split K until the grid has ~2 programs per compute unit (M <= 32) or one (larger M, whose
+    tiles are bigger), keeping >= 4 K-tiles of 64 per split; at most 16. Large M splits only
+    when its tiles alone leave compute units idle (e.g. N = 4096, M = 256: 64 tiles of 128 x 128
+    on 132 SMs)."""
+    small = m <= SMALL_M_MAX
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, SMALL_M_MAX if small else 128)
+    want = 2 * units if small else units
     split = 1
-    while split < 16 and tiles * split < 2 * units and k // (64 * split * 2) >= 4:
+    while split < 16 and tiles * split < want and k // (64 * split * 2) >= 4:
         split *= 2
     return split
 
@@ -241,7 +335,6 @@ def wq_linear(
     group_size: int,
     split_k: int | None = None,
     autotune: bool = True,
-    packed: bool = True,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight-only quantized W, in one fused dequant-GEMM.
 
@@ -252,9 +345,8 @@ def wq_linear(
     g_idx:    int32 [K] group of each row of qweight, or None (``k // group_size``).
     bias:     [N] or None.
     bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
-    split_k:  K splits for M <= 32 (None: from the grid size and the GPU's compute units).
+    split_k:  K splits (None: from the grid size and the GPU's compute units).
     autotune: False runs the first fitting config of the target's list (no tuning runs).
-    packed:   load each packed word once and split its fields (True), or load it once per row.
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -285,13 +377,14 @@ def wq_linear(
     if m == 0:
         return out
     if split_k is None:
-        split_k = 1 if m > SMALL_M_MAX else default_split_k(m, n, k, _compute_units(x.device))
-    if m > SMALL_M_MAX and split_k != 1:
-        raise ValueError(f"split_k must be 1 for M > {SMALL_M_MAX}, got {split_k}")
+        split_k = default_split_k(m, n, k, _compute_units(x.device))
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
     part = torch.empty((split_k, m, n), device=x.device, dtype=torch.float32) if split_k > 1 else out
     group = PER_CHANNEL_GROUP if group_size == -1 else group_size
     meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
-                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k, PACKED=packed)
+                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+                MAGIC16=_magic16(x.dtype, fb))
     dummy = scales  # never read: the matching HAS_* flag is False
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256))
