@@ -64,7 +64,7 @@ def _compile(fn, types: dict, constexprs: dict, cfg, target_name: str):
 def _wq_types(act: str) -> dict:
     return {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "gidx_ptr": "*i32",
             "b_ptr": PTR[act], "out_ptr": PTR[act], "part_ptr": "*fp32", "M": "i32", "N": "i32",
-            "K": "i32", "stride_xm": "i32", "M_KEY": "i32"}
+            "K": "i32", "stride_xm": "i32", "M_KEY": "i32", "code_mask": "i32"}
 
 
 def _wq_constexprs(family: str, variant: str, cfg, split_k: int = 2) -> dict:

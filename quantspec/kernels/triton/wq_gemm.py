@@ -37,11 +37,13 @@ def field_bits(bits: int) -> int:
 
 
 @triton.jit
-def _load_codes(qw_ptr, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
+def _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """uint32 codes [KW, PF, BLOCK_N] of rows k0 .. k0 + BLOCK_K (field i of word j is row
-    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift. Words past
-    K or N read as 0 (EVEN: none are, no masks)."""
+    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift and
+    ``code_mask`` (2**FB - 1; passed at run time, the compiler keeps shift, and-or as two
+    instructions instead of a bit-field extract and an or). Words past K or N read as 0 (EVEN:
+    none are, no masks)."""
     PF: tl.constexpr = 32 // FB
     KW: tl.constexpr = BLOCK_K // PF
     offs_w = k0 // PF + tl.arange(0, KW)
@@ -51,7 +53,7 @@ def _load_codes(qw_ptr, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
     else:
         words = tl.load(ptrs, mask=(offs_w[:, None] < tl.cdiv(K, PF)) & (offs_n[None, :] < N), other=0)
     shifts = (tl.arange(0, PF) * FB).to(tl.uint32)
-    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & ((1 << FB) - 1)
+    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & code_mask
 
 
 @triton.jit
@@ -81,14 +83,14 @@ def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
 
 
 @triton.jit
-def _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
+def _dequant_gathered(qw_ptr, code_mask, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
                       FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, EVEN: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_K, BLOCK_N] fp32 dequantized rows k0 .. k0 + BLOCK_K when one tile holds several
     groups: a scale (and zero) gathered per element, from g_idx or from k // GROUP. Rows past
     K are not zero (the caller's x is 0 there); columns past N are."""
-    codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
+    codes = _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
     q = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -121,7 +123,7 @@ def _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr,
 @_EVEN
 @triton.jit
 def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
-                    M, N, K, stride_xm, M_KEY,
+                    M, N, K, stride_xm, M_KEY, code_mask,
                     FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -132,6 +134,7 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
     A tile inside one group (no g_idx, GROUP % BLOCK_K == 0) is reduced on the integer codes
     (code - zero, exact in fp32) and scaled once per column; otherwise each element is
     dequantized with its gathered scale. MAGIC16 is unused here (one signature for both kernels).
+    ``code_mask`` = 2**FB - 1, at run time (see ``_load_codes``).
     """
     PF: tl.constexpr = 32 // FB
     KW: tl.constexpr = BLOCK_K // PF
@@ -146,14 +149,14 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         k0 = t * BLOCK_K
         if HAS_GIDX or GROUP % BLOCK_K != 0:
-            w = _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
+            w = _dequant_gathered(qw_ptr, code_mask, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xmask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
             acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
         else:
-            codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            codes = _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
             qz = _magic_f32(codes, (z + 8388608.0)[None, None, :])  # [KW, PF, BN] code - zero
             for mi in tl.static_range(BLOCK_M):  # rows >= M read row mi % M and are never stored
@@ -170,7 +173,7 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
 @_EVEN
 @triton.jit
 def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
-                   M, N, K, stride_xm, M_KEY,
+                   M, N, K, stride_xm, M_KEY, code_mask,
                    FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -184,7 +187,9 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     decode, memory-bound) multiply the scale into the dot's fp32 result, once per column; large
     tiles scale the operand so that the dots chain in one accumulator. A tile of several groups
     (g_idx, small groups) dequantizes each element in fp32. DOT_F32: fp32 operands, IEEE dot.
+    ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
     """
+    CODE_MASK: tl.constexpr = (1 << FB) - 1
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -208,14 +213,14 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
         else:
             x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if HAS_GIDX or GROUP % BLOCK_K != 0:
-            w = _dequant_gathered(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
+            w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
             if DOT_F32:
                 acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w.to(x.dtype), acc)
         else:
-            codes = _load_codes(qw_ptr, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            codes = _load_codes(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
             if DOT_F32:
                 wq = tl.reshape(_magic_f32(codes, (z + 8388608.0)[None, None, :]), (BLOCK_K, BLOCK_N))
@@ -387,18 +392,19 @@ def wq_linear(
                 MAGIC16=_magic16(x.dtype, fb))
     dummy = scales  # never read: the matching HAS_* flag is False
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
-            dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256))
+            dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256),
+            (1 << fb) - 1)
     if m <= GEMV_MAX_M:
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
-        _launch("gemv", _wq_gemv_kernel, grid, args, meta, args[-1], autotune)
+        _launch("gemv", _wq_gemv_kernel, grid, args, meta, args[-2], autotune)
     else:
         family = "small_m" if m <= SMALL_M_MAX else "large_m"
         grid = lambda meta_: (  # noqa: E731
             triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split_k)
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
-        _launch(family, _wq_dot_kernel, grid, args, meta, args[-1], autotune)
+        _launch(family, _wq_dot_kernel, grid, args, meta, args[-2], autotune)
     if split_k > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
