@@ -116,7 +116,7 @@ WEIGHT_ONLY = [
     S(3, 64, False),
     S(2, 32, True),
 ]
-M_VALUES = (1, 3, 17, 40)  # GEMV, GEMV with a padded row, small-M tl.dot, tiled tl.dot
+M_VALUES = (1, 3, 17, 40)  # GEMV, small-M tl.dot with padded rows (3 and 17), tiled tl.dot
 DTYPES = (torch.float16, torch.float32, torch.bfloat16)
 SHAPES = ((48, 256), (72, 320), (256, 256))  # N, K off the 128-wide interpreter tiles; none off
 
@@ -290,7 +290,7 @@ def _gpu():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("m", (1, 4, 17, 300))
 def test_gpu_matches_reference(scheme, dtype, m):
-    """Every path (M 1/4 GEMV, 17 small-M, 300 tiled) with the first config per family; fp32
+    """Every path (M 1 GEMV, 4/17 small-M, 300 tiled) with the first config per family; fp32
     runs the same kernels (IEEE tl.dot) and is covered by the interpreter tests."""
     mods = _gpu()
     for strategy in ("permute", "gidx") if scheme.act_order else ("permute",):

@@ -5,7 +5,7 @@ target and kernel family, picked when a kernel is first used (never at import, w
 initialise the GPU driver). Under ``TRITON_INTERPRET=1`` one small fixed config with big tiles
 is used and nothing is autotuned (the interpreter pays per program instance, not per element).
 
-Families: "gemv" (M <= 4, split-K, no tl.dot), "small_m" (M <= 32, tl.dot, split-K),
+Families: "gemv" (M <= 2, split-K, no tl.dot), "small_m" (M <= 32, tl.dot, split-K),
 "large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters: BLOCK_M/BLOCK_N/BLOCK_K,
 GROUP_M (L2 swizzle of the tiled paths); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack.
 """
@@ -45,7 +45,7 @@ def _cfg(bm, bn, bk, warps, stages, gm=8, **extra):
 def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
     """NVIDIA lists; sm90 gets deeper pipelines (more shared memory) than sm80."""
     deep = 4 if arch.startswith("9") or arch.startswith("10") else 3
-    if family == "gemv":  # BLOCK_M comes from the launcher (next power of 2 of M, <= 4)
+    if family == "gemv":  # BLOCK_M comes from the launcher (next power of 2 of M)
         return [
             _cfg(None, bn, bk, w, s)
             for bn, bk, w, s in [

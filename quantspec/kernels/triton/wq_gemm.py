@@ -9,7 +9,7 @@ Layout (the Triton backend's ``prepare`` writes it):
 * ``scales`` [G, N] (fp16, bf16 or fp32), ``zeros`` uint8 [G, N] or None (symmetric: implicit
   zero ``2**(bits-1)``), ``g_idx`` int32 [K] or None (then the group of row k is ``k // group``).
 
-Three paths, picked by M: a GEMV for M <= 4 (broadcast-multiply-reduce, no tl.dot), a small-M
+Three paths, picked by M: a GEMV for M <= 2 (broadcast-multiply-reduce, no tl.dot), a small-M
 tl.dot path for M <= 32 and a tiled tl.dot path above. The first two split K over programs;
 partial sums go to an fp32 [SPLIT_K, M, N] buffer, summed (with bias and the cast) by a second
 small kernel: deterministic, no atomics.
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import configs
 
-GEMV_MAX_M = 4
+GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
 SMALL_M_MAX = 32
 PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is in group 0
 # K and N multiples of the config's tiles need no masks (set per config, after autotuning)
@@ -129,7 +129,7 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     MAGIC16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    """M <= 4 rows, no tl.dot: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range.
+    """M <= GEMV_MAX_M rows, no tl.dot: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range.
 
     A tile inside one group (no g_idx, GROUP % BLOCK_K == 0) is reduced on the integer codes
     (code - zero, exact in fp32) and scaled once per column; otherwise each element is
