@@ -62,6 +62,23 @@ def test_speed_report_quantized_against_its_dense_source(quant_dir, dense_dir):
     assert rep["speedup"]["weights"] > 1.0  # int4 layers weigh less than fp32 ones
 
 
+def test_speed_report_compiled_decode_next_to_eager(quant_dir):
+    """--compile: decode is timed again under torch.compile (aot_eager here: quick to compile),
+    each quantized linear as one custom op; both tables are in the report and its Markdown."""
+    from dataclasses import replace
+
+    from quantspec.eval.speed import speed_markdown
+
+    cfg = replace(TINY_SPEED, prompt_lengths=(8,), batch_sizes=(1,), compile="aot_eager")
+    rep = speed_report(str(quant_dir), config=cfg, device="cpu", measure_baseline=False)
+    m = rep["model"]
+    assert set(m["decode_compiled"]) == {"1"} and m["decode_compiled"]["1"]["tokens_per_s"] > 0
+    assert m["compile"]["backend"] == "aot_eager" and m["compile"]["wall_s"] > 0
+    assert "compiled decode b1 tok/s" in speed_markdown(rep)
+    with pytest.raises(Exception, match="torch.compile backend"):
+        SpeedConfig(compile="no-such-backend")
+
+
 def test_classify_and_gemm_cost():
     assert classify("aten::addmm") == "GEMM"
     assert classify("aten::mm", ("quantspec::quant_linear", "aten::linear")) == "dequant-GEMM"

@@ -27,6 +27,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--backend", default="auto", help="kernel backend of the quantized layers")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time decode under torch.compile (default backend: inductor), next to eager")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="print progress to stderr")
     p.add_argument("--json", type=Path, help="also write the full result as JSON here")
     p.set_defaults(func=run)
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     config = SpeedConfig(
         prompt_lengths=tuple(args.prompt_lengths), batch_sizes=tuple(args.batch_sizes),
         decode_prompt_length=args.decode_prompt_length, new_tokens=args.new_tokens,
-        repeats=args.repeats, warmup=args.warmup,
+        repeats=args.repeats, warmup=args.warmup, compile=args.compile,
     )
     say = (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)) if args.progress else None
     report = speed_report(args.model, baseline=args.baseline, config=config, dtype=args.dtype,

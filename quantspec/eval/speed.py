@@ -55,6 +55,7 @@ class SpeedConfig:
     repeats: int = 3
     warmup: int = 1
     seed: int = 0
+    compile: str | None = None  # also time decode under torch.compile with this backend (e.g. "inductor")
 
     def __post_init__(self) -> None:
         if not self.prompt_lengths or min(self.prompt_lengths) < 1:
@@ -65,6 +66,14 @@ class SpeedConfig:
             raise QuantspecError("new_tokens must be at least 2 (TTFT + one TPOT).", "use e.g. 32.")
         if self.repeats < 1 or self.warmup < 0:
             raise QuantspecError("repeats must be >= 1 and warmup >= 0.", "use --repeats 3.")
+        if self.compile is not None:
+            import torch._dynamo
+
+            if self.compile not in torch._dynamo.list_backends(exclude_tags=()):
+                raise QuantspecError(f"unknown torch.compile backend {self.compile!r}.",
+                                     "use inductor (the default of --compile) or aot_eager.")
+            if self.warmup < 1:
+                raise QuantspecError("--compile needs a warm-up run (it absorbs the compilation).", "use --warmup 1.")
 
 
 # ---------------------------------------------------------------- loading
@@ -217,7 +226,7 @@ def decode_run(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[f
 
     device = ids.device
     cache = DynamicCache(config=model.config)
-    key = cache_kwarg(model)
+    key = cache_kwarg(getattr(model, "_orig_mod", model))  # a torch.compile'd module wraps the model
     _sync(device)
     start = time.perf_counter()
     nxt = _step(model, ids, cache, key)
@@ -256,6 +265,22 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
         ids = random_prompt(vocab, 1, length, config.seed, dev)
         secs = statistics.median(_timed(lambda: prefill_seconds(model, ids), config))
         prefill[str(length)] = {"seconds": round(secs, 6), "tokens_per_s": round(length / secs, 2)}
+    result = {"prefill": prefill, "decode": _decode_table(model, config, dev, vocab, say)}
+    if config.compile:
+        from ..kernels.custom_ops import register_ops
+
+        register_ops()  # each quantized linear is one custom op in the graph (no graph break)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=config.compile, dynamic=True)
+        start = time.perf_counter()
+        result["decode_compiled"] = _decode_table(compiled, config, dev, vocab, lambda m: say(f"compiled {m}"))
+        result["compile"] = {"backend": config.compile, "wall_s": round(time.perf_counter() - start, 2)}
+        torch._dynamo.reset()
+    return result
+
+
+def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress) -> dict[str, Any]:
+    """Decode tokens/s, TTFT and TPOT per batch size (warm-up runs first, then medians)."""
     decode = {}
     for batch in config.batch_sizes:
         say(f"decode batch {batch}, {config.new_tokens} tokens")
@@ -269,7 +294,7 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
             "tpot_ms_p50": round(1000 * _percentile(steps, 0.5), 3),
             "tpot_ms_p95": round(1000 * _percentile(steps, 0.95), 3),
         }
-    return {"prefill": prefill, "decode": decode}
+    return decode
 
 
 def measure_model(spec: str, config: SpeedConfig, dtype="auto", device="cpu", backend="auto",
@@ -342,7 +367,10 @@ def speed_markdown(report: dict[str, Any]) -> str:
     pl = list(first["prefill"])
     bs = list(first["decode"])
     head = ["", "backend", "weights MB", "peak MB"] + [f"prefill {n} tok/s" for n in pl]
+    compiled = "decode_compiled" in first
     head += [f"decode b{b} tok/s" for b in bs] + ["TTFT ms", "TPOT p50 ms", "TPOT p95 ms"]
+    if compiled:
+        head += [f"compiled decode b{b} tok/s" for b in bs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in rows:
         d1 = r["decode"][bs[0]]
@@ -350,6 +378,8 @@ def speed_markdown(report: dict[str, Any]) -> str:
         cells += [f"{r['prefill'][n]['tokens_per_s']:.1f}" for n in pl]
         cells += [f"{r['decode'][b]['tokens_per_s']:.1f}" for b in bs]
         cells += [f"{d1['ttft_ms']:.1f}", f"{d1['tpot_ms_p50']:.2f}", f"{d1['tpot_ms_p95']:.2f}"]
+        if compiled:
+            cells += [f"{r['decode_compiled'][b]['tokens_per_s']:.1f}" for b in bs]
         lines.append("| " + " | ".join(cells) + " |")
     if report.get("speedup"):
         sp = report["speedup"]["decode"]
