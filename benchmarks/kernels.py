@@ -135,7 +135,7 @@ def moved_bytes(scheme: QuantScheme, m: int, n: int, k: int, act_bytes: int) -> 
     return w + m * k * act_bytes + m * n * act_bytes
 
 
-def measure(name, m, n, k, impls, device, dtype, peak, graph=False):
+def measure(name, m, n, k, impls, device, peak, graph=False):
     """One row: time each implementation ({label: (fns, bytes)}; fns[0] for eager timing, all
     of them in turn for graph timing) and derive the rates."""
     row = {"scheme": name, "M": m, "N": n, "K": k}
@@ -261,7 +261,7 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
             break
         impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference,
                             copies=0 if graph else 1)
-        rows.append(measure(name, m, n, k, impls, device, dtype, peak, graph))
+        rows.append(measure(name, m, n, k, impls, device, peak, graph))
         if "reference" in impls:  # the timed kernel's output against the reference's
             y, y_ref = impls["quant"][0][0]().float(), impls["reference"][0][0]().float()
             rows[-1]["rel_err_vs_ref"] = float(f"{((y - y_ref).abs().max() / y_ref.abs().max()).item():.3g}")

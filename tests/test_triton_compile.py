@@ -13,6 +13,7 @@ every path and every config of every family and target.
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -70,16 +71,14 @@ def _wq_types(act: str) -> dict:
 def _wq_constexprs(family: str, variant: str, cfg, split_k: int = 2) -> dict:
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
-    dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[act]
-    import torch
-
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
     c = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros, HAS_GIDX=gidx,
-             HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even,
-             MAGIC16=wq_gemm._magic16(getattr(torch, dtype), fb))
+             HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
     if family == "gemv":
         c["BLOCK_M"] = 1
     else:
         c["DOT_F32"] = act == "fp32"
+        c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
     return c
 
 

@@ -127,14 +127,13 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
                     FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    MAGIC16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """M <= GEMV_MAX_M rows, no tl.dot: grid (cdiv(N, BLOCK_N), SPLIT_K); each program reduces a K range.
 
     A tile inside one group (no g_idx, GROUP % BLOCK_K == 0) is reduced on the integer codes
     (code - zero, exact in fp32) and scaled once per column; otherwise each element is
-    dequantized with its gathered scale. MAGIC16 is unused here (one signature for both kernels).
-    ``code_mask`` = 2**FB - 1, at run time (see ``_load_codes``).
+    dequantized with its gathered scale. ``code_mask`` = 2**FB - 1, at run time (see
+    ``_load_codes``).
     """
     PF: tl.constexpr = 32 // FB
     KW: tl.constexpr = BLOCK_K // PF
@@ -388,23 +387,23 @@ def wq_linear(
     part = torch.empty((split_k, m, n), device=x.device, dtype=torch.float32) if split_k > 1 else out
     group = PER_CHANNEL_GROUP if group_size == -1 else group_size
     meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
-                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-                MAGIC16=_magic16(x.dtype, fb))
+                HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k)
     dummy = scales  # never read: the matching HAS_* flag is False
+    m_key = min(_next_pow2(m), 256)
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
-            dummy if bias is None else bias, out, part, m, n, k, x.stride(0), min(_next_pow2(m), 256),
-            (1 << fb) - 1)
+            dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
     if m <= GEMV_MAX_M:
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
-        _launch("gemv", _wq_gemv_kernel, grid, args, meta, args[-2], autotune)
+        _launch("gemv", _wq_gemv_kernel, grid, args, meta, m_key, autotune)
     else:
         family = "small_m" if m <= SMALL_M_MAX else "large_m"
         grid = lambda meta_: (  # noqa: E731
             triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split_k)
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
-        _launch(family, _wq_dot_kernel, grid, args, meta, args[-2], autotune)
+        meta["MAGIC16"] = _magic16(x.dtype, fb)
+        _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
