@@ -68,11 +68,19 @@ MAX_DIFF = float(os.environ.get("QUANTSPEC_INTEROP_MAX_DIFF", "0.6"))
 MIN_TOP1 = 0.9
 
 
-def drift_bound(ckpt: str | Path, ids, ref: "Reference", label: str, dtype: str = "bfloat16") -> tuple[float, dict]:
-    """max(MAX_DIFF, 2 x our own ``dtype``-vs-fp32 drift on ``ckpt``) and that drift (printed)."""
+def bounds(name: str, ckpt: str | Path, ids, ref: "Reference", cmp: dict, dtype: str = "bfloat16") -> tuple[float, float]:
+    """(max |logprob diff|, min top-1 agreement) an engine running ``dtype`` must meet against our
+    fp32 reference ``ref`` on export ``name``, given its comparison ``cmp``, for every engine alike:
+    MAX_DIFF and MIN_TOP1, or, where our own ``dtype``-vs-fp32 drift decides (W8A8 exports; any
+    export whose diff exceeds MAX_DIFF), max(MAX_DIFF, 2 x that drift), and for W8A8 a top-1
+    agreement at most 0.1 below our own."""
+    w8a8 = quantizes_activations(name)
+    if not w8a8 and cmp["max_abs_diff"] <= MAX_DIFF:
+        return MAX_DIFF, MIN_TOP1
     own = own_drift(ckpt, ids, dtype, ref)
-    print(f"{label}: our own {dtype} vs fp32: {own}")
-    return max(MAX_DIFF, 2 * own["max_abs_diff"]), own
+    print(f"{name}: our own {dtype} vs fp32: {own}")
+    min_top1 = min(MIN_TOP1, own["top1_agree"] - 0.1) if w8a8 else MIN_TOP1
+    return max(MAX_DIFF, 2 * own["max_abs_diff"]), min_top1
 
 
 def quantizes_activations(name: str) -> bool:

@@ -15,7 +15,6 @@ on the same export), top-1 agreement >= 0.9. Its limits, marked xfail(strict):
 
 from __future__ import annotations
 
-
 import pytest
 
 from interop import engines, exports
@@ -50,10 +49,8 @@ def _check(action, name, smollm2_export, smollm2_prompts, engine_python, **extra
     ref = exports.quantspec_reference(ckpt, smollm2_prompts, "float32")
     cmp = exports.compare(ref, res)
     print(f"{action} {name}: {cmp} kernels={res.get('kernels')}")
-    assert cmp["top1_agree"] >= exports.MIN_TOP1, cmp
-    max_diff = exports.MAX_DIFF
-    if cmp["max_abs_diff"] > max_diff:  # only then can the drift bound change the verdict
-        max_diff, _ = exports.drift_bound(ckpt, smollm2_prompts, ref, f"{action} {name}")
+    max_diff, min_top1 = exports.bounds(name, ckpt, smollm2_prompts, ref, cmp)
+    assert cmp["top1_agree"] >= min_top1, cmp
     assert cmp["max_abs_diff"] <= max_diff, cmp
 
 
