@@ -218,3 +218,63 @@ def test_falls_back_to_torch_ops_without_compiler(monkeypatch):
         assert int(prepared["meta"][0]) == cpu_mod.INT4PACK
     finally:
         cpu_ext.load_cpu_ext.cache_clear()
+
+
+@needs_ext
+@pytest.mark.parametrize("bits,gs,act", [(4, 64, True), (8, -1, False)])
+def test_bound_op_equals_linear(bits, gs, act):
+    """``bind``'s dispatcher op gives exactly what ``linear`` gives (same kernel, same inputs),
+    for 3-D inputs, bias, bf16 and the large-M dense path; bad input is refused alike."""
+    result = make_result(bits, gs, False, act, 200, 256)
+    backend = CpuBackend()
+    for dtype in (torch.float32, torch.bfloat16):
+        prepared = backend.prepare(result, dtype)
+        run = backend.bind(prepared, result.scheme, 200, 256)
+        bias = torch.randn(200, dtype=dtype)
+        for m in (1, 3, 40):
+            x = torch.randn(2, m, 256, dtype=dtype)
+            y = run(x, prepared, bias)
+            assert y.shape == (2, m, 200) and y.dtype == dtype
+            assert torch.equal(y, backend.linear(x, prepared, result.scheme, 200, 256, bias))
+    with pytest.raises(ValueError, match="features"):
+        run(torch.randn(2, 255), prepared, None)
+    assert backend.bind(prepare_torch(result), result.scheme, 200, 256) is None
+
+
+@needs_ext
+def test_quant_linear_uses_the_bound_op_eager_and_compiled():
+    """QuantLinear on the cpu backend: the bound op runs eager, and torch.compile captures it as
+    one ``quantspec_cpu.qgemm`` node (no graph break, no Python custom op) with eager's output."""
+    from quantspec.kernels.quant_linear import QuantLinear
+
+    result = make_result(4, 64, True, False, 96, 128)
+    q = QuantLinear.from_result(result, "gptq", torch.randn(96), dtype=torch.float32)
+    assert q.prepare("cpu") == "cpu" and q._runner is not None
+    x = torch.randn(3, 128)
+    eager = q(x)
+    assert torch.equal(eager, CpuBackend().linear(x, q.prepared(), result.scheme, 96, 128, q.bias))
+    seen = []
+
+    def capture(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(q, backend=capture, fullgraph=True)(x), eager)
+    assert sum("quantspec_cpu.qgemm" in t for t in seen) == 1, seen
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(q, backend="aot_eager", fullgraph=True)(x), eager)
+
+
+@needs_ext
+def test_prepared_cache_follows_moved_buffers():
+    """QuantLinear caches the dict of its prepared buffers; ``.to()``-style moves replace them."""
+    from quantspec.kernels.quant_linear import QuantLinear
+
+    q = QuantLinear.from_result(make_result(4, 64, True, False, 32, 64), "gptq", None, torch.float32)
+    q.prepare("cpu")
+    x = torch.randn(2, 64)
+    before = q(x)
+    q._apply(lambda t: t.clone())  # what .to()/.cpu() do when they copy
+    assert all(q.prepared()[name] is getattr(q, f"_p_{name}") for name in q.prepared())
+    assert torch.equal(q(x), before)

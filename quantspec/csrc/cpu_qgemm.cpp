@@ -14,6 +14,7 @@
 // the CPU has it; a portable scalar path serves every other CPU.
 
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -472,6 +473,15 @@ bool has_avx2() {
   return false;
 #endif
 }
+
+// The same qgemm as a dispatcher op, so that compiled graphs (torch.compile) call it without a
+// Python frame; its fake (meta) kernel is registered from Python (quantspec/kernels/cpu_ext.py).
+TORCH_LIBRARY(quantspec_cpu, m) {
+  m.def("qgemm(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor src, Tensor? bias, "
+        "int bits, int block, bool allow_simd) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) { m.impl("qgemm", &qgemm); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "int8-activation x 4/8-bit weight matmul (see cpu_qgemm.cpp)");

@@ -43,6 +43,10 @@ class Backend(Protocol):
     ) -> torch.Tensor:
         """``x`` [..., K] -> [..., N] in ``x.dtype``."""
 
+    # Optional: ``bind(prepared, scheme, out_features, in_features)`` returns None or a function
+    # ``run(x, prepared, bias)`` equal to ``linear`` with every per-layer decision taken once;
+    # it calls only dispatcher ops (each with a fake kernel), so torch.compile traces it.
+
 
 @functools.lru_cache(maxsize=None)
 def _registry() -> dict[str, Backend]:

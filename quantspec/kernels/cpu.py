@@ -217,6 +217,29 @@ class CpuBackend:
             return prepare_ext(result)
         return prepare_torch(result)
 
+    def bind(self, prepared, scheme: QuantScheme, out_features: int, in_features: int):
+        """The extension's op with this layer's constants (the layout's kind, bits and block
+        read once), or None for torch's fallback layouts (``linear`` serves those)."""
+        kind, bits, block, _ = prepared["meta"].tolist()
+        if kind != EXT or load_cpu_ext() is None:
+            return None
+        op = torch.ops.quantspec_cpu.qgemm.default
+        ext_bits = 4 if bits <= 4 else 8
+
+        def run(x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None):
+            if x.shape[-1] != in_features:
+                raise ValueError(f"x has {x.shape[-1]} features, the layer takes {in_features}")
+            if not x.is_cpu or x.dtype not in DTYPES:
+                raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
+            x2 = x.reshape(-1, in_features)
+            if x2.shape[0] >= DENSE_FROM_M:
+                return self.linear(x, p, scheme, out_features, in_features, bias)
+            y = op(x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias,
+                   ext_bits, block, True)
+            return y.reshape(*x.shape[:-1], out_features)
+
+        return run
+
     def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
         """x [..., K] (fp32/bf16/fp16, CPU) -> [..., N] in x.dtype."""
         if x.shape[-1] != in_features:

@@ -57,7 +57,8 @@ def extension_enabled() -> bool:
 
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
-    """The compiled module (``qgemm``, ``dequant_rows``, ``has_avx2``), or None with one warning."""
+    """The compiled module (``qgemm``, ``dequant_rows``, ``has_avx2``; ``qgemm`` also as the op
+    ``torch.ops.quantspec_cpu.qgemm``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -77,7 +78,7 @@ def load_cpu_ext() -> ModuleType | None:
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
             extra_cflags=flags,
@@ -93,3 +94,14 @@ def load_cpu_ext() -> ModuleType | None:
             stacklevel=2,
         )
         return None
+    _register_fake()
+    return module
+
+
+@functools.cache
+def _register_fake() -> None:
+    """Shapes for torch.compile of the extension's dispatcher op ``quantspec_cpu::qgemm``."""
+
+    @torch.library.register_fake("quantspec_cpu::qgemm")
+    def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, allow_simd):
+        return x.new_empty((x.shape[0], w.shape[0]))

@@ -3,7 +3,10 @@
 Built on any device (the meta device included) with the format's tensors as buffers, so that
 ``state_dict()`` has exactly the checkpoint's names. ``prepare()`` unpacks them once to the
 canonical ``QuantResult`` and hands it to the chosen backend, whose layout is kept in
-non-persistent buffers (they move with ``.to()`` but are not saved).
+non-persistent buffers (they move with ``.to()`` but are not saved). A backend that offers
+``bind`` gets every per-layer decision made once, at ``prepare``: each call then costs one
+dispatcher op (decode runs hundreds of small linears per token, where Python overhead per call
+is as large as the kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class QuantLinear(nn.Module):
         self.backend_name: str | None = None
         self.backend_reason: str = ""
         self._prepared_names: list[str] = []
+        self._prepared_cache: dict[str, torch.Tensor] | None = None
+        self._runner = None
 
     def format_tensors(self) -> dict[str, torch.Tensor]:
         names = get_format(self.fmt).tensor_specs(self.scheme, self.out_features, self.in_features)
@@ -83,14 +88,28 @@ class QuantLinear(nn.Module):
         self._backend = chosen
         self.backend_name = chosen.name
         self.backend_reason = why
+        self._prepared_cache = None
+        bind = getattr(chosen, "bind", None)
+        self._runner = bind(prepared, self.scheme, self.out_features, self.in_features) if bind else None
         return chosen.name
 
     def prepared(self) -> dict[str, torch.Tensor]:
-        return {n[3:]: getattr(self, n) for n in self._prepared_names}
+        if torch.compiler.is_compiling():  # the module's buffers, as torch.compile tracks them
+            return {n[3:]: getattr(self, n) for n in self._prepared_names}
+        if self._prepared_cache is None:
+            self._prepared_cache = {n[3:]: getattr(self, n) for n in self._prepared_names}
+        return self._prepared_cache
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cpu() / .half() replace the buffers: forget the cached dict of them
+        self._prepared_cache = None
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend_name is None:
             self.prepare()
+        if self._runner is not None:  # eager and compiled alike: one dispatcher op
+            return self._runner(x, self.prepared(), self.bias)
         if torch.compiler.is_compiling():
             # torch.compile sees one opaque custom op per layer (no graph break); eager calls
             # the backend directly and skips the dispatcher's per-call overhead.
