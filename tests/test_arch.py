@@ -17,7 +17,9 @@ from transformers import (
 )
 
 from quantspec.errors import QuantspecError
-from quantspec.quant.arch import ARCHS, block_linears, check_arch, get_arch, infer_arch
+from quantspec.quant.arch import ARCHS, block_linears, check_arch, get_arch
+from quantspec.quant.arch_infer import infer_arch
+from quantspec.quant.smoothing import fold_scales, resolve_pairs
 
 COMMON = dict(
     vocab_size=128,
@@ -137,3 +139,99 @@ class _NoBlocks(nn.Module):
 def test_no_blocks_is_a_user_error_naming_the_model_type():
     with pytest.raises(QuantspecError, match="weird"):
         get_arch(_NoBlocks())
+
+
+# ---------------------------------------------------------------------------------------------
+# Smoothing pairs found by structure (quantspec/quant/arch_infer.py)
+
+
+@pytest.mark.parametrize("kv_heads", (2, 4), ids=("gqa", "mha"))
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_generic_fallback_finds_the_declared_pairs(model_type, kv_heads):
+    """Without the declaration, the folding test finds exactly the declared pairs that fit
+    (v -> o only without grouped-query attention), with Gemma's norm offset."""
+    torch.manual_seed(0)
+    config = CONFIGS[model_type]()
+    config.num_key_value_heads = kv_heads
+    model = AutoModelForCausalLM.from_config(config).eval()
+    spec = ARCHS[model_type]
+    fitting, _ = resolve_pairs(spec.block_list(model)[0], spec)
+    found = infer_arch(model)
+    assert {(p.prev, p.linears) for p in found.smooth} == {(p.prev_name, p.linear_names) for p in fitting}
+    assert found.norm_offset == spec.norm_offset
+
+
+def _undeclared():
+    from transformers import (BloomConfig, CohereConfig, FalconConfig, GPTJConfig, GPTNeoXConfig,
+                              OPTConfig, PhiConfig)
+
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "opt": lambda: OPTConfig(**base, ffn_dim=96, word_embed_proj_dim=64, max_position_embeddings=64),
+        "gptj": lambda: GPTJConfig(**base, n_inner=96, rotary_dim=8, n_positions=64),
+        "gpt_neox": lambda: GPTNeoXConfig(**base, intermediate_size=96),
+        "falcon": lambda: FalconConfig(**base, new_decoder_architecture=True, num_kv_heads=2),
+        "phi": lambda: PhiConfig(**base, intermediate_size=96),
+        "cohere": lambda: CohereConfig(**base, intermediate_size=96, num_key_value_heads=2),
+        "bloom": lambda: BloomConfig(**base),
+    }
+
+
+# pairs each undeclared family must yield (prev -> its Linears); others may be found too
+EXPECTED = {
+    "opt": {("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("self_attn.v_proj", ("self_attn.out_proj",)), ("final_layer_norm", ("fc1",)),
+            ("fc1", ("fc2",))},  # ReLU is positively homogeneous: fc1 -> fc2 folds exactly
+    "gptj": {("ln_1", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"))},  # parallel block
+    "gpt_neox": {("input_layernorm", ("attention.query_key_value",)),
+                 ("post_attention_layernorm", ("mlp.dense_h_to_4h",))},
+    "falcon": {("ln_attn", ("self_attention.query_key_value",)), ("ln_mlp", ("mlp.dense_h_to_4h",))},
+    "phi": {("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"))},
+    "cohere": {("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                    "mlp.gate_proj", "mlp.up_proj")), ("mlp.up_proj", ("mlp.down_proj",))},
+    "bloom": {("input_layernorm", ("self_attention.query_key_value",)),
+              ("post_attention_layernorm", ("mlp.dense_h_to_4h",))},
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_generic_pairs_of_undeclared_families_fold_exactly(family):
+    """Families with no declaration: the expected pairs are found, and folding random scales
+    into every found pair of every block leaves the logits unchanged (fp32, 1e-4 relative)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_undeclared()[family]()).eval()
+    spec = get_arch(model)
+    assert spec.name == "generic"
+    assert EXPECTED[family] <= {(p.prev, p.linears) for p in spec.smooth}
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        g = torch.Generator().manual_seed(2)
+        for block in spec.block_list(model):
+            pairs, skipped = resolve_pairs(block, spec)
+            assert len(pairs) == len(spec.smooth) and not skipped
+            for pair in pairs:
+                fold_scales(pair, torch.empty(pair.channels).uniform_(0.3, 3.0, generator=g))
+        out = model(input_ids=ids).logits
+    assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_smoothing_methods_refuse_a_model_without_pairs():
+    from dataclasses import replace
+
+    from quantspec.quant.methods import check_smoothing
+    from quantspec.quant.recipe import Recipe
+    from quantspec.quant.scheme import QuantScheme
+
+    model = tiny("llama")
+    bare = replace(ARCHS["llama"], smooth=())
+    for method in ("awq", "smoothquant", "awq+gptq"):
+        scheme = QuantScheme(8, -1, True, activations="int8-token-dynamic") if method == "smoothquant" \
+            else QuantScheme(4, 32, method == "awq+gptq")
+        fmt = {"awq": "awq", "smoothquant": "compressed-tensors", "awq+gptq": "gptq"}[method]
+        recipe = Recipe(name="t", method=method, format=fmt, scheme=scheme)
+        with pytest.raises(QuantspecError, match="no|none were found") as err:
+            check_smoothing(bare, recipe, model)
+        assert "llama" in str(err.value) and "gptq" in str(err.value)
+        check_smoothing(ARCHS["llama"], recipe, model)  # the declared pairs: accepted
+    check_smoothing(bare, Recipe(name="t", method="gptq", format="gptq", scheme=QuantScheme(4, 32, True)), model)

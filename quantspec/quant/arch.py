@@ -127,6 +127,8 @@ def get_arch(model: nn.Module) -> ArchSpec:
     spec = ARCHS.get(model_type or "")
     if spec is not None and check_arch(model, spec) == []:
         return spec
+    from .arch_infer import infer_arch
+
     try:
         return infer_arch(model)
     except QuantspecError as exc:
@@ -181,100 +183,3 @@ def block_linears(model: nn.Module, arch: ArchSpec) -> dict[str, nn.Linear]:
             if isinstance(mod, nn.Linear):
                 out[f"{arch.block_name(i)}.{rel}"] = mod
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Generic fallback: find the blocks by structure, group Linears by the tensor they read.
-
-
-def infer_arch(model: nn.Module) -> ArchSpec:
-    """An ArchSpec found by structure (no smoothing pairs: those need a declaration).
-
-    Blocks: the longest ModuleList whose entries all share one class and contain Linears.
-    Groups: one forward of a short input through block 0, Linears that read the same tensor
-    object form a group, groups in call order.
-    """
-    blocks_name = _find_block_list(model)
-    embed = _name_of(model, model.get_input_embeddings()) if hasattr(model, "get_input_embeddings") else ""
-    head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    lm_head = _name_of(model, head_mod) if head_mod is not None else ""
-    spec = ArchSpec(
-        name="generic",
-        blocks=blocks_name,
-        embed=embed,
-        final_norm=_find_final_norm(model, blocks_name),
-        lm_head=lm_head,
-    )
-    return replace(spec, sequential=_infer_groups(model, spec))
-
-
-def _find_block_list(model: nn.Module) -> str:
-    best, best_len = None, 0
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
-            continue
-        if len({type(m) for m in mod}) != 1:
-            continue
-        if not any(isinstance(m, nn.Linear) for m in mod[0].modules()):
-            continue
-        if len(mod) > best_len:
-            best, best_len = name, len(mod)
-    if best is None:
-        raise QuantspecError("no ModuleList of identical blocks holding Linears was found")
-    return best
-
-
-def _name_of(model: nn.Module, target: nn.Module | None) -> str:
-    for name, mod in model.named_modules():
-        if mod is target:
-            return name
-    return ""
-
-
-def _find_final_norm(model: nn.Module, blocks_name: str) -> str:
-    """The last module named like a norm that is a sibling of the block list."""
-    parent = blocks_name.rpartition(".")[0]
-    owner = model.get_submodule(parent) if parent else model
-    found = ""
-    for name, mod in owner.named_children():
-        if "norm" in name.lower() or "norm" in type(mod).__name__.lower():
-            found = f"{parent}.{name}" if parent else name
-    return found
-
-
-class _StopForward(Exception):
-    """Raised from a hook to end a forward early; never escapes this package."""
-
-
-def _infer_groups(model: nn.Module, spec: ArchSpec) -> tuple[tuple[str, ...], ...]:
-    block = spec.block_list(model)[0]
-    names = {mod: rel for rel, mod in block.named_modules() if isinstance(mod, nn.Linear)}
-    seen: list[tuple[torch.Tensor, list[str]]] = []  # keeps the tensors alive: no id reuse
-
-    def record(mod: nn.Module, args: tuple) -> None:
-        x = args[0]
-        for tensor, group in seen:
-            if tensor is x:
-                group.append(names[mod])
-                return
-        seen.append((x, [names[mod]]))
-
-    def stop(_mod, _args, _out) -> None:
-        raise _StopForward
-
-    handles = [m.register_forward_pre_hook(record) for m in names]
-    handles.append(block.register_forward_hook(stop))
-    device = next(model.parameters()).device
-    ids = torch.zeros(1, 8, dtype=torch.long, device=device)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    groups = [tuple(dict.fromkeys(g)) for _, g in seen]
-    called = {n for g in groups for n in g}
-    groups += [(n,) for n in names.values() if n not in called]  # Linears the forward skipped
-    return tuple(groups)

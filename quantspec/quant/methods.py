@@ -80,8 +80,9 @@ def run_method(
     from .arch import get_arch
     from .calibrate import run_blockwise
 
-    ids, method, info = calibrated_setup(tokenizer, recipe, device)
     arch = get_arch(model)
+    check_smoothing(arch, recipe, model)
+    ids, method, info = calibrated_setup(tokenizer, recipe, device)
     results = run_blockwise(
         model, arch, ids, method, plan.quantize,
         device=device, progress=progress, resume_dir=resume_dir, report=report,
@@ -91,6 +92,22 @@ def run_method(
         rest = LayerPlan(quantize={n: plan.quantize[n] for n in missing})
         results.update(run_rtn(model, rest, progress=False, report=report))
     return results, info
+
+
+SMOOTHING_METHODS = ("awq", "awq+gptq", "smoothquant")
+
+
+def check_smoothing(arch, recipe: Recipe, model) -> None:
+    """AWQ and SmoothQuant need smoothing pairs: refuse, before calibrating, a model with none."""
+    if recipe.method in SMOOTHING_METHODS and not arch.smooth:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise QuantspecError(
+            f"{recipe.method} needs smoothing pairs (a norm or Linear whose output channels can "
+            f"absorb a per-channel scale), and none were found in model_type {model_type!r} "
+            f"(architecture {arch.name!r})",
+            "use --method gptq or rtn for this model, or declare its pairs in an ArchSpec in "
+            "quantspec/quant/arch.py (ARCHS).",
+        )
 
 
 def calibrated_setup(tokenizer, recipe: Recipe, device: torch.device):

@@ -161,13 +161,14 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
     from ..checkpoint.atomic import atomic_folder
     from ..checkpoint.checksums import write_manifest
     from .arch import get_arch
-    from .methods import calibrated_setup, run_rtn
+    from .methods import calibrated_setup, check_smoothing, run_rtn
     from .pack import checkpoint_config
     from .plan import LayerPlan, make_plan
     from .calibrate import run_blockwise
 
     model = empty_model(folder, torch.float32)
     arch = get_arch(model)
+    check_smoothing(arch, recipe, model)
     weights = LazyWeights(folder)
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
     inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
