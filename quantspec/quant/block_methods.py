@@ -111,7 +111,11 @@ class GPTQMethod:
             return True
         key = (type(block), tuple(sorted((k, id(v)) for k, v in kwargs.items())))
         if key not in self._batches:  # does the block treat the samples of a batch independently?
-            both = block_outputs(block, inputs[:2], kwargs)
+            try:
+                both = block_outputs(block, inputs[:2], kwargs)
+            except RuntimeError:  # kwargs made for one sample (Bloom's alibi is [heads, 1, L])
+                self._batches[key] = False
+                return False
             each = torch.cat([block_outputs(block, inputs[j : j + 1], kwargs) for j in range(2)])
             err = (both.float() - each.float()).norm() / each.float().norm().clamp(min=1e-30)
             self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))

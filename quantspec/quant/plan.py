@@ -62,6 +62,15 @@ def make_plan(
             if note:
                 plan.regrouped[name] = note
     if not plan.quantize:
+        conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+        if conv1d:
+            raise QuantspecError(
+                f"this model computes its projections with transformers' GPT-2-style Conv1D "
+                f"modules ({len(conv1d)}, e.g. {conv1d[0]}), not nn.Linear, and quantspec "
+                "quantizes nn.Linear layers only.",
+                "quantize a model whose projections are nn.Linear (most current causal LMs), "
+                "or convert the Conv1D modules to nn.Linear (weight transposed) first.",
+            )
         raise QuantspecError(
             "no Linear layer of the model can be quantized with this recipe "
             f"({len(plan.dense)} left dense: {next(iter(plan.dense.values()), 'none found')}).",

@@ -1,0 +1,82 @@
+"""Families with no architecture declaration, end to end: quantize (calibrated methods through
+the generic fallback), load with ``load_quantized``, and compare with the dense model.
+
+Bloom passes ALiBi as a [batch * heads, 1, L] keyword argument (made for one sample), OPT has
+LayerNorm biases and ReLU (fc1 -> fc2 smoothing), GPT-J a parallel attention/MLP block whose
+one norm feeds both. Bound: mean squared logit error below 10% of the logits' mean square (the
+bound tests/test_awq.py uses for 4-bit g32 on tiny random models; observed 0.002-0.1 here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import quantspec
+from quantspec.errors import QuantspecError
+from quantspec.quant.recipe import CalibrationConfig, Recipe
+from quantspec.quant.scheme import QuantScheme
+
+from helpers import make_tiny_tokenizer
+
+BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "bloom": lambda: transformers.BloomConfig(**BASE),
+    "opt": lambda: transformers.OPTConfig(**BASE, ffn_dim=128, word_embed_proj_dim=64,
+                                          max_position_embeddings=128),
+    "gptj": lambda: transformers.GPTJConfig(**BASE, n_inner=128, rotary_dim=8, n_positions=128),
+    "gpt2": lambda: transformers.GPT2Config(**BASE, n_inner=128, n_positions=128),
+}
+RECIPES = {
+    "gptq": lambda cal: Recipe(name="t", method="gptq", format="gptq",
+                               scheme=QuantScheme(4, 32, True), calibration=cal),
+    "awq": lambda cal: Recipe(name="t", method="awq", format="awq",
+                              scheme=QuantScheme(4, 32, False), calibration=cal),
+    "smoothquant": lambda cal: Recipe(name="t", method="smoothquant", format="compressed-tensors",
+                                      scheme=QuantScheme(8, -1, True, activations="int8-token-dynamic"),
+                                      calibration=cal),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _save(tmp_path, family):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    return model, folder, CalibrationConfig(data=str(text), samples=4, seqlen=64)
+
+
+@pytest.mark.parametrize("family,method", [
+    ("bloom", "gptq"), ("bloom", "awq"), ("opt", "smoothquant"), ("opt", "awq"), ("gptj", "awq"),
+])
+def test_undeclared_family_quantizes_and_loads(tmp_path, family, method):
+    dense, folder, cal = _save(tmp_path, family)
+    outcome = quantspec.quantize(str(folder), RECIPES[method](cal), tmp_path / "ckpt",
+                                 progress=False, device="cpu")
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    rel = float((a - b).pow(2).mean() / b.pow(2).mean())
+    assert rel < 0.1, rel
+
+
+def test_conv1d_models_get_a_clear_error(tmp_path):
+    _, folder, cal = _save(tmp_path, "gpt2")
+    with pytest.raises(QuantspecError, match="Conv1D") as err:
+        quantspec.quantize(str(folder), RECIPES["gptq"](cal), tmp_path / "ckpt", progress=False, device="cpu")
+    assert "nn.Linear" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()
