@@ -9,9 +9,12 @@ bound tests/test_awq.py uses for 4-bit g32 on tiny random models; observed 0.002
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import quantspec
 from quantspec.errors import QuantspecError
@@ -74,9 +77,35 @@ def test_undeclared_family_quantizes_and_loads(tmp_path, family, method):
     assert rel < 0.1, rel
 
 
-def test_conv1d_models_get_a_clear_error(tmp_path):
-    _, folder, cal = _save(tmp_path, "gpt2")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gpt2_conv1d_quantizes_and_loads(tmp_path, method):
+    """GPT-2's Conv1D projections ([in, out] weights) are quantized as Linears; a layer the
+    recipe leaves dense is written back as Conv1D, so transformers reads the checkpoint."""
+    dense, folder, cal = _save(tmp_path, "gpt2")
+    recipe = dataclasses.replace(RECIPES[method](cal), ignore=("lm_head", "h.1.mlp.c_proj"))
+    outcome = quantspec.quantize(str(folder), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    assert "transformer.h.0.attn.c_attn" in q.quantspec_backends
+    assert "transformer.h.1.mlp.c_proj" not in q.quantspec_backends
+    stored = {}
+    for f in outcome.out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            stored.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("h.1.mlp.c_proj.weight")})
+    # the dense layer is written as Conv1D [in, out], as GPT-2 stores it
+    torch.testing.assert_close(stored["transformer.h.1.mlp.c_proj.weight"].float(),
+                               dense.transformer.h[1].mlp.c_proj.weight, atol=1e-3, rtol=1e-3)
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+
+
+def test_conv1d_models_get_a_clear_error_where_unsupported():
+    from quantspec.formats import get_format
+    from quantspec.quant.plan import make_plan
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
     with pytest.raises(QuantspecError, match="Conv1D") as err:
-        quantspec.quantize(str(folder), RECIPES["gptq"](cal), tmp_path / "ckpt", progress=False, device="cpu")
+        make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
     assert "nn.Linear" in str(err.value)
-    assert not (tmp_path / "ckpt").exists()

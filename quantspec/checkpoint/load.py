@@ -17,6 +17,7 @@ from ..errors import QuantspecError
 from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_dtype
+from ..models.conv1d import conv1d_shape, is_conv1d
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
@@ -72,19 +73,21 @@ def _empty_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
 
 
 def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) -> list[str]:
-    """Replace every nn.Linear whose tensors the checkpoint stores quantized; return the names."""
+    """Replace every nn.Linear (or GPT-2 Conv1D) whose tensors the checkpoint stores quantized;
+    return the names."""
     swapped = []
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Linear):
+            k, n = mod.in_features, mod.out_features
+        elif is_conv1d(mod):
+            k, n = conv1d_shape(mod)
+        else:
             continue
         scheme = fcfg.scheme_for(name)
-        specs = fmt.tensor_specs(scheme, mod.out_features, mod.in_features)
+        specs = fmt.tensor_specs(scheme, n, k)
         if not all(f"{name}.{t}" in keys for t in specs):
             continue  # stored dense
-        qmod = QuantLinear(
-            mod.in_features, mod.out_features, mod.bias is not None, scheme, fmt.name,
-            device="meta", dtype=dtype,
-        )
+        qmod = QuantLinear(k, n, mod.bias is not None, scheme, fmt.name, device="meta", dtype=dtype)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, qmod)

@@ -7,6 +7,7 @@ outside the blocks (embedding, rotary embedding) run, on the processing device.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -40,11 +41,8 @@ class _Catcher(nn.Module):
             return getattr(super().__getattr__("block"), name)
 
     def forward(self, hidden_states=None, *args, **kwargs):
-        if args:
-            raise QuantspecError(
-                "a decoder block was called with extra positional arguments.",
-                "declare this architecture or call its blocks with keyword arguments.",
-            )
+        if args:  # GPT-2 passes cache and mask positionally: name them by the block's signature
+            kwargs = {**self._named(args), **kwargs}
         if hidden_states is None:
             hidden_states = kwargs.pop("hidden_states")
         if self.index == 0:
@@ -53,6 +51,17 @@ class _Catcher(nn.Module):
         if self.stop:
             raise StopBlock
         return hidden_states
+
+
+    def _named(self, args: tuple) -> dict[str, Any]:
+        params = [p for p in inspect.signature(self.block.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(args) > len(params) - 1 or any(p.kind == p.POSITIONAL_ONLY for p in params[1:]):
+            raise QuantspecError(
+                "a decoder block was called with positional arguments its signature does not name.",
+                "declare this architecture or call its blocks with keyword arguments.",
+            )
+        return {p.name: a for p, a in zip(params[1:], args)}
 
 
 def _move_outside_blocks(model: nn.Module, arch: ArchSpec, device: torch.device) -> dict:

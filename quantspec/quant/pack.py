@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.save import write_checkpoint
+from ..models.conv1d import conv1d_layout
 from .plan import LayerPlan, override_patterns
 from .recipe import Recipe
 from .scheme import QuantResult
@@ -36,7 +37,7 @@ def checkpoint_state(
     for name, result in results.items():
         for tname, tensor in fmt.pack(result).items():
             state[f"{name}.{tname}"] = tensor
-    return state
+    return conv1d_layout(model, state)  # dense GPT-2 Conv1D weights as the model stores them
 
 
 def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[str]) -> dict:

@@ -117,12 +117,14 @@ def quantize(
 
 def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume, report) -> None:
     from ..models import load_dense
+    from ..models.conv1d import linearize_conv1d
     from .methods import run_method
     from .pack import build_checkpoint
     from .plan import make_plan
 
     t_load = time.perf_counter()
     dense, tokenizer, info = load_dense(model, dtype=torch.float32, device="cpu")
+    linearize_conv1d(dense)  # GPT-2 style models: their Conv1D projections as nn.Linear
     load_seconds = time.perf_counter() - t_load
     plan = make_plan(dense, recipe.scheme, fmt, recipe.targets, recipe.ignore)
     resume_dir = (out.parent / f".{out.name}.resume") if resume else None

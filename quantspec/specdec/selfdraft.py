@@ -40,7 +40,10 @@ def quantize_in_memory(
     from ..quant.plan import make_plan
     from ..quant.rtn import rtn
 
+    from ..models.conv1d import linearize_conv1d
+
     draft = copy.deepcopy(model).eval()  # a tied lm_head is swapped, the embedding stays
+    linearize_conv1d(draft)
     ignore = () if include_lm_head else ("lm_head",)
     plan = make_plan(draft, scheme, get_format(fmt), ignore=ignore)
     backends: dict[str, str] = {}
