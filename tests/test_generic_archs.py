@@ -77,7 +77,7 @@ def test_undeclared_family_quantizes_and_loads(tmp_path, family, method):
     assert rel < 0.1, rel
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "smoothquant"])
 def test_gpt2_conv1d_quantizes_and_loads(tmp_path, method):
     """GPT-2's Conv1D projections ([in, out] weights) are quantized as Linears; a layer the
     recipe leaves dense is written back as Conv1D, so transformers reads the checkpoint."""

@@ -34,10 +34,11 @@ def checkpoint_state(
             continue  # tied tensor, already stored under its first name
         seen[ptr] = name
         state[name] = t.to(save_dtype) if t.is_floating_point() else t
+    state = conv1d_layout(model, state)  # dense GPT-2 Conv1D weights as the model stores them
     for name, result in results.items():
         for tname, tensor in fmt.pack(result).items():
             state[f"{name}.{tname}"] = tensor
-    return conv1d_layout(model, state)  # dense GPT-2 Conv1D weights as the model stores them
+    return state
 
 
 def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[str]) -> dict:
