@@ -42,3 +42,14 @@ def data_dir() -> Path:
     if not (path / "wikitext2" / "wikitext-2-raw-v1.test.txt").is_file():
         _missing(f"data folder {path} has no wikitext2/wikitext-2-raw-v1.test.txt (set QUANTSPEC_DATA)")
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: more threads only add contention."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -29,13 +29,7 @@ SHAPES = ((48, 256), (200, 200))
 needs_ext = pytest.mark.skipif(load_cpu_ext() is None, reason="no C++ compiler / build failed")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: OpenMP thread wake-ups on a busy machine cost more than the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
