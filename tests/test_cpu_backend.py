@@ -272,3 +272,20 @@ def test_prepared_cache_follows_moved_buffers():
     q._apply(lambda t: t.clone())  # what .to()/.cpu() do when they copy
     assert all(q.prepared()[name] is getattr(q, f"_p_{name}") for name in q.prepared())
     assert torch.equal(q(x), before)
+
+
+@needs_ext
+def test_bound_layer_survives_pickle_and_deepcopy():
+    import copy
+    import io
+
+    from quantspec.kernels.quant_linear import QuantLinear
+
+    q = QuantLinear.from_result(make_result(4, 64, True, False, 32, 64), "gptq", None, torch.float32)
+    q.prepare("cpu")
+    x = torch.randn(2, 64)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(q)):
+        assert torch.equal(other(x), q(x))

@@ -21,6 +21,8 @@ per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..quant.scheme import QuantResult, QuantScheme
@@ -193,6 +195,30 @@ def _linear_torch(x2, p, scheme, n, bias) -> torch.Tensor:
     return y if bias is None else y + bias.to(torch.float32)
 
 
+@dataclass(frozen=True)
+class BoundQGemm:
+    """``CpuBackend.linear`` for one extension layout, as ``torch.ops.quantspec_cpu.qgemm``
+    with the layer's constants (a plain object: picklable, traced by torch.compile)."""
+
+    scheme: QuantScheme
+    out_features: int
+    in_features: int
+    bits: int  # 4 (bits 2, 3, 4 share the nibble layout) or 8
+    block: int
+
+    def __call__(self, x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, the layer takes {self.in_features}")
+        if not x.is_cpu or x.dtype not in DTYPES:
+            raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] >= DENSE_FROM_M:
+            return CpuBackend().linear(x, p, self.scheme, self.out_features, self.in_features, bias)
+        y = torch.ops.quantspec_cpu.qgemm.default(
+            x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits, self.block, True)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 class CpuBackend:
     """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors."""
 
@@ -223,22 +249,7 @@ class CpuBackend:
         kind, bits, block, _ = prepared["meta"].tolist()
         if kind != EXT or load_cpu_ext() is None:
             return None
-        op = torch.ops.quantspec_cpu.qgemm.default
-        ext_bits = 4 if bits <= 4 else 8
-
-        def run(x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None):
-            if x.shape[-1] != in_features:
-                raise ValueError(f"x has {x.shape[-1]} features, the layer takes {in_features}")
-            if not x.is_cpu or x.dtype not in DTYPES:
-                raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
-            x2 = x.reshape(-1, in_features)
-            if x2.shape[0] >= DENSE_FROM_M:
-                return self.linear(x, p, scheme, out_features, in_features, bias)
-            y = op(x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias,
-                   ext_bits, block, True)
-            return y.reshape(*x.shape[:-1], out_features)
-
-        return run
+        return BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block)
 
     def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
         """x [..., K] (fp32/bf16/fp16, CPU) -> [..., N] in x.dtype."""

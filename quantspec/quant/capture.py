@@ -52,7 +52,6 @@ class _Catcher(nn.Module):
             raise StopBlock
         return hidden_states
 
-
     def _named(self, args: tuple) -> dict[str, Any]:
         params = [p for p in inspect.signature(self.block.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
