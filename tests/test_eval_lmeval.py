@@ -132,3 +132,11 @@ def test_cli_shim_runs_lm_eval(tiny, tasks_dir, tmp_path, capsys):
     assert "quantspec_tiny_mc" in capsys.readouterr().out
     results = list(out.rglob("results_*.json"))
     assert results and "quantspec_tiny_mc" in json.loads(results[0].read_text())["results"]
+
+
+def test_unknown_task_is_a_clear_error_before_loading(tasks_dir):
+    from quantspec.errors import QuantspecError
+
+    with pytest.raises(QuantspecError, match="quantspec_tiny_mcx") as err:
+        run_lm_eval("/nonexistent/model", ["quantspec_tiny_mcx"], include_path=tasks_dir)
+    assert "quantspec_tiny_mc" in str(err.value)  # the close match is suggested

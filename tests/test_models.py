@@ -168,3 +168,34 @@ def test_real_smollm2(smollm2_dir, monkeypatch):
     with torch.no_grad():
         nxt = model(ids).logits[0, -1].argmax().item()
     assert tok.decode(nxt).strip() == "Paris"
+
+
+def test_already_quantized_folder_is_refused(offline, tmp_path, tiny_dir):
+    """A checkpoint with a quantization_config is not a dense model: a clear error, before loading."""
+    import json
+    import shutil
+
+    folder = tmp_path / "quantized"
+    shutil.copytree(tiny_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for call in (lambda: dense_folder(str(folder)), lambda: load_dense(str(folder))):
+        with pytest.raises(QuantspecError, match="already quantized") as err:
+            call()
+        assert "gptq" in str(err.value) and "load_quantized" in str(err.value)
+
+
+def test_encoder_loaded_as_decoder_is_refused(offline, tmp_path):
+    """BERT loads as BertLMHeadModel with a random prediction head: refused, naming the weights."""
+    import transformers
+    from helpers import make_tiny_tokenizer
+
+    cfg = transformers.BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(tmp_path / "bert")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "bert")
+    with pytest.raises(QuantspecError, match="random") as err:
+        load_dense(str(tmp_path / "bert"))
+    assert "cls.predictions" in str(err.value)

@@ -85,6 +85,25 @@ def _task_manager(include_path: str | Path | list | None):
     return TaskManager(include_path=[str(p) for p in paths])
 
 
+def _check_tasks(tasks: list[str], manager) -> None:
+    """QuantspecError naming every task lm-eval does not know (with close names)."""
+    import difflib
+
+    known = set(getattr(manager, "all_tasks", []) or [])
+    if not known:
+        return  # an lm-eval without the listing: let it report
+    unknown = [t for t in tasks if t not in known and not Path(t).is_file()]
+    if unknown:
+        hints = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
+        named = "; ".join(f"{t!r}" + (f" (did you mean {', '.join(h)}?)" if h else "")
+                          for t, h in hints.items())
+        raise QuantspecError(
+            f"lm-eval has no task, group or tag named {named}.",
+            "check the name (`lm-eval ls tasks` lists them), or pass --include-path DIR for "
+            "your own task YAMLs.",
+        )
+
+
 def _plain(value: Any) -> Any:
     """Make lm-eval's numbers JSON-safe (numpy scalars, NaN stays a float)."""
     if isinstance(value, dict):
@@ -111,10 +130,12 @@ def run_lm_eval(model_path: str, tasks: list[str], limit: int | float | None = N
 
     if not tasks:
         raise QuantspecError("no lm-eval task named.", "pass --tasks e.g. arc_easy hellaswag.")
+    manager = _task_manager(include_path)
+    _check_tasks(tasks, manager)  # before the model is built
     lm = lm or register()(path=model_path, dtype=dtype, backend=backend, device=device, batch_size=batch_size)
     out = lm_eval.simple_evaluate(
         model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        task_manager=_task_manager(include_path), log_samples=log_samples,
+        task_manager=manager, log_samples=log_samples,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
         bootstrap_iters=0,
     )

@@ -160,9 +160,42 @@ def dense_folder(model: str | None = None) -> Path:
     """A local HF folder (config.json, safetensors, tokenizer) for a model spec.
 
     Aliases and .gguf files give the cached dense copy (built on first use); local folders are
-    returned as they are; hub ids give the snapshot folder in the HF cache.
+    returned as they are; hub ids give the snapshot folder in the HF cache. A folder whose
+    config.json already carries a ``quantization_config`` is refused (QuantspecError).
     """
-    return _resolve(_classify(model))[0]
+    folder = _resolve(_classify(model))[0]
+    _refuse_quantized(folder)
+    return folder
+
+
+def _refuse_quantized(folder: Path) -> None:
+    import json
+
+    try:
+        qcfg = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return  # no readable config.json: transformers' own error names the problem
+    if qcfg:
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else "?"
+        raise QuantspecError(
+            f"{folder} is already quantized (config.json has a {method!r} quantization_config); "
+            "quantspec quantizes dense models.",
+            "pass the dense original; to run or evaluate this checkpoint use "
+            "quantspec.load_quantized / `quantspec eval` on it.",
+        )
+
+
+def _missing_weights(folder: Path, loading_info: dict) -> None:
+    """Refuse a model that transformers completed with randomly initialised weights."""
+    missing = sorted(loading_info.get("missing_keys") or [])
+    if missing:
+        raise QuantspecError(
+            f"{folder} does not hold a complete causal LM: transformers would initialise "
+            f"{len(missing)} weights at random ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}); an encoder such as BERT loaded as a "
+            "decoder looks like this.",
+            "pass a causal (decoder-only) language model checkpoint with all its weights.",
+        )
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype:
@@ -209,14 +242,17 @@ def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     spec = _classify(model)
     torch_dtype = resolve_dtype(dtype, device)
     folder, source = _resolve(spec)
+    _refuse_quantized(folder)
     tokenizer = _load_tokenizer(folder)
     try:
-        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        lm, loading_info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, output_loading_info=True)
     except Exception as exc:
         raise QuantspecError(
             f"could not load a causal LM from {folder}: {type(exc).__name__}: {exc}",
             "check that the folder holds a complete transformers causal LM (config.json + weights).",
         ) from exc
+    _missing_weights(folder, loading_info)
     lm = lm.to(device).eval()
     info = ModelInfo(name=model_slug(model), source=source,
                      path=spec.value if source == "hub" and spec.kind == "hub" else str(folder),
