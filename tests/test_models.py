@@ -40,6 +40,21 @@ def test_slugs():
     assert model_slug("/x/qwen2.5-coder-0.5b-instruct.gguf") == "qwen2.5-coder-0.5b-instruct"
 
 
+def test_resolve_device():
+    from quantspec.models import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(QuantspecError, match="unknown device"):
+        resolve_device("gpu0")
+    with pytest.raises(QuantspecError, match="not supported"):
+        resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantspecError, match="sees no GPU") as err:
+            resolve_device("cuda")
+        assert "--device cpu" in str(err.value)
+
+
 def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16

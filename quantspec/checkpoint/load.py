@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
-from ..models import resolve_dtype
+from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
 from .checksums import verify_manifest
 from .reader import CheckpointReader
@@ -114,7 +114,7 @@ def load_quantized(
     path = Path(path)
     if not path.is_dir():
         raise QuantspecError(f"checkpoint folder {path} does not exist.", "check the path.")
-    device = torch.device(device)
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if verify:
         verify_manifest(path)

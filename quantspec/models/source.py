@@ -198,6 +198,28 @@ def _missing_weights(folder: Path, loading_info: dict) -> None:
         )
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A usable torch device: None -> cuda when present, else cpu; an absent GPU is a
+    QuantspecError (not torch's assertion deep inside the first ``.to()``)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise QuantspecError(f"unknown device {device!r} ({exc}).", "use cpu, cuda or cuda:N.") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda or torch.version.hip else ", a CPU-only build")
+            raise QuantspecError(f"device {device!r} was asked for, but torch sees no GPU ({build}).",
+                                 "use --device cpu, or install a CUDA/ROCm build of torch on a GPU machine.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise QuantspecError(f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs visible).",
+                                 f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
+    elif dev.type != "cpu":
+        raise QuantspecError(f"device type {dev.type!r} is not supported.", "use cpu or cuda (ROCm GPUs are cuda in torch).")
+    return dev
+
+
 def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype:
     """``"auto"`` -> float32 on CPU, bfloat16 on CUDA/ROCm; names like "bf16" -> torch dtypes."""
     if isinstance(dtype, torch.dtype):
@@ -239,6 +261,7 @@ def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
+    device = resolve_device(device)
     spec = _classify(model)
     torch_dtype = resolve_dtype(dtype, device)
     folder, source = _resolve(spec)

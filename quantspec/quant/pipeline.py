@@ -100,13 +100,13 @@ def quantize(
     """
     from ..checkpoint.atomic import check_destination
     from ..formats import get_format
-    from ..models import dense_folder, model_slug
+    from ..models import dense_folder, model_slug, resolve_device
 
     recipe = resolve_recipe(recipe)
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
     check_destination(out, overwrite)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     report: dict[str, Any] = {"layers": {}}
     if not resume and want_streaming(streaming, dense_folder(model)):
         _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, report)
