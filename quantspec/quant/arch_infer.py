@@ -171,7 +171,7 @@ def infer_smooth_pairs(block: nn.Module, call: _BlockCall) -> tuple[tuple[Smooth
     """Smoothing pairs of ``block`` (block 0) checked by folding, and the norms' offset."""
     if not call.args or any(t.is_meta for t in block.parameters()):
         return (), 0.0  # no real weights to fold (a meta-device model): no pairs
-    work = copy.deepcopy(block).to(torch.float32)
+    work = copy.deepcopy(block).to(torch.float32).eval()  # no dropout in the folding test
     args, kwargs = _fp32(call.args), _fp32(call.kwargs)
     with torch.no_grad():
         ref = _first_tensor(work(*args, **kwargs))
