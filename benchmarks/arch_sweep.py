@@ -1,0 +1,118 @@
+"""Every quantization method on tiny random models of many transformers families, end to end.
+
+For each family: a 2-layer random model (hidden 64) and its tokenizer are saved, then quantized
+by rtn / gptq / awq (4-bit g32) and smoothquant (W8A8) through ``quantspec.quantize``, loaded
+with ``quantspec.load_quantized`` (reference backend) and compared with the dense model on 16
+tokens: rel = mean squared logit error / mean square of the logits. A family that quantspec
+cannot handle must fail with a QuantspecError (a clear message), never with a crash.
+
+    python benchmarks/arch_sweep.py [--out benchmarks/results/arch-sweep] [--families A,B] [--methods ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import make_tiny_tokenizer  # noqa: E402
+
+import quantspec  # noqa: E402
+from quantspec.errors import QuantspecError  # noqa: E402
+from quantspec.quant.recipe import CalibrationConfig, Recipe  # noqa: E402
+from quantspec.quant.scheme import QuantScheme  # noqa: E402
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+FAMILIES = {  # config class -> the fields a tiny model of it needs besides COMMON
+    "LlamaConfig": {}, "MistralConfig": {"sliding_window": None}, "Qwen2Config": {},
+    "Qwen3Config": {"head_dim": 16}, "GemmaConfig": {"head_dim": 16},
+    "Gemma2Config": {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16},
+    "Gemma3TextConfig": {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16},
+    "Phi3Config": {}, "PhiConfig": {}, "GPT2Config": {"n_inner": 128},
+    "OPTConfig": {"ffn_dim": 128, "word_embed_proj_dim": 64}, "GPTNeoXConfig": {},
+    "GPTJConfig": {"n_inner": 128, "rotary_dim": 8},
+    "FalconConfig": {"new_decoder_architecture": True, "num_kv_heads": 2}, "StableLmConfig": {},
+    "Starcoder2Config": {}, "MixtralConfig": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Qwen2MoeConfig": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "shared_expert_intermediate_size": 128},
+    "Qwen3MoeConfig": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "head_dim": 16},
+    "OlmoConfig": {}, "Olmo2Config": {}, "GraniteConfig": {}, "CohereConfig": {}, "BloomConfig": {},
+}
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
+
+
+def recipe_for(method: str, cal: CalibrationConfig) -> Recipe:
+    if method == "smoothquant":
+        return Recipe(name="sweep", method=method, format="compressed-tensors", calibration=cal,
+                      scheme=QuantScheme(8, -1, True, activations="int8-token-dynamic"))
+    return Recipe(name="sweep", method=method, format="awq" if method == "awq" else "gptq",
+                  scheme=QuantScheme(4, 32, method != "awq"), calibration=cal)
+
+
+def run_one(folder: Path, dense, method: str, cal, out: Path) -> str:
+    try:
+        ckpt = quantspec.quantize(str(folder), recipe_for(method, cal), out, progress=False,
+                                  device="cpu", overwrite=True).out
+        q = quantspec.load_quantized(ckpt, backend="reference")
+        ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+        return f"ok {float((a - b).pow(2).mean() / b.pow(2).mean()):.3g}"
+    except QuantspecError as exc:
+        return f"refused: {str(exc)[:160]}"
+    except Exception as exc:  # a crash is what this sweep exists to find
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return f"CRASH {type(exc).__name__}: {str(exc)[:160]} ({Path(where.filename).name}:{where.lineno})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arch-sweep"))
+    ap.add_argument("--families", default="", help="comma-separated config class names (default: all)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    families = args.families.split(",") if args.families else list(FAMILIES)
+    methods = args.methods.split(",")
+    results: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        text = root / "calib.txt"
+        text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+        cal = CalibrationConfig(data=str(text), samples=4, seqlen=64)
+        tokenizer = make_tiny_tokenizer()
+        for name in families:
+            config = getattr(transformers, name)(**{**COMMON, **FAMILIES.get(name, {})})
+            torch.manual_seed(0)
+            dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+            folder = root / name
+            dense.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            results[name] = {m: run_one(folder, dense, m, cal, root / f"{name}-{m}") for m in methods}
+            print(name, results[name], flush=True)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Every method on tiny random models of {len(results)} families "
+             f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
+             "rel: mean squared logit error of the loaded checkpoint / mean square of the dense "
+             "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant).", "",
+             "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items()]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    crashes = [(n, m) for n, r in results.items() for m, v in r.items() if v.startswith("CRASH")]
+    print(f"{len(crashes)} crashes", crashes)
+    sys.exit(1 if crashes else 0)
+
+
+if __name__ == "__main__":
+    main()
