@@ -264,11 +264,9 @@ class CpuBackend:
             ext = load_cpu_ext()
             if ext is None:
                 raise RuntimeError("layer was prepared for the cpu extension, which is gone")
-            if x2.shape[0] < DENSE_FROM_M:
-                y = ext.qgemm(x2.contiguous(), prepared["w"], prepared["scales"],
-                              prepared["zeros"], prepared["src"], bias,
-                              4 if bits <= 4 else 8, block, True)
-                return y.reshape(*lead, out_features)
+            if x2.shape[0] < DENSE_FROM_M:  # the bound op's path (one kernel call)
+                bound = BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block)
+                return bound(x, prepared, bias)
             y = _dense_ext(ext, x2, prepared, scheme, out_features, bits)
             if bias is not None:
                 y = y + bias.to(torch.float32)
