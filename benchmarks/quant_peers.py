@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None, help="results prefix (default results/METHOD-peers)")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="an earlier results .json: its rows for configs and tools not run now join the table, "
+                         "marked with the file they come from (a peer that takes hours need not run again)")
     args = ap.parse_args()
     tools = args.tools.split(",") if args.tools else list(METHODS[args.method])
     if args.setup:
@@ -133,31 +136,51 @@ def main() -> None:
                     res = run_tool(tool, args.method, Path(args.model), data, bits, group, log)
                     print(f"run {run} w{bits}g{group} {tool}: {res}", flush=True)
                     rows.setdefault((bits, group, tool), []).append(res)
-    write_tables(out, args, rows)
+    write_tables(out, args, rows, reused(args.reuse, args, rows))
 
 
-def write_tables(out: Path, args, rows: dict) -> None:
-    table = []
-    for (bits, group, tool), runs in rows.items():
-        ok = [r for r in runs if "error" not in r]
-        table.append({
-            "method": args.method, "tool": tool,
-            "config": "fp32" if args.method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}"),
-            "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
-            "seconds": [round(r["seconds"], 1) for r in ok],
-            "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,
-            "settings": ok[0].get("settings") if ok else None,
-            "error": next((r["error"] for r in runs if "error" in r), None),
-        })
+def reused(path: Path | None, args, rows: dict) -> list[dict]:
+    """The rows of an earlier run (same method, model, calibration and eval) not measured now."""
+    if path is None:
+        return []
+    old = json.loads(path.read_text())
+    meta = old["meta"]
+    want = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows"}
+    if any(meta.get(k) != v for k, v in want.items()):
+        raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
+    now = {(r["config"], r["tool"]) for r in (table_row(args, k, v) for k, v in rows.items())}
+    return [{**r, "from": r.get("from") or path.name} for r in old["rows"]
+            if r["method"] == args.method and (r["config"], r["tool"]) not in now]
+
+
+def table_row(args, key: tuple, runs: list[dict]) -> dict:
+    bits, group, tool = key
+    ok = [r for r in runs if "error" not in r]
+    return {
+        "method": args.method, "tool": tool,
+        "config": "fp32" if args.method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}"),
+        "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
+        "seconds": [round(r["seconds"], 1) for r in ok],
+        "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,
+        "settings": ok[0].get("settings") if ok else None,
+        "error": next((r["error"] for r in runs if "error" in r), None),
+    }
+
+
+def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
+    table = [table_row(args, k, v) for k, v in rows.items()] + list(earlier)
+    table.sort(key=lambda r: r["config"])
     meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "runs": args.runs,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__}
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
     lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; {meta['machine']})", "",
-             "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) |", "|---|---|---|---|---|---|"]
+             "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) | measured |", "|---|---|---|---|---|---|---|"]
     for r in table:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] else f"failed: {r['error']}"
-        lines.append(f"| {r['config']} | {r['tool']} | {r['actorder'] or '-'} | {ppl} | {r['median_s']} | {r['seconds']} |")
+        when = f"earlier run ({r['from']})" if r.get("from") else "this run"
+        lines.append(f"| {r['config']} | {r['tool']} | {r['actorder'] or '-'} | {ppl} | {r['median_s']} | {r['seconds']} | {when} |")
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

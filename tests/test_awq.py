@@ -20,8 +20,11 @@ from quantspec.quant.awq import (
     apply_clip,
     fake_quantize,
     method_from_recipe,
+    _capture_parents,
     scale_from_alpha,
     search_clip,
+    search_scale,
+    weight_group_mean,
 )
 from quantspec.quant.block_methods import RTNMethod
 from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
@@ -45,6 +48,75 @@ def test_scale_from_alpha():
     s = scale_from_alpha(x, 1.0)
     torch.testing.assert_close(s.max() * s.min(), torch.tensor(1.0))
     torch.testing.assert_close(s / s[0], x / x[0])
+
+
+def test_duo_scale_and_weight_group_mean():
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
+    w1 = torch.ones(1, 64)
+    w1[0, 0], w1[0, 32:] = -4.0, 2.0  # group 0: |w| / 4 = 1 at column 0, 1/4 elsewhere; group 1: 1
+    w2 = torch.full((2, 64), 3.0)
+    w2[0, 40] = 12.0  # row 0, group 1: 1 at column 40, 1/4 elsewhere
+    expect = torch.ones(64)
+    expect[1:32] = (0.25 + 2) / 3
+    expect[32:] = (1 + 0.25 + 1) / 3
+    expect[40] = 1.0
+    torch.testing.assert_close(weight_group_mean([w1, w2], scheme), expect, atol=1e-5, rtol=1e-5)
+    x = torch.rand(64, generator=torch.Generator().manual_seed(0)) * 8
+    for alpha in (0.0, 0.3, 1.0):
+        s = scale_from_alpha(x, alpha, expect)
+        raw = (x.pow(alpha) / (expect.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        torch.testing.assert_close(s, raw / (raw.max() * raw.min()).sqrt())
+
+
+def test_search_scale_candidates():
+    x = torch.tensor([0.5, 2.0, 8.0])
+    seen = []
+    s, info = search_scale(x, lambda s: seen.append(s) or float(len(seen)), grid=5)
+    assert len(seen) == 5 and torch.equal(s, torch.ones(3)) and info["alpha"] == 0.0
+    seen.clear()
+    w_mean = torch.tensor([0.5, 0.5, 0.25])
+    # duo: the identity first, then exponents 0, .25, .5, .75, 1; the loss picks the last one
+    s, info = search_scale(x, lambda s: seen.append(s) or -float(len(seen)), grid=5, w_mean=w_mean)
+    assert len(seen) == 6 and torch.equal(seen[0], torch.ones(3))
+    assert info["alpha"] == 1.0 and torch.equal(s, scale_from_alpha(x, 1.0, w_mean))
+    assert info["loss_rtn"] == -1.0
+    s, info = search_scale(x, lambda s: float("nan"), grid=3, w_mean=w_mean)
+    assert torch.equal(s, torch.ones(3)) and info["alpha"] is None
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "phi3"])
+def test_capture_parents_replays_the_consuming_module(arch_name):
+    """q/k/v (or Phi-3's fused qkv) are judged on the attention's output, gate/up on the MLP's,
+    up -> down on the Linear's own: replaying the recorded calls gives the block's values."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch_name), dtype=torch.float32).eval()
+    arch = get_arch(model)
+    ids = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(0))
+    from quantspec.quant.smoothing import resolve_pairs
+
+    with torch.no_grad():
+        inputs, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
+        block = arch.block_list(model)[0]
+        pairs, _ = resolve_pairs(block, arch)
+        found = _capture_parents(block, inputs, kwargs[0], pairs, [0, 2])
+        by_prev = {p.prev_name: f for p, f in zip(pairs, found)}
+        attn, mlp = by_prev["input_layernorm"], by_prev["post_attention_layernorm"]
+        assert attn is not None and attn.module is block.self_attn
+        assert mlp is not None and mlp.module is block.mlp
+        assert all(f is None for p, f in zip(pairs, found) if p.prev_name.endswith(("v_proj", "up_proj", "qkv_proj", "gate_up_proj")))
+        # the recorded inputs are the norms' outputs; replaying gives the modules' outputs
+        outs = {}
+        hooks = [m.register_forward_hook(lambda m, a, o, k=k: outs.setdefault(k, []).append(o[0] if isinstance(o, tuple) else o))
+                 for k, m in (("attn", block.self_attn), ("mlp", block.mlp))]
+        for j in (0, 2):
+            block(inputs[j : j + 1], **kwargs[0])
+        for h in hooks:
+            h.remove()
+        torch.testing.assert_close(attn.run(attn.inputs()), torch.cat([o.reshape(-1) for o in outs["attn"]]))
+        torch.testing.assert_close(mlp.run(mlp.inputs()), torch.cat([o.reshape(-1) for o in outs["mlp"]]))
+        x = block.input_layernorm(inputs[2:3])
+        torch.testing.assert_close(attn.inputs()[1], x)
 
 
 def test_search_clip_lowers_group_output_error():

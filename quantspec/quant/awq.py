@@ -58,10 +58,32 @@ SCALES_VERSION = 1
 # Pure tensor functions
 
 
-def scale_from_alpha(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
-    """AWQ's candidate scale for exponent ``alpha``: [K] -> [K], geometric mean of max/min 1."""
-    s = x_mean.to(torch.float32).pow(alpha).clamp(min=1e-4)
+def scale_from_alpha(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """AWQ's candidate scale for exponent ``alpha``: [K] -> [K], geometric mean of max/min 1.
+
+    ``x_mean^alpha``; with ``w_mean`` (``weight_group_mean``, "duo scaling" as AutoAWQ and
+    llm-compressor do by default) ``x_mean^alpha / w_mean^(1 - alpha)``: channels whose weights
+    are small within their groups get larger scales too.
+    """
+    s = x_mean.to(torch.float32).pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.to(torch.float32).pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_group_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """Mean over the output rows of ``weights`` ([N_i, K] each) of |w| / (max |w| of its
+    quantization group): [K], how large each input channel's weights are on their grids."""
+    total, rows = None, 0
+    for w in weights:
+        k = w.shape[1]
+        g = _grouped(w.detach(), scheme).abs()
+        g = g / (g.amax(dim=2, keepdim=True) + 1e-6)
+        part = g.reshape(w.shape[0], -1)[:, :k].sum(dim=0)
+        total = part if total is None else total + part
+        rows += w.shape[0]
+    return total / rows
 
 
 def _grouped(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -150,21 +172,31 @@ def awq_quantize(
 
 
 def search_scale(
-    x_mean: torch.Tensor, loss: Callable[[torch.Tensor], float], grid: int = 20
+    x_mean: torch.Tensor,
+    loss: Callable[[torch.Tensor], float],
+    grid: int = 20,
+    w_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Best ``scale_from_alpha(x_mean, i/grid)`` under ``loss(s)``; returns (s, info)."""
-    losses = []
-    best, best_s = float("inf"), None
-    for i in range(grid):
-        s = scale_from_alpha(x_mean, i / grid)
-        value = loss(s)
-        losses.append(value)
-        if value < best:
-            best, best_s = value, s
-    if best_s is None:  # every loss was NaN: keep the identity
-        best_s = torch.ones_like(x_mean, dtype=torch.float32)
-    alpha = losses.index(best) / grid if best in losses else 0.0
-    return best_s, {"alpha": alpha, "loss": best, "loss_rtn": losses[0]}
+    """Best candidate scale under ``loss(s)``; returns (s, info).
+
+    Candidates: without ``w_mean``, ``scale_from_alpha(x_mean, i / grid)`` for i < grid (the
+    first is all ones: plain RTN); with it (duo scaling), all ones then the duo scales of
+    ``grid`` exponents evenly spaced over [0, 1]. ``info["alpha"]`` is the chosen exponent
+    (None: the identity).
+    """
+    if w_mean is None:
+        cands = [(i / grid, scale_from_alpha(x_mean, i / grid)) for i in range(grid)]
+    else:
+        cands = [(None, torch.ones_like(x_mean, dtype=torch.float32))]
+        cands += [(i / max(grid - 1, 1), scale_from_alpha(x_mean, i / max(grid - 1, 1), w_mean))
+                  for i in range(grid)]
+    losses = [loss(s) for _, s in cands]
+    finite = [i for i, v in enumerate(losses) if v == v]  # NaN != NaN
+    if not finite:  # every loss was NaN: keep the identity
+        return torch.ones_like(x_mean, dtype=torch.float32), {"alpha": None, "loss": float("nan"),
+                                                              "loss_rtn": float("nan")}
+    best = min(finite, key=lambda i: losses[i])
+    return cands[best][1], {"alpha": cands[best][0], "loss": losses[best], "loss_rtn": losses[0]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,54 +213,103 @@ class AWQSettings:
     quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
 
 
-def _inspect_modules(block, block_name, inputs, kwargs, pairs) -> list[nn.Module | None]:
-    """For each pair, the parent of its Linears when that parent is called with their input
-    as its only argument (the MLP for gate/up), else None (use the Linears' outputs)."""
-    cands: list[nn.Module | None] = []
-    for p in pairs:
-        parts = [n.rpartition(".")[0] for n in p.linear_names]
-        parent = parts[0] if len(set(parts)) == 1 and parts[0] else None
-        cands.append(block.get_submodule(parent) if parent else None)
-    calls: dict[int, Any] = {}
-    lin_inputs: dict[int, Any] = {}
-    handles = []
-    for i, (p, c) in enumerate(zip(pairs, cands)):
-        if c is None:
-            continue
+def _parent_name(linear_names: tuple[str, ...]) -> str:
+    """The deepest module that holds every Linear of a pair ('' for the block itself)."""
+    parts = [n.split(".")[:-1] for n in linear_names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
-        def parent_hook(_m, args, kw, i=i):
-            calls.setdefault(i, args[0] if len(args) == 1 and not kw else None)
 
-        def lin_hook(_m, args, i=i):
-            lin_inputs.setdefault(i, args[0])
+@dataclass
+class _ParentCalls:
+    """Recorded calls of the module that consumes a pair's Linears, one per calibration
+    sequence, with the pair's input at ``slot`` (a positional index or a keyword)."""
 
-        handles.append(c.register_forward_pre_hook(parent_hook, with_kwargs=True))
-        handles.append(p.linears[0].register_forward_pre_hook(lin_hook))
+    module: nn.Module
+    slot: int | str
+    calls: list[tuple[tuple, dict]]
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [args[self.slot] if isinstance(self.slot, int) else kw[self.slot] for args, kw in self.calls]
+
+    def run(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        outs = []
+        for (args, kw), x in zip(self.calls, xs):
+            if isinstance(self.slot, int):
+                args = args[: self.slot] + (x,) + args[self.slot + 1 :]
+            else:
+                kw = {**kw, self.slot: x}
+            out = self.module(*args, **kw)
+            outs.append((out[0] if isinstance(out, tuple) else out).float().reshape(-1))
+        return torch.cat(outs)
+
+
+def _stateful(value: Any) -> bool:
+    """A key-value cache (calling the module again would append to it)."""
+    return value is not None and "cache" in type(value).__name__.lower()
+
+
+def _capture_parents(block, inputs, kwargs, pairs, seqs: list[int]) -> list[_ParentCalls | None]:
+    """For each pair, the calls of the module holding its Linears (the attention for q/k/v,
+    the MLP for gate/up) on the calibration sequences ``seqs``, when that module receives the
+    Linears' input as one of its arguments and holds no cache; else None (the search then
+    measures the Linears' own outputs, as for up -> down)."""
+    names = [_parent_name(p.linear_names) for p in pairs]
+    parents = {n: block.get_submodule(n) for n in set(names) if n}
+    calls: dict[str, list] = {n: [] for n in parents}
+    lin_in: list[list[torch.Tensor]] = [[] for _ in pairs]
+    seq_no = 0
+
+    def keep_first(store: list, item) -> None:  # one record per sequence: its first call
+        if len(store) == seq_no:
+            store.append(item)
+
+    handles = [m.register_forward_pre_hook(lambda _m, a, kw, n=n: keep_first(calls[n], (a, kw)), with_kwargs=True)
+               for n, m in parents.items()]
+    handles += [p.linears[0].register_forward_pre_hook(lambda _m, a, i=i: keep_first(lin_in[i], a[0]))
+                for i, p in enumerate(pairs)]
     try:
         with torch.no_grad():
-            block(inputs[:1], **kwargs)
+            for seq_no, j in enumerate(seqs):
+                block(inputs[j : j + 1], **kwargs)
     finally:
         for h in handles:
             h.remove()
-    return [
-        c if c is not None and calls.get(i) is not None and calls[i] is lin_inputs.get(i) else None
-        for i, c in enumerate(cands)
-    ]
+    found: list[_ParentCalls | None] = []
+    for n, xs in zip(names, lin_in):
+        rec = calls.get(n, [])
+        if not n or len(rec) != len(seqs) or len(xs) != len(seqs):
+            found.append(None)
+            continue
+        args0, kw0 = rec[0]
+        slots = [j for j, v in enumerate(args0) if v is xs[0]] + [k for k, v in kw0.items() if v is xs[0]]
+        if len(slots) != 1 or any(_stateful(v) for v in (*args0, *kw0.values())):
+            found.append(None)
+            continue
+        pc = _ParentCalls(parents[n], slots[0], rec)
+        # the slot must hold the Linears' input in every recorded call
+        found.append(pc if all(x is y for x, y in zip(pc.inputs(), xs)) else None)
+    return found
 
 
 class _PairObjective:
-    """loss(s) for one pair: MSE of the inspected output with ``Q(W*s)/s`` weights."""
+    """loss(s) for one pair: MSE of the consuming module's output (the Linears' outputs when
+    there is none) with ``Q(W*s)/s`` weights, against the float output."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor,
-                 inspect: nn.Module | None):
-        self.pair, self.planned, self.x, self.inspect = pair, planned, x, inspect
+                 parent: _ParentCalls | None, parent_inputs: list[torch.Tensor] | None):
+        self.pair, self.planned, self.x = pair, planned, x
+        self.parent, self.parent_inputs = parent, parent_inputs
         self.dense = [lin.weight.detach().clone() for lin in pair.linears]
         self.ref = self._output()
 
     def _output(self) -> torch.Tensor:
-        if self.inspect is not None:
-            out = self.inspect(self.x.unsqueeze(0).to(self.pair.linears[0].weight.dtype))
-            return out.float()
+        if self.parent is not None:
+            return self.parent.run(self.parent_inputs)
         return torch.cat([lin(self.x.to(lin.weight.dtype)).float() for lin in self.pair.linears], -1)
 
     @torch.no_grad()
@@ -369,7 +450,10 @@ class AWQMethod:
 
     def _search(self, block, block_name, inputs, kwargs, rel, pairs) -> dict[str, torch.Tensor]:
         opts = self.options
-        inspect = _inspect_modules(block, block_name, inputs, kwargs, pairs)
+        n, seqlen = inputs.shape[0], inputs.shape[1]
+        n_seq = min(n, max(1, -(-opts.search_tokens // seqlen)))
+        seqs = torch.linspace(0, n - 1, n_seq).round().long().unique().tolist()
+        parents = _capture_parents(block, inputs, kwargs, pairs, seqs)
         modules = {f"{block_name}.{p.linear_names[0]}": p.linears[0] for p in pairs}
         clip_mods = {}
         if opts.awq.clip:
@@ -380,12 +464,17 @@ class AWQMethod:
         stats = collect_input_stats(block, block_name, inputs, kwargs, {**modules, **clip_mods}, tokens)
         # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
         samples = {n: st.sample for n, st in stats.items()}
-        for p, insp in zip(pairs, inspect):
+        for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
             x = _spread(samples[key], opts.search_tokens)
             planned = {n: rel[n] for n in p.linear_names if n in rel}
-            objective = _PairObjective(p, planned, x, insp)
-            s, info = search_scale(stats[key].absmean, objective, opts.awq.grid)
+            xs = parent.inputs() if parent is not None else None
+            objective = _PairObjective(p, planned, x, parent, xs)
+            w_mean = None
+            if opts.awq.duo_scaling:
+                scheme = next(iter(planned.values()))
+                w_mean = weight_group_mean([lin.weight for lin in p.linears], scheme)
+            s, info = search_scale(stats[key].absmean, objective, opts.awq.grid, w_mean)
             fold_scales(p, s)
             for n in p.linear_names:
                 full = f"{block_name}.{n}"
@@ -393,7 +482,8 @@ class AWQMethod:
                     samples[full] = samples[full] / s.to(samples[full])[None, :]
                 if n in rel:
                     self.info.setdefault(full, {}).update(
-                        {"awq_alpha": info["alpha"], "awq_loss": info["loss"], "awq_loss_rtn": info["loss_rtn"]}
+                        {"awq_alpha": info["alpha"], "awq_loss": info["loss"], "awq_loss_rtn": info["loss_rtn"],
+                         "awq_objective": "parent" if parent is not None else "linears"}
                     )
             self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()
         clips = {}
@@ -407,7 +497,7 @@ class AWQMethod:
 
 def _recipe_fingerprint(recipe: Recipe, with_clip: bool) -> dict:
     return {"method": recipe.method, "scheme": recipe.scheme.to_dict(),
-            "grid": recipe.awq.grid, "clip": with_clip, "ignore": list(recipe.ignore),
+            "grid": recipe.awq.grid, "duo_scaling": recipe.awq.duo_scaling, "clip": with_clip, "ignore": list(recipe.ignore),
             "targets": list(recipe.targets)}
 
 

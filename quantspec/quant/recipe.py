@@ -95,6 +95,7 @@ class GPTQOptions:
 class AWQOptions:
     grid: int = 20
     clip: bool = True
+    duo_scaling: bool = True  # scales from activation and weight magnitudes (AutoAWQ's default)
     save_scales: str | None = None
     load_scales: str | None = None
 
