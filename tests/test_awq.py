@@ -21,6 +21,7 @@ from quantspec.quant.awq import (
     fake_quantize,
     method_from_recipe,
     _capture_parents,
+    clip_wanted,
     scale_from_alpha,
     search_clip,
     search_scale,
@@ -82,6 +83,12 @@ def test_search_scale_candidates():
     assert info["loss_rtn"] == -1.0
     s, info = search_scale(x, lambda s: float("nan"), grid=3, w_mean=w_mean)
     assert torch.equal(s, torch.ones(3)) and info["alpha"] is None
+
+
+def test_clip_by_bit_width_unless_set():
+    w4, w3 = QuantScheme(4, 128, False), QuantScheme(3, 128, False)
+    assert not clip_wanted(None, w4) and clip_wanted(None, w3)
+    assert clip_wanted(True, w4) and not clip_wanted(False, w3)
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "phi3"])
@@ -187,12 +194,12 @@ def test_save_load_scales_round_trip(tmp_path):
     calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(0))
     plan = {n: ASYM4 for n, m in dense.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     path = tmp_path / "scales.safetensors"
-    recipe = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(save_scales=str(path)))
+    recipe = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(save_scales=str(path), clip=True))
     a = copy.deepcopy(dense)
     res_a = run_blockwise(a, arch, calib, method_from_recipe(recipe), plan, progress=False)
     assert path.is_file()
 
-    load = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(load_scales=str(path)))
+    load = Recipe(name="a", method="awq", format="awq", scheme=ASYM4, awq=AWQOptions(load_scales=str(path), clip=True))
     b = copy.deepcopy(dense)
     res_b = run_blockwise(b, arch, calib, method_from_recipe(load), plan, progress=False)
     assert all(res_a[n].equal(res_b[n]) for n in plan)
@@ -207,7 +214,7 @@ def test_save_load_scales_round_trip(tmp_path):
     assert "model.layers.1.self_attn.v_proj.scales" in keys and "model.layers.1.mlp.down_proj.clip" in keys
 
     other_recipe = Recipe(name="a", method="awq", format="awq", scheme=QuantScheme(3, 32, False),
-                          awq=AWQOptions(load_scales=str(path)))
+                          awq=AWQOptions(load_scales=str(path), clip=True))
     with pytest.raises(QuantspecError, match="another recipe"):
         run_blockwise(copy.deepcopy(dense), arch, calib, method_from_recipe(other_recipe),
                       {n: QuantScheme(3, 32, False) for n in plan}, progress=False)

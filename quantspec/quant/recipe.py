@@ -94,7 +94,8 @@ class GPTQOptions:
 @dataclass(frozen=True)
 class AWQOptions:
     grid: int = 20
-    clip: bool = True
+    # weight-clipping search: True, False, or None = by bit width (awq.clip_wanted)
+    clip: bool | None = None
     duo_scaling: bool = True  # scales from activation and weight magnitudes (AutoAWQ's default)
     save_scales: str | None = None
     load_scales: str | None = None
