@@ -105,3 +105,16 @@ def test_quantize_compare_table(tiny, tmp_path, capsys):
     assert rows["dense fp32"]["ppl"] > 1 and all(r["decode_tok_s"] > 0 for r in rows.values())
     q = next(v for k, v in rows.items() if k.startswith("quantized"))
     assert q["size_mb"] < rows["dense fp32"]["size_mb"]
+
+
+def test_awq_flags_reach_the_recipe():
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+
+    parse = build_parser().parse_args
+    base = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128"]))
+    assert base.awq.clip is None and base.awq.duo_scaling
+    r = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128", "--clip", "--no-duo-scaling",
+                                "--save-scales", "s.safetensors"]))
+    assert r.awq.clip is True and r.awq.duo_scaling is False and r.awq.save_scales == "s.safetensors"
+    assert r.scheme == base.scheme and r.awq.grid == base.awq.grid

@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
     p.add_argument("--alpha", type=float, help="SmoothQuant migration strength")
     p.add_argument("--save-scales", help="AWQ: save the searched scales to this file")
     p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
+    p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ: search per-group weight clipping (default: at 3 bits and below)")
+    p.add_argument("--duo-scaling", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ: candidate scales from activation and weight magnitudes (default: on)")
     p.add_argument("--out", help="output folder (default: ./quantspec-out/<model>-<recipe>/)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
@@ -82,7 +86,9 @@ def recipe_from_args(args):
         }.items()
         if v is not None
     }
-    if changes or top or calib or args.alpha is not None or args.save_scales or args.load_scales:
+    awq = {k: v for k, v in {"save_scales": args.save_scales, "load_scales": args.load_scales,
+                             "clip": args.clip, "duo_scaling": args.duo_scaling}.items() if v is not None}
+    if changes or top or calib or args.alpha is not None or awq:
         data = recipe.to_dict()
         if "method" in top and args.recipe is None:  # the new method's own default scheme
             data["scheme"] = {**asdict(default_scheme(top["method"])), **changes}
@@ -94,8 +100,8 @@ def recipe_from_args(args):
         data["calibration"] = {**data["calibration"], **calib}
         if args.alpha is not None:
             data["smoothquant"] = {**data["smoothquant"], "alpha": args.alpha}
-        if args.save_scales or args.load_scales:
-            data["awq"] = {**data["awq"], "save_scales": args.save_scales, "load_scales": args.load_scales}
+        if awq:
+            data["awq"] = {**data["awq"], **awq}
         recipe = type(recipe).from_dict(data)
         if changes or top:
             recipe = replace(recipe, name=default_recipe_name(recipe.method, recipe.scheme))
