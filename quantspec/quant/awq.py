@@ -4,14 +4,18 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
 
 1. ``x_mean`` [K]: mean |x| per input channel of the balanced Linears over the calibration
    tokens.
-2. Grid search over ``alpha`` in ``{i / grid : i = 0 .. grid-1}`` (the paper's 20 points of
-   [0, 1)): ``s = x_mean^alpha``, normalised by ``sqrt(max(s) * min(s))``; the balanced
-   Linears' weights become ``Q(W * s) / s`` (Q = RTN fake quantization with the scheme) and the
-   loss is the MSE of the *inspected output* against the float one on a token sample. The
-   inspected output is the output of the module that consumes the Linears when it is called on
-   their input alone (the MLP for gate/up), else their concatenated outputs (q/k/v, v -> o,
-   up -> down). ``alpha = 0`` is plain RTN, so the chosen scales never do worse than RTN on
-   the sample.
+2. Grid search over the exponent ``alpha`` (``search_scale``): with duo scaling (the default,
+   as AutoAWQ and llm-compressor) the candidates are ``s = x_mean^alpha / w_mean^(1-alpha)``
+   for ``grid`` exponents evenly spaced over [0, 1] plus ``s = 1`` (plain RTN), where
+   ``w_mean`` [K] is the mean of |w| / (its group's max |w|) over the balanced Linears' rows;
+   without it ``s = x_mean^alpha`` for ``alpha = i / grid``, i < grid (the paper's). Each ``s``
+   is normalised by ``sqrt(max(s) * min(s))``; the balanced Linears' weights become
+   ``Q(W * s) / s`` (Q = RTN fake quantization with the scheme) and the loss is the MSE of the
+   *consuming module's output* against the float one: the module that holds the Linears (the
+   attention for q/k/v, the MLP for gate/up), replayed with its recorded arguments on whole
+   calibration sequences (``search_tokens`` worth), when it receives their input as one
+   argument; else the Linears' concatenated outputs on a token sample (v -> o, up -> down).
+   RTN is a candidate, so the chosen scales never do worse than RTN on the sample.
 3. Fold the best ``s`` (exactly, ``smoothing.fold_scales``).
 4. Optional clipping search (the paper's auto_clip; by default only at 3 bits and below,
    ``clip_wanted``): per output row and group, the max |w|
@@ -311,9 +315,9 @@ class _PairObjective:
     there is none) with ``Q(W*s)/s`` weights, against the float output."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor,
-                 parent: _ParentCalls | None, parent_inputs: list[torch.Tensor] | None):
-        self.pair, self.planned, self.x = pair, planned, x
-        self.parent, self.parent_inputs = parent, parent_inputs
+                 parent: _ParentCalls | None):
+        self.pair, self.planned, self.x, self.parent = pair, planned, x, parent
+        self.parent_inputs = parent.inputs() if parent is not None else None
         self.dense = [lin.weight.detach().clone() for lin in pair.linears]
         self.ref = self._output()
 
@@ -475,8 +479,7 @@ class AWQMethod:
             key = f"{block_name}.{p.linear_names[0]}"
             x = _spread(samples[key], opts.search_tokens)
             planned = {n: rel[n] for n in p.linear_names if n in rel}
-            xs = parent.inputs() if parent is not None else None
-            objective = _PairObjective(p, planned, x, parent, xs)
+            objective = _PairObjective(p, planned, x, parent)
             w_mean = None
             if opts.awq.duo_scaling:
                 scheme = next(iter(planned.values()))
