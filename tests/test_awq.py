@@ -73,14 +73,20 @@ def test_search_scale_candidates():
     x = torch.tensor([0.5, 2.0, 8.0])
     seen = []
     s, info = search_scale(x, lambda s: seen.append(s) or float(len(seen)), grid=5)
-    assert len(seen) == 5 and torch.equal(s, torch.ones(3)) and info["alpha"] == 0.0
+    assert len(seen) == 5 and torch.equal(s, torch.ones(3)) and info["alpha"] is None
+    torch.testing.assert_close(seen[2], scale_from_alpha(x, 0.4))  # the paper's alpha = i / grid
     seen.clear()
     w_mean = torch.tensor([0.5, 0.5, 0.25])
-    # duo: the identity first, then exponents 0, .25, .5, .75, 1; the loss picks the last one
-    s, info = search_scale(x, lambda s: seen.append(s) or -float(len(seen)), grid=5, w_mean=w_mean)
+    # duo only: the identity first, then exponents 0, .25, .5, .75, 1; the loss picks the last one
+    s, info = search_scale(x, lambda s: seen.append(s) or -float(len(seen)), grid=5, w_mean=w_mean, plain=False)
     assert len(seen) == 6 and torch.equal(seen[0], torch.ones(3))
-    assert info["alpha"] == 1.0 and torch.equal(s, scale_from_alpha(x, 1.0, w_mean))
+    assert info["alpha"] == 1.0 and info["duo"] and torch.equal(s, scale_from_alpha(x, 1.0, w_mean))
     assert info["loss_rtn"] == -1.0
+    seen.clear()
+    # both families: identity, 4 plain, 5 duo; a loss that favours the plain alpha = 0.6
+    target = scale_from_alpha(x, 0.6)
+    s, info = search_scale(x, lambda s: seen.append(s) or float((s - target).abs().sum()), grid=5, w_mean=w_mean)
+    assert len(seen) == 10 and info["alpha"] == 0.6 and not info["duo"]
     s, info = search_scale(x, lambda s: float("nan"), grid=3, w_mean=w_mean)
     assert torch.equal(s, torch.ones(3)) and info["alpha"] is None
 

@@ -113,8 +113,8 @@ def test_awq_flags_reach_the_recipe():
 
     parse = build_parser().parse_args
     base = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128"]))
-    assert base.awq.clip is None and base.awq.duo_scaling
-    r = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128", "--clip", "--no-duo-scaling",
+    assert base.awq.clip is None and base.awq.duo_scaling == "both"
+    r = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128", "--clip", "--duo-scaling", "off",
                                 "--save-scales", "s.safetensors"]))
     assert r.awq.clip is True and r.awq.duo_scaling is False and r.awq.save_scales == "s.safetensors"
     assert r.scheme == base.scheme and r.awq.grid == base.awq.grid

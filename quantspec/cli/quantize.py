@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
     p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
                    help="AWQ: search per-group weight clipping (default: at 3 bits and below)")
-    p.add_argument("--duo-scaling", action=argparse.BooleanOptionalAction, default=None,
-                   help="AWQ: candidate scales from activation and weight magnitudes (default: on)")
+    p.add_argument("--duo-scaling", choices=["both", "on", "off"],
+                   help="AWQ candidate scales: the paper's x^a (off), AutoAWQ's x^a / w^(1-a) (on), or both (default)")
     p.add_argument("--out", help="output folder (default: ./quantspec-out/<model>-<recipe>/)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
@@ -87,7 +87,8 @@ def recipe_from_args(args):
         if v is not None
     }
     awq = {k: v for k, v in {"save_scales": args.save_scales, "load_scales": args.load_scales,
-                             "clip": args.clip, "duo_scaling": args.duo_scaling}.items() if v is not None}
+                             "clip": args.clip, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling)}.items()
+           if v is not None}
     if changes or top or calib or args.alpha is not None or awq:
         data = recipe.to_dict()
         if "method" in top and args.recipe is None:  # the new method's own default scheme

@@ -4,11 +4,12 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
 
 1. ``x_mean`` [K]: mean |x| per input channel of the balanced Linears over the calibration
    tokens.
-2. Grid search over the exponent ``alpha`` (``search_scale``): with duo scaling (the default,
-   as AutoAWQ and llm-compressor) the candidates are ``s = x_mean^alpha / w_mean^(1-alpha)``
-   for ``grid`` exponents evenly spaced over [0, 1] plus ``s = 1`` (plain RTN), where
-   ``w_mean`` [K] is the mean of |w| / (its group's max |w|) over the balanced Linears' rows;
-   without it ``s = x_mean^alpha`` for ``alpha = i / grid``, i < grid (the paper's). Each ``s``
+2. Grid search over the exponent ``alpha`` (``search_scale``): candidates ``s = 1`` (plain
+   RTN), the paper's ``s = x_mean^alpha`` for ``alpha = i / grid``, and the "duo" scales of
+   AutoAWQ and llm-compressor ``s = x_mean^alpha / w_mean^(1-alpha)`` for ``grid`` exponents
+   evenly spaced over [0, 1], where ``w_mean`` [K] is the mean of |w| / (its group's max |w|)
+   over the balanced Linears' rows (``awq.duo_scaling``: "both" (default) searches both
+   families, True the duo ones only, False the paper's only). Each ``s``
    is normalised by ``sqrt(max(s) * min(s))``; the balanced Linears' weights become
    ``Q(W * s) / s`` (Q = RTN fake quantization with the scheme) and the loss is the MSE of the
    *consuming module's output* against the float one: the module that holds the Linears (the
@@ -190,27 +191,30 @@ def search_scale(
     loss: Callable[[torch.Tensor], float],
     grid: int = 20,
     w_mean: torch.Tensor | None = None,
+    plain: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """Best candidate scale under ``loss(s)``; returns (s, info).
 
-    Candidates: without ``w_mean``, ``scale_from_alpha(x_mean, i / grid)`` for i < grid (the
-    first is all ones: plain RTN); with it (duo scaling), all ones then the duo scales of
-    ``grid`` exponents evenly spaced over [0, 1]. ``info["alpha"]`` is the chosen exponent
-    (None: the identity).
+    Candidates: all ones (plain RTN) first; with ``plain``, the paper's
+    ``scale_from_alpha(x_mean, i / grid)`` for 0 < i < grid; with ``w_mean`` (duo scaling),
+    ``scale_from_alpha(x_mean, a, w_mean)`` for ``grid`` exponents ``a`` evenly spaced over
+    [0, 1]. ``info``: the chosen ``alpha`` (None for the identity), whether it is a ``duo``
+    scale, its loss and the identity's (``loss_rtn``).
     """
-    if w_mean is None:
-        cands = [(i / grid, scale_from_alpha(x_mean, i / grid)) for i in range(grid)]
-    else:
-        cands = [(None, torch.ones_like(x_mean, dtype=torch.float32))]
-        cands += [(i / max(grid - 1, 1), scale_from_alpha(x_mean, i / max(grid - 1, 1), w_mean))
-                  for i in range(grid)]
-    losses = [loss(s) for _, s in cands]
+    ones = torch.ones_like(x_mean, dtype=torch.float32)
+    cands: list[tuple[float | None, bool, torch.Tensor]] = [(None, False, ones)]
+    if plain:
+        cands += [(i / grid, False, scale_from_alpha(x_mean, i / grid)) for i in range(1, grid)]
+    if w_mean is not None:
+        steps = max(grid - 1, 1)
+        cands += [(i / steps, True, scale_from_alpha(x_mean, i / steps, w_mean)) for i in range(grid)]
+    losses = [loss(s) for *_, s in cands]
     finite = [i for i, v in enumerate(losses) if v == v]  # NaN != NaN
     if not finite:  # every loss was NaN: keep the identity
-        return torch.ones_like(x_mean, dtype=torch.float32), {"alpha": None, "loss": float("nan"),
-                                                              "loss_rtn": float("nan")}
+        return ones, {"alpha": None, "duo": False, "loss": float("nan"), "loss_rtn": float("nan")}
     best = min(finite, key=lambda i: losses[i])
-    return cands[best][1], {"alpha": cands[best][0], "loss": losses[best], "loss_rtn": losses[0]}
+    alpha, duo, s = cands[best]
+    return s, {"alpha": alpha, "duo": duo, "loss": losses[best], "loss_rtn": losses[0]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,7 +488,8 @@ class AWQMethod:
             if opts.awq.duo_scaling:
                 scheme = next(iter(planned.values()))
                 w_mean = weight_group_mean([lin.weight for lin in p.linears], scheme)
-            s, info = search_scale(stats[key].absmean, objective, opts.awq.grid, w_mean)
+            plain = opts.awq.duo_scaling is not True  # False: the paper's only; "both": the union
+            s, info = search_scale(stats[key].absmean, objective, opts.awq.grid, w_mean, plain)
             fold_scales(p, s)
             for n in p.linear_names:
                 full = f"{block_name}.{n}"
@@ -492,7 +497,8 @@ class AWQMethod:
                     samples[full] = samples[full] / s.to(samples[full])[None, :]
                 if n in rel:
                     self.info.setdefault(full, {}).update(
-                        {"awq_alpha": info["alpha"], "awq_loss": info["loss"], "awq_loss_rtn": info["loss_rtn"],
+                        {"awq_alpha": info["alpha"], "awq_duo": info["duo"], "awq_loss": info["loss"],
+                         "awq_loss_rtn": info["loss_rtn"],
                          "awq_objective": "parent" if parent is not None else "linears"}
                     )
             self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()

@@ -96,9 +96,19 @@ class AWQOptions:
     grid: int = 20
     # weight-clipping search: True, False, or None = by bit width (awq.clip_wanted)
     clip: bool | None = None
-    duo_scaling: bool = True  # scales from activation and weight magnitudes (AutoAWQ's default)
+    # candidate scales: False the paper's x^a, True AutoAWQ's "duo" x^a / w^(1-a), "both" the union
+    duo_scaling: bool | str = "both"
     save_scales: str | None = None
     load_scales: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.duo_scaling not in (True, False, "both"):
+            raise QuantspecError(
+                f"awq.duo_scaling={self.duo_scaling!r} is not one of true, false, both.",
+                "use both (the default), true or false.",
+            )
+        if self.grid < 2:
+            raise QuantspecError(f"awq.grid={self.grid} must be at least 2.", "use e.g. 20.")
 
 
 @dataclass(frozen=True)
