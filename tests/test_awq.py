@@ -91,6 +91,14 @@ def test_search_scale_candidates():
     assert torch.equal(s, torch.ones(3)) and info["alpha"] is None
 
 
+def test_awq_options_validated():
+    with pytest.raises(QuantspecError, match="duo_scaling"):
+        AWQOptions(duo_scaling="yes")
+    with pytest.raises(QuantspecError, match="grid"):
+        AWQOptions(grid=1)
+    assert Recipe.from_dict({"method": "awq", "awq": {"duo_scaling": False}}).awq.duo_scaling is False
+
+
 def test_clip_by_bit_width_unless_set():
     w4, w3 = QuantScheme(4, 128, False), QuantScheme(3, 128, False)
     assert not clip_wanted(None, w4) and clip_wanted(None, w3)
