@@ -149,17 +149,20 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows"}
     if any(meta.get(k) != v for k, v in want.items()):
         raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
-    now = {(r["config"], r["tool"]) for r in (table_row(args, k, v) for k, v in rows.items())}
+    now = {(config_label(args.method, bits, group), tool) for bits, group, tool in rows}
     return [{**r, "from": r.get("from") or path.name} for r in old["rows"]
             if r["method"] == args.method and (r["config"], r["tool"]) not in now]
+
+
+def config_label(method: str, bits: int, group: int) -> str:
+    return "fp32" if method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}")
 
 
 def table_row(args, key: tuple, runs: list[dict]) -> dict:
     bits, group, tool = key
     ok = [r for r in runs if "error" not in r]
     return {
-        "method": args.method, "tool": tool,
-        "config": "fp32" if args.method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}"),
+        "method": args.method, "tool": tool, "config": config_label(args.method, bits, group),
         "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
         "seconds": [round(r["seconds"], 1) for r in ok],
         "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,

@@ -318,7 +318,7 @@ class _PairObjective:
     """loss(s) for one pair: MSE of the consuming module's output (the Linears' outputs when
     there is none) with ``Q(W*s)/s`` weights, against the float output."""
 
-    def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor,
+    def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor | None,
                  parent: _ParentCalls | None):
         self.pair, self.planned, self.x, self.parent = pair, planned, x, parent
         self.parent_inputs = parent.inputs() if parent is not None else None
@@ -481,7 +481,7 @@ class AWQMethod:
         samples = {n: st.sample for n, st in stats.items()}
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
-            x = _spread(samples[key], opts.search_tokens)
+            x = _spread(samples[key], opts.search_tokens) if parent is None else None
             planned = {n: rel[n] for n in p.linear_names if n in rel}
             objective = _PairObjective(p, planned, x, parent)
             w_mean = None
