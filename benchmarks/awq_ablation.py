@@ -71,7 +71,8 @@ def main() -> None:
         run_blockwise(model, arch, data["calib"], method_of(variant), plan, progress=False, report=report)
         seconds = time.perf_counter() - t0
         first = arch.block_name(0) + "."
-        block0 = {n[len(first):]: {"alpha": r.get("awq_alpha"), "rel_mse": r.get("rel_mse")}
+        block0 = {n[len(first):]: {"alpha": r.get("awq_alpha"), "rel_mse": r.get("rel_mse"),
+                       "clip_gain": r.get("clip_gain")}
                   for n, r in report.items() if n.startswith(first)}
         print(json.dumps({"variant": variant, "bits": args.bits, "group": args.group, "blocks": args.blocks,
                           "seconds": round(seconds, 1), "ppl": perplexity(model, data["eval"]),

@@ -21,6 +21,7 @@ from quantspec.quant.awq import (
     fake_quantize,
     method_from_recipe,
     _capture_parents,
+    _keep_helpful_clips,
     clip_wanted,
     scale_from_alpha,
     search_clip,
@@ -32,6 +33,7 @@ from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwi
 from quantspec.quant.recipe import AWQOptions, CalibrationConfig, Recipe
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.smoothing import ResolvedPair
 
 ASYM4 = QuantScheme(bits=4, group_size=32, symmetric=False)
 
@@ -152,6 +154,25 @@ def test_search_clip_lowers_group_output_error():
     assert (clip < amax - 1e-6).any()
     err = lambda q: (x @ (w - q).T).pow(2).mean().item()  # noqa: E731
     assert err(fake_quantize(apply_clip(w, clip, scheme), scheme)) < err(fake_quantize(w, scheme))
+
+
+def test_clip_kept_only_where_it_lowers_the_pair_objective():
+    g = torch.Generator().manual_seed(0)
+    scheme = QuantScheme(bits=3, group_size=32, symmetric=False)
+    heavy, gauss = nn.Linear(96, 64, bias=False), nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        heavy.weight.copy_(torch.distributions.StudentT(2.0).sample((64, 96)))
+        gauss.weight.copy_(torch.randn(48, 96, generator=g))
+    before = [heavy.weight.clone(), gauss.weight.clone()]
+    x = torch.randn(512, 96, generator=g)
+    pair = ResolvedPair("", None, ("heavy", "gauss"), (heavy, gauss))
+    good = search_clip(heavy.weight, x[:256], scheme)
+    bad = 0.3 * gauss.weight.reshape(48, 3, 32).abs().amax(2)  # far below the weights' range
+    kept = _keep_helpful_clips(pair, {"heavy": scheme, "gauss": scheme}, x, None, None,
+                               {"heavy": good, "gauss": bad})
+    assert kept["heavy"][0] is good and kept["heavy"][1] > 1.0
+    assert kept["gauss"][0] is None and kept["gauss"][1] < 1.0
+    assert torch.equal(heavy.weight, before[0]) and torch.equal(gauss.weight, before[1])  # restored
 
 
 def _block_rel_error(method, block, name, inputs, kwargs, plan, arch, ref) -> float:

@@ -22,7 +22,9 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    ``clip_wanted``): per output row and group, the max |w|
    shrinks by ``1 - i/20`` for i < 10; pick the one minimising the group's output error
    ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
-   feed attention scores (q/k, fused qkv), as in the reference implementation.
+   feed attention scores (q/k, fused qkv), as in the reference implementation. A Linear's clip
+   values are kept only where they lower its pair's step-2 objective (the consuming module's
+   output on whole sequences; ``_keep_helpful_clips``), else it is quantized unclipped.
 5. RTN of the (scaled, clipped) weights -> QuantResult.
 
 Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``search_clip``,
@@ -228,6 +230,7 @@ class AWQSettings:
     awq: AWQOptions = AWQOptions()
     search_tokens: int = 2048
     clip_tokens: int = 512
+    clip_skip: tuple[str, ...] = CLIP_SKIP  # Linear names (suffixes) never clipped
     quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
 
 
@@ -316,13 +319,17 @@ def _capture_parents(block, inputs, kwargs, pairs, seqs: list[int]) -> list[_Par
 
 class _PairObjective:
     """loss(s) for one pair: MSE of the consuming module's output (the Linears' outputs when
-    there is none) with ``Q(W*s)/s`` weights, against the float output."""
+    there is none) with ``Q(W*s)/s`` weights, against the float output. ``in_scale``: the
+    pair's folded scale, when its Linears already hold ``W*s`` (the recorded inputs are then
+    divided by it, so the float output is unchanged)."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor | None,
-                 parent: _ParentCalls | None):
+                 parent: _ParentCalls | None, in_scale: torch.Tensor | None = None):
         self.pair, self.planned, self.x, self.parent = pair, planned, x, parent
         self.parent_inputs = parent.inputs() if parent is not None else None
-        self.dense = [lin.weight.detach().clone() for lin in pair.linears]
+        if in_scale is not None and self.parent_inputs is not None:
+            self.parent_inputs = [x / in_scale.to(x) for x in self.parent_inputs]
+        self.dense = {n: lin.weight.detach().clone() for n, lin in zip(pair.linear_names, pair.linears)}
         self.ref = self._output()
 
     def _output(self) -> torch.Tensor:
@@ -331,17 +338,46 @@ class _PairObjective:
         return torch.cat([lin(self.x.to(lin.weight.dtype)).float() for lin in self.pair.linears], -1)
 
     @torch.no_grad()
-    def __call__(self, s: torch.Tensor) -> float:
+    def error(self, weights: dict[str, torch.Tensor]) -> float:
+        """Output MSE with ``weights`` (by Linear name; the others stay float)."""
         try:
-            for name, lin, w in zip(self.pair.linear_names, self.pair.linears, self.dense):
-                scheme = self.planned.get(name)
-                if scheme is not None:
-                    wq = fake_quantize(w.float() * s[None, :], scheme) / s[None, :]
-                    lin.weight.copy_(wq.to(w.dtype))
+            for name, lin in zip(self.pair.linear_names, self.pair.linears):
+                if name in weights:
+                    lin.weight.copy_(weights[name].to(lin.weight.dtype))
             return float((self._output() - self.ref).pow(2).mean())
         finally:
-            for lin, w in zip(self.pair.linears, self.dense):
-                lin.weight.copy_(w)
+            for name, lin in zip(self.pair.linear_names, self.pair.linears):
+                lin.weight.copy_(self.dense[name])
+
+    def __call__(self, s: torch.Tensor) -> float:
+        return self.error({n: fake_quantize(self.dense[n].float() * s[None, :], scheme) / s[None, :]
+                           for n, scheme in self.planned.items()})
+
+
+def _keep_helpful_clips(pair: ResolvedPair, rel: dict[str, QuantScheme], x: torch.Tensor | None,
+                        parent: _ParentCalls | None, scale: torch.Tensor | None,
+                        found: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor | None, float]]:
+    """Keep a Linear's clip values only where they lower the pair's objective (the consuming
+    module's output on whole calibration sequences, or the Linears' outputs on the search
+    sample): the clip search minimises each group's partial output error on a smaller sample,
+    which on some models (Qwen2.5 at 4 bits) raised perplexity. Greedy, in the pair's order.
+    Returns {name: (clip or None, error without / error with)}."""
+    planned = {n: rel[n] for n in pair.linear_names if n in rel}
+    objective = _PairObjective(pair, planned, x, parent, in_scale=scale)
+    weights = {n: fake_quantize(objective.dense[n].float(), sc) for n, sc in planned.items()}
+    best = objective.error(weights)
+    kept = {}
+    for n in pair.linear_names:
+        if n not in found:
+            continue
+        trial = {**weights, n: fake_quantize(apply_clip(objective.dense[n], found[n], planned[n]), planned[n])}
+        err = objective.error(trial)
+        gain = best / err if err > 0 else float("inf")
+        if err < best:
+            weights, best, kept[n] = trial, err, (found[n], gain)
+        else:
+            kept[n] = (None, gain)
+    return kept
 
 
 def _spread(x: torch.Tensor, t: int) -> torch.Tensor:
@@ -474,11 +510,12 @@ class AWQMethod:
         parents = _capture_parents(block, inputs, kwargs, pairs, seqs)
         modules = {f"{block_name}.{p.linear_names[0]}": p.linears[0] for p in pairs}
         clip_mods = {f"{block_name}.{r}": block.get_submodule(r) for r, scheme in rel.items()
-                     if clip_wanted(opts.awq.clip, scheme) and not r.endswith(CLIP_SKIP)}
+                     if clip_wanted(opts.awq.clip, scheme) and not r.endswith(tuple(opts.clip_skip))}
         tokens = max(opts.search_tokens, opts.clip_tokens if clip_mods else 0)
         stats = collect_input_stats(block, block_name, inputs, kwargs, {**modules, **clip_mods}, tokens)
         # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
         samples = {n: st.sample for n, st in stats.items()}
+        scales = []
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
             x = _spread(samples[key], opts.search_tokens) if parent is None else None
@@ -491,6 +528,7 @@ class AWQMethod:
             plain = opts.awq.duo_scaling is not True  # False: the paper's only; "both": the union
             s, info = search_scale(stats[key].absmean, objective, opts.awq.grid, w_mean, plain)
             fold_scales(p, s)
+            scales.append(s)
             for n in p.linear_names:
                 full = f"{block_name}.{n}"
                 if full in samples:
@@ -502,13 +540,32 @@ class AWQMethod:
                          "awq_objective": "parent" if parent is not None else "linears"}
                     )
             self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()
+        found = {full[len(block_name) + 1 :]: search_clip(mod.weight, _spread(samples[full], opts.clip_tokens),
+                                                         rel[full[len(block_name) + 1 :]])
+                 for full, mod in clip_mods.items()}
         clips = {}
-        for full, mod in clip_mods.items():
-            x = _spread(samples[full], opts.clip_tokens)
-            clip = search_clip(mod.weight, x, rel[full[len(block_name) + 1 :]])
-            clips[full] = clip
-            self._saved[f"{full}.clip"] = clip.cpu()
+        for p, parent, s in self._clip_checks(block, pairs, parents, scales, found):
+            x = None if parent is not None else _spread(samples[f"{block_name}.{p.linear_names[0]}"], opts.search_tokens)
+            for n, (clip, gain) in _keep_helpful_clips(p, rel, x, parent, s, found).items():
+                full = f"{block_name}.{n}"
+                self.info.setdefault(full, {})["clip_gain"] = gain
+                if clip is not None:
+                    clips[full] = clip
+                    self._saved[f"{full}.clip"] = clip.cpu()
         return clips
+
+    @staticmethod
+    def _clip_checks(block, pairs, parents, scales, found):
+        """(pair, parent, folded scale) for each pair holding a clipped Linear; a Linear in no
+        pair (e.g. o_proj under grouped-query attention) is judged on its own output."""
+        covered = set()
+        for p, parent, s in zip(pairs, parents, scales):
+            if any(n in found for n in p.linear_names):
+                covered.update(p.linear_names)
+                yield p, parent, s
+        for n in found:
+            if n not in covered:
+                yield ResolvedPair("", None, (n,), (block.get_submodule(n),)), None, None
 
 
 def _recipe_fingerprint(recipe: Recipe, with_clip: bool) -> dict:
