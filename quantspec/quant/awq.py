@@ -540,9 +540,10 @@ class AWQMethod:
                          "awq_objective": "parent" if parent is not None else "linears"}
                     )
             self._saved[f"{block_name}.{p.prev_name}.scales"] = s.cpu()
-        found = {full[len(block_name) + 1 :]: search_clip(mod.weight, _spread(samples[full], opts.clip_tokens),
-                                                         rel[full[len(block_name) + 1 :]])
-                 for full, mod in clip_mods.items()}
+        found = {}
+        for full, mod in clip_mods.items():
+            r = full[len(block_name) + 1 :]
+            found[r] = search_clip(mod.weight, _spread(samples[full], opts.clip_tokens), rel[r])
         clips = {}
         for p, parent, s in self._clip_checks(block, pairs, parents, scales, found):
             x = None if parent is not None else _spread(samples[f"{block_name}.{p.linear_names[0]}"], opts.search_tokens)
