@@ -257,6 +257,39 @@ def test_save_load_scales_round_trip(tmp_path):
         run_blockwise(_tiny_llama(seed=1), arch, calib, method_from_recipe(load), plan, progress=False)
 
 
+@pytest.mark.parametrize("propagate", ["float", "quantized"])
+def test_awq_next_block_inputs_follow_propagate(propagate):
+    """propagate="float": block 1 is calibrated on the float model's hidden states (the scales
+    folded into block 0 leave them unchanged); "quantized": on block 0's quantized output."""
+    dense = _tiny_llama()
+    arch = get_arch(dense)
+    calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    plan = {n: QuantScheme(3, 32, True) for n, m in dense.named_modules()
+            if isinstance(m, nn.Linear) and n != "lm_head"}
+    with torch.no_grad():
+        ref = dense(calib, output_hidden_states=True).hidden_states[1]
+    seen = {}
+    method = AWQMethod(AWQSettings(propagate=propagate))
+    inner = method.process_block
+
+    def spy(block, block_name, inputs, *rest):
+        seen[block_name] = inputs.clone()
+        return inner(block, block_name, inputs, *rest)
+
+    method.process_block = spy
+    report = {}
+    run_blockwise(copy.deepcopy(dense), arch, calib, method, plan, progress=False, report=report)
+    err = float((seen["model.layers.1"] - ref).pow(2).mean() / ref.pow(2).mean())
+    if propagate == "float":
+        assert err < 1e-10
+    else:
+        assert err > 1e-5
+    # the engine still reports each layer's error with its dequantized weights
+    assert all(report[n]["rel_mse"] > 0 for n in plan)
+    with pytest.raises(QuantspecError, match="propagate"):
+        AWQSettings(propagate="fp16")
+
+
 def _calib_text(tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))

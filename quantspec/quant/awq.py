@@ -52,6 +52,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from .arch import ArchSpec
+from .calibrate import block_forward, check_finite
 from .recipe import AWQOptions, Recipe
 from .rtn import dequantize_codes, qparams, quantize_codes, rtn
 from .scheme import QuantResult, QuantScheme
@@ -232,6 +233,14 @@ class AWQSettings:
     clip_tokens: int = 512
     clip_skip: tuple[str, ...] = CLIP_SKIP  # Linear names (suffixes) never clipped
     quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
+    # inputs of the next block: the output of this block with its "float" weights (scaled,
+    # unquantized, as AutoAWQ and llm-compressor do) or with its "quantized" weights
+    propagate: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.propagate not in ("float", "quantized"):
+            raise QuantspecError(f"AWQ propagate={self.propagate!r} is not float or quantized.",
+                                 "use float (the default) or quantized.")
 
 
 def _parent_name(linear_names: tuple[str, ...]) -> str:
@@ -413,6 +422,7 @@ class AWQMethod:
         self._saved: dict[str, torch.Tensor] = {}
         self._block_fps: dict[str, str] = {}
         self._loaded: tuple[dict[str, torch.Tensor], dict] | None = None
+        self.outputs: torch.Tensor | None = None
 
     # -- scales file ------------------------------------------------------------------------
     def _load_file(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -455,7 +465,7 @@ class AWQMethod:
         plan: dict[str, QuantScheme],
         arch: ArchSpec,
     ) -> dict[str, QuantResult]:
-        self.info = {}
+        self.info, self.outputs = {}, None
         t0 = time.perf_counter()
         rel = {n[len(block_name) + 1 :]: s for n, s in plan.items()}
         pairs, skipped = resolve_pairs(block, arch)
@@ -470,6 +480,9 @@ class AWQMethod:
             self._save_file()
         if not self.options.quantize:
             return {}
+        if self.options.propagate == "float":  # folding is exact: the float block's output
+            self.outputs = block_forward(block, inputs, kwargs)
+            check_finite(self.outputs, block_name, "its output")
         results = {}
         for name, scheme in plan.items():
             mod = block.get_submodule(name[len(block_name) + 1 :])

@@ -49,9 +49,9 @@ class BlockMethod(Protocol):
     swaps in the dequantized values. Other tensors of the block (e.g. a norm a smoothing scale
     was folded into) may be changed. Optional attributes: ``info: dict[str, dict]``, per-layer
     details of the last call, merged into the engine's report (a ``rel_mse`` there replaces
-    the engine's); ``outputs``, when not None, the block's output on ``inputs`` with the
-    dequantized weights, which the engine then takes as the next block's inputs instead of
-    replaying the block.
+    the engine's); ``outputs``, when not None, the next block's inputs, which the engine then
+    takes instead of replaying the block with the dequantized weights (GPTQ's from its single
+    pass; AWQ's, by default, the float block's output).
     """
 
     def process_block(
@@ -311,11 +311,13 @@ def run_blockwise(
                 refs = _apply_results(block, name, block_results)
                 info = getattr(method, "info", None) or {}
                 outputs = getattr(method, "outputs", None) if block_results else None
-                if outputs is not None:
-                    inputs, errors = outputs, {}
-                else:  # reference matmuls only for layers whose error the method did not report
-                    need = {n: r for n, r in refs.items() if "rel_mse" not in info.get(n, {})}
+                # reference matmuls only for layers whose error the method did not report
+                need = {n: r for n, r in refs.items() if "rel_mse" not in info.get(n, {})}
+                if outputs is None:
                     inputs, errors = _replay(block, name, inputs, kwargs[i], need)
+                else:  # the method gave the next block's inputs
+                    errors = _replay(block, name, inputs[:ERROR_SAMPLES], kwargs[i], need)[1] if need else {}
+                    inputs = outputs
                 block_results = {n: _to_device(r, home) for n, r in block_results.items()}
                 for n in block_results:
                     report.setdefault(n, {}).update(
