@@ -58,8 +58,10 @@ def build_kernels(n: int, k: int, group: int = 128) -> dict[str, tuple[Callable,
     sz = torch.stack([s, torch.zeros_like(s)], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
     w_bf16 = result.dequantize(torch.bfloat16)
     w_fp32 = result.dequantize(torch.float32)
+    bound = cpu.bind(ours, scheme, n, k)  # what QuantLinear calls (None: torch's fallback)
     return {
-        "ours": (lambda x: cpu.linear(x, ours, scheme, n, k, None),
+        "ours": ((lambda x: bound(x, ours, None)) if bound is not None
+                 else (lambda x: cpu.linear(x, ours, scheme, n, k, None)),
                  nbytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))),
         "torch_int4": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
                        nbytes([packed, sz])),

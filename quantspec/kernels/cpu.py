@@ -2,8 +2,8 @@
 
 Fast path (C++ extension, quantspec/csrc/cpu_qgemm.cpp, built on first use): activations are
 quantized to int8 per block of B <= 128 columns (absmax / 127) and multiplied with 4-bit
-(bits 2, 3, 4 share the nibble layout) or 8-bit codes in integer arithmetic (AVX2 maddubs, or
-a portable scalar loop), fp32 accumulation; parallel over N. This adds the error of int8
+(bits 2, 3, 4 share the nibble layout) or 8-bit codes in integer arithmetic (AVX-512 VNNI
+vpdpbusd, AVX2 maddubs, or a portable scalar loop, by what the CPU has), fp32 accumulation; parallel over N. This adds the error of int8
 activations (relative ~0.5% of a dot product; see tests/test_cpu_backend.py) compared with the
 reference. W8A8 layers use one block per row, which is exactly the reference's per-token
 quantization. Above ``DENSE_FROM_M`` rows, weights are dequantized a tile of rows at a time and
@@ -33,6 +33,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_FROM_M = 1024  # the int8 kernel beat dequantize + fp32 GEMM up to M=512 on a Zen 3 core
 DENSE_TILE_N = 1024
 EXT, INT4PACK, INT8PACK, DEQUANT = 0, 1, 2, 3
+SIMD_BEST = 2  # the extension's SIMD limit: 0 scalar, 1 AVX2, 2 AVX-512 VNNI (it uses what the CPU has)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -215,7 +216,8 @@ class BoundQGemm:
         if x2.shape[0] >= DENSE_FROM_M:
             return CpuBackend().linear(x, p, self.scheme, self.out_features, self.in_features, bias)
         y = torch.ops.quantspec_cpu.qgemm.default(
-            x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits, self.block, True)
+            x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits, self.block,
+            SIMD_BEST)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

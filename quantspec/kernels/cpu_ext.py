@@ -57,7 +57,7 @@ def extension_enabled() -> bool:
 
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
-    """The compiled module (``qgemm``, ``dequant_rows``, ``has_avx2``; ``qgemm`` also as the op
+    """The compiled module (``qgemm``, ``dequant_rows``, ``simd_level``; ``qgemm`` also as the op
     ``torch.ops.quantspec_cpu.qgemm``), or None with one warning."""
     if not extension_enabled():
         return None
@@ -103,5 +103,5 @@ def _register_fake() -> None:
     """Shapes for torch.compile of the extension's dispatcher op ``quantspec_cpu::qgemm``."""
 
     @torch.library.register_fake("quantspec_cpu::qgemm")
-    def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, allow_simd):
+    def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, simd_limit):
         return x.new_empty((x.shape[0], w.shape[0]))
