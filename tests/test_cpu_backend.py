@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from quantspec.kernels import cpu as cpu_mod
-from quantspec.kernels.cpu import CpuBackend, prepare_ext, prepare_torch
+from quantspec.kernels.cpu import (
+    CpuBackend,
+    layout_columns,
+    panels_supported,
+    prepare_ext,
+    prepare_torch,
+)
 from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
@@ -27,6 +33,9 @@ MS = (1, 2, 5, 16, 33)
 SHAPES = ((48, 256), (200, 200))
 
 needs_ext = pytest.mark.skipif(load_cpu_ext() is None, reason="no C++ compiler / build failed")
+# the extension's layouts: rows everywhere, panels where the CPU has AVX-512 VNNI
+LAYOUTS = ("rows", pytest.param("panels", marks=pytest.mark.skipif(
+    not panels_supported(), reason="the panel layout needs AVX-512 VNNI")))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -56,7 +65,7 @@ def block_quantized_x(x: torch.Tensor, prepared: dict) -> torch.Tensor:
     """What the extension sees: x gathered, int8 per block, dequantized, scattered back."""
     k = x.shape[1]
     block = int(prepared["meta"][2])
-    kp = prepared["w"].shape[1] * (2 if int(prepared["meta"][1]) <= 4 else 1)
+    kp = layout_columns(prepared)
     src = prepared["src"].long() if prepared["src"].numel() else torch.arange(kp).clamp(max=k)
     xl = torch.nn.functional.pad(x.float(), (0, 1))[:, src].reshape(x.shape[0], -1, block)
     scale = (xl.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-10)
@@ -77,12 +86,13 @@ CASES = [
 
 
 @needs_ext
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bits,gs,sym,act", CASES)
-def test_extension_matches_reference(bits, gs, sym, act):
+def test_extension_matches_reference(bits, gs, sym, act, layout):
     backend = CpuBackend()
-    for n, k in SHAPES:
+    for n, k in SHAPES + ((37, 576),):  # 37 rows: a partial 16-row panel
         result = make_result(bits, gs, sym, act, n, k)
-        prepared = prepare_ext(result)
+        prepared = prepare_ext(result, layout)
         bias = torch.randn(n)
         for m in MS:
             x = torch.randn(m, k)
@@ -106,17 +116,19 @@ def test_torch_fallback_matches_reference(bits, gs, sym, act):
 
 
 @needs_ext
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bits", (2, 3))
-def test_low_bits_share_the_nibble_kernel(bits):
+def test_low_bits_share_the_nibble_kernel(bits, layout):
     result = make_result(bits, 32, False, True, 48, 200)
-    prepared = prepare_ext(result)
+    prepared = prepare_ext(result, layout)
     x = torch.randn(5, 200)
     y = CpuBackend().linear(x, prepared, result.scheme, 48, 200, None)
     assert rel_err(y, reference(result, block_quantized_x(x, prepared))) < EXACT_TOL
 
 
-@pytest.mark.parametrize("use_ext", (True, False))
-def test_w8a8_matches_per_token_reference(use_ext):
+@pytest.mark.parametrize("layout", LAYOUTS + ("torch",))
+def test_w8a8_matches_per_token_reference(layout):
+    use_ext = layout != "torch"
     if use_ext and load_cpu_ext() is None:
         pytest.skip("no C++ compiler / build failed")
     torch.manual_seed(2)
@@ -124,7 +136,7 @@ def test_w8a8_matches_per_token_reference(use_ext):
     backend = CpuBackend()
     for n, k in SHAPES:
         result = rtn(torch.randn(n, k), scheme)
-        prepared = prepare_ext(result) if use_ext else prepare_torch(result)
+        prepared = prepare_ext(result, layout) if use_ext else prepare_torch(result)
         for m in MS:
             x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)  # uneven channels
             y = backend.linear(x, prepared, scheme, n, k, None)
@@ -150,7 +162,7 @@ def test_every_simd_level_matches_the_scalar_path(bits, gs, k):
     of 1..8 activation rows and beyond, odd 64-column chunk counts and 32-column tails."""
     ext = load_cpu_ext()
     result = make_result(bits, gs, False, gs != -1, 48, k)
-    p = prepare_ext(result)
+    p = prepare_ext(result, "rows")
     block = int(p["meta"][2])
     args = (p["w"], p["scales"], p["zeros"], p["src"], None, 4 if bits == 4 else 8, block)
     levels = sorted({ext.simd_level(limit, args[5], block) for limit in (1, 2)} - {0})
@@ -176,13 +188,14 @@ def test_threads_split_n_without_changing_results():
 
 
 @needs_ext
-def test_dense_path_for_large_m(monkeypatch):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dense_path_for_large_m(monkeypatch, layout):
     monkeypatch.setattr(cpu_mod, "DENSE_FROM_M", 4)
     monkeypatch.setattr(cpu_mod, "DENSE_TILE_N", 32)  # several tiles
     backend = CpuBackend()
     for bits, act in ((4, True), (8, False)):
         result = make_result(bits, 64, False, act, 200, 200)
-        prepared = prepare_ext(result)
+        prepared = prepare_ext(result, layout)
         x = torch.randn(9, 200)
         y = backend.linear(x, prepared, result.scheme, 200, 200, None)
         assert rel_err(y, reference(result, x)) < 1e-5  # fp32 activations, no int8 step

@@ -356,9 +356,10 @@ bool cpu_has_avx2() {
 // Used when the activation block B is 64 or 128 (B = 32 stays on AVX2).
 #define QS_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-// Weight bytes read ahead of use: rows are streamed once, in order (the next row follows).
+// Weight bytes read ahead of use (and 4x as far into L2 in the panel kernel): rows and panels
+// are streamed once, in order (the next one follows).
 #ifndef QS_PREFETCH
-#define QS_PREFETCH 2048
+#define QS_PREFETCH 4096
 #endif
 
 QS_VNNI inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
@@ -533,6 +534,92 @@ void row_all_m(const uint8_t* w, const float* swf, const float* szf, const Acts&
   row_scalar<BITS>(w, swf, szf, a, g, 0, g.M, y);
 }
 
+// ---- Panel layout (AVX-512 VNNI CPUs): 16 output rows per panel, dot products per lane ----
+// Built by quantspec/kernels/cpu.py (prepare_ext(..., layout="panels")); N padded to Np = 16P.
+//   w4:    uint8 [P, Kp/8, 64]: in octet j of panel p, byte 4i+t holds row 16p+i's column 8j+t
+//          in its low nibble and column 8j+4+t in its high nibble.
+//   w8:    uint8 [P, Kp/4, 64]: in quad j, byte 4i+t is row 16p+i's code (unsigned) of column 4j+t.
+//   scales fp16 [P, G, 16]; zeros uint8 [P, G, 16] (z as is, for 4 and 8 bits).
+// One vpdpbusd multiplies 16 rows' 4 codes by the same 4 activation bytes (a broadcast), so
+// each lane is one output: the block's float scaling is one multiply per 16 outputs.
+#ifdef QS_X86
+template <int BITS, int MT>
+QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr, const Acts& a,
+                        const Geometry& g, int64_t m0, int64_t n0, int64_t valid, float* y) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const int64_t nblk = g.nblk(), bpg = g.bpg();
+  const int64_t cols_per_step = BITS == 4 ? 8 : 4, steps_per_block = g.B / cols_per_step;
+  const int8_t* x[MT];
+  const float* sx[MT];
+  __m512 acc[MT];
+  __m512i isum[MT];
+  for (int m = 0; m < MT; ++m) {
+    x[m] = a.xq + (m0 + m) * g.Kp;
+    sx[m] = a.sx + (m0 + m) * nblk;
+    acc[m] = _mm512_setzero_ps();
+  }
+  int64_t gi = 0, in_group = 0, j = 0;
+  __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+  for (int64_t b = 0; b < nblk; ++b) {
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (const int64_t j_end = j + steps_per_block; j < j_end; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + QS_PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + 4 * QS_PREFETCH), _MM_HINT_T1);
+      const __m512i v = load64(w + 64 * j);
+      if (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(v, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 8 * j);
+          isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(xj[0]));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(xj[1]));
+        }
+      } else {
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 4 * j);
+          isum[m] = _mm512_dpbusd_epi32(isum[m], v, _mm512_set1_epi32(xj[0]));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
+                               _mm512_mul_ps(ws, _mm512_set1_ps(sx[m][b])), acc[m]);
+    if (++in_group == bpg && b + 1 < nblk) {
+      in_group = 0, ++gi;
+      ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * gi)));
+    }
+  }
+  // zero points: y -= sum_g s[g] z[g] X[m, g]
+  for (int64_t gq = 0; gq < g.G; ++gq) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * gq)));
+    const __m128i z8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr + 16 * gq));
+    const __m512 sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8)));
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(a.xg[(m0 + m) * g.G + gq]), acc[m]);
+  }
+  const __mmask16 keep = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>((1u << valid) - 1u);
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * g.N + n0, keep, acc[m]);
+}
+
+template <int BITS>
+QS_VNNI void panel_all_m(const uint8_t* w, const c10::Half* sc, const uint8_t* zr, const Acts& a,
+                         const Geometry& g, int64_t n0, int64_t valid, float* y) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= g.M; m0 += 8) panel_vnni<BITS, 8>(w, sc, zr, a, g, m0, n0, valid, y);
+  switch (g.M - m0) {
+    case 7: panel_vnni<BITS, 7>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 6: panel_vnni<BITS, 6>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 5: panel_vnni<BITS, 5>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 4: panel_vnni<BITS, 4>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 3: panel_vnni<BITS, 3>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 2: panel_vnni<BITS, 2>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    case 1: panel_vnni<BITS, 1>(w, sc, zr, a, g, m0, n0, valid, y); break;
+    default: break;
+  }
+}
+#endif
+
 void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                   const torch::Tensor& zeros, int64_t bits, int64_t B) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K]");
@@ -552,6 +639,28 @@ void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::T
   TORCH_CHECK(bits == 8 || Kp % 64 == 0, "4-bit Kp must be a multiple of 64");
 }
 
+// x's int8 blocks for one call (see quantize_activations), owned by tensors.
+struct QuantizedActs {
+  torch::Tensor xq, sx, xg;
+  Acts view() const { return {xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>()}; }
+};
+
+QuantizedActs quantize_acts(const torch::Tensor& x, const torch::Tensor& src, const Geometry& g,
+                            bool simd) {
+  const bool has_src = src.numel() > 0;
+  TORCH_CHECK(!has_src || (src.scalar_type() == torch::kInt && src.numel() == g.Kp),
+              "src must be int32 [Kp]");
+  TORCH_CHECK(has_src || g.K <= g.Kp, "x has more columns than the layout");
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  QuantizedActs qa{torch::empty({g.M, g.Kp}, torch::TensorOptions().dtype(torch::kInt8)),
+                   torch::empty({g.M, g.nblk()}, f32), torch::empty({g.M, g.G}, f32)};
+  quantize_activations(xf.data_ptr<float>(), has_src ? src.data_ptr<int32_t>() : nullptr, g,
+                       simd, qa.xq.data_ptr<int8_t>(), qa.sx.data_ptr<float>(),
+                       qa.xg.data_ptr<float>());
+  return qa;
+}
+
 }  // namespace
 
 // y = x @ W^T (+ bias): x [M, K] float/bf16/fp16 -> y [M, N] in x's dtype.
@@ -563,24 +672,13 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
   check_layout(x, w, scales, zeros, bits, block);
   Geometry g{x.size(0), w.size(0), x.size(1), bits == 4 ? 2 * w.size(1) : w.size(1),
              scales.size(1), block};
-  const bool has_src = src.numel() > 0;
-  TORCH_CHECK(!has_src || (src.scalar_type() == torch::kInt && src.numel() == g.Kp),
-              "src must be int32 [Kp]");
-  TORCH_CHECK(has_src || g.K <= g.Kp, "x has more columns than the layout");
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  auto i8 = torch::TensorOptions().dtype(torch::kInt8);
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  torch::Tensor xq = torch::empty({g.M, g.Kp}, i8);
-  torch::Tensor sx = torch::empty({g.M, g.nblk()}, f32);
-  torch::Tensor xg = torch::empty({g.M, g.G}, f32);
   const int64_t level = kernel_simd(simd_limit, bits, block);
   const bool simd = level >= AVX2;
   // VNNI multiplies unsigned 8-bit codes (code - 128 stored): the zero offset becomes z
   const float zero_shift = (level == AVX512_VNNI && bits == 8) ? 128.f : 0.f;
-  quantize_activations(xf.data_ptr<float>(), has_src ? src.data_ptr<int32_t>() : nullptr, g,
-                       simd, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>());
-  torch::Tensor y = torch::empty({g.M, g.N}, f32);
-  const Acts acts{xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>()};
+  const QuantizedActs qa = quantize_acts(x, src, g, simd);
+  torch::Tensor y = torch::empty({g.M, g.N}, torch::TensorOptions().dtype(torch::kFloat));
+  const Acts acts = qa.view();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const int8_t* zp = zeros.data_ptr<int8_t>();
@@ -641,6 +739,90 @@ torch::Tensor dequant_rows(const torch::Tensor& w, const torch::Tensor& scales,
   return out;
 }
 
+// The same product on the panel layout (AVX-512 VNNI CPUs only; see panel_vnni): y [M, n].
+torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
+                          const torch::Tensor& scales, const torch::Tensor& zeros,
+                          const torch::Tensor& src, const c10::optional<torch::Tensor>& bias,
+                          int64_t bits, int64_t block, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == torch::kUInt8 &&
+                  w.is_contiguous(), "w must be a contiguous uint8 [P, Kp/8 or Kp/4, 64] tensor");
+  const int64_t P = w.size(0), G = scales.dim() == 3 ? scales.size(1) : 0;
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == P && scales.size(2) == 16,
+              "scales must be contiguous fp16 [P, G, 16]");
+  TORCH_CHECK(zeros.scalar_type() == torch::kUInt8 && zeros.sizes() == scales.sizes() &&
+                  zeros.is_contiguous(), "zeros must be contiguous uint8 [P, G, 16]");
+  TORCH_CHECK(0 < n && n <= 16 * P && n > 16 * (P - 1), "n=", n, " does not fit ", P, " panels");
+  const int64_t Kp = w.size(1) * (bits == 4 ? 8 : 4);
+  TORCH_CHECK(G > 0 && Kp % G == 0 && (Kp / G) % block == 0 && block % 8 == 0,
+              "Kp=", Kp, " is not G=", G, " groups of whole blocks of ", block);
+#ifdef QS_X86
+  TORCH_CHECK(cpu_has_vnni(), "the panel layout needs AVX-512 VNNI; prepare the rows layout");
+  Geometry g{x.size(0), n, x.size(1), Kp, G, block};
+  const QuantizedActs qa = quantize_acts(x, src, g, true);
+  const Acts acts = qa.view();
+  torch::Tensor y = torch::empty({g.M, n}, torch::TensorOptions().dtype(torch::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t panel_bytes = w.size(1) * 64;
+  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, Kp * g.M / 64));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t valid = std::min<int64_t>(16, n - 16 * p);
+      if (bits == 4)
+        panel_all_m<4>(wp + p * panel_bytes, sp + p * G * 16, zp + p * G * 16, acts, g, 16 * p,
+                       valid, yp);
+      else
+        panel_all_m<8>(wp + p * panel_bytes, sp + p * G * 16, zp + p * G * 16, acts, g, 16 * p,
+                       valid, yp);
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(torch::kFloat));
+  return y.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "the panel layout needs an x86 CPU with AVX-512 VNNI");
+#endif
+}
+
+// Dense rows [n0, n1) of a panel layout, in layout column order: float [n1 - n0, Kp].
+torch::Tensor dequant_panel_rows(const torch::Tensor& w, const torch::Tensor& scales,
+                                 const torch::Tensor& zeros, int64_t bits, int64_t n0, int64_t n1) {
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= 16 * w.size(0), "bad row range");
+  const int64_t steps = w.size(1), G = scales.size(1);
+  const int64_t Kp = steps * (bits == 4 ? 8 : 4), L = Kp / G;
+  torch::Tensor out = torch::empty({n1 - n0, Kp}, torch::TensorOptions().dtype(torch::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const int64_t p = r / 16, i = r % 16;
+      float* o = op + (r - n0) * Kp;
+      for (int64_t j = 0; j < steps; ++j) {
+        const uint8_t* q = wp + (p * steps + j) * 64 + 4 * i;
+        for (int t = 0; t < 4; ++t) {
+          if (bits == 4) {
+            o[8 * j + t] = q[t] & 0x0F;
+            o[8 * j + 4 + t] = q[t] >> 4;
+          } else {
+            o[4 * j + t] = q[t];
+          }
+        }
+      }
+      for (int64_t k = 0; k < Kp; ++k) {
+        const int64_t gi = (p * G + k / L) * 16 + i;
+        o[k] = (o[k] - static_cast<float>(zp[gi])) * static_cast<float>(sp[gi]);
+      }
+    }
+  });
+  return out;
+}
+
 // The SIMD level qgemm runs at for a layout (0 scalar, 1 AVX2, 2 AVX-512 VNNI), given a limit.
 int64_t simd_level(int64_t limit, int64_t bits, int64_t block) {
   return kernel_simd(limit, bits, block);
@@ -651,12 +833,19 @@ int64_t simd_level(int64_t limit, int64_t bits, int64_t block) {
 TORCH_LIBRARY(quantspec_cpu, m) {
   m.def("qgemm(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor src, Tensor? bias, "
         "int bits, int block, int simd_limit) -> Tensor");
+  m.def("qgemm_panel(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor src, Tensor? bias, "
+        "int bits, int block, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) { m.impl("qgemm", &qgemm); }
+TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
+  m.impl("qgemm", &qgemm);
+  m.impl("qgemm_panel", &qgemm_panel);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "int8-activation x 4/8-bit weight matmul (see cpu_qgemm.cpp)");
   m.def("dequant_rows", &dequant_rows, "dense fp32 rows of a prepared layout");
+  m.def("qgemm_panel", &qgemm_panel, "the same product on the panel layout (AVX-512 VNNI)");
+  m.def("dequant_panel_rows", &dequant_panel_rows, "dense fp32 rows of a panel layout");
   m.def("simd_level", &simd_level, "the SIMD level qgemm runs at: (limit, bits, block) -> 0/1/2");
 }

@@ -2,18 +2,23 @@
 
 Fast path (C++ extension, quantspec/csrc/cpu_qgemm.cpp, built on first use): activations are
 quantized to int8 per block of B <= 128 columns (absmax / 127) and multiplied with 4-bit
-(bits 2, 3, 4 share the nibble layout) or 8-bit codes in integer arithmetic (AVX-512 VNNI
-vpdpbusd, AVX2 maddubs, or a portable scalar loop, by what the CPU has), fp32 accumulation; parallel over N. This adds the error of int8
-activations (relative ~0.5% of a dot product; see tests/test_cpu_backend.py) compared with the
-reference. W8A8 layers use one block per row, which is exactly the reference's per-token
-quantization. Above ``DENSE_FROM_M`` rows, weights are dequantized a tile of rows at a time and
-multiplied in fp32 (compute-bound regime), with unquantized activations.
+(bits 2, 3, 4 share the nibble layout) or 8-bit codes in integer arithmetic, fp32 accumulation;
+parallel over N. This adds the error of int8 activations (relative ~0.5% of a dot product; see
+tests/test_cpu_backend.py) compared with the reference. W8A8 layers use one block per row,
+which is exactly the reference's per-token quantization. Above ``DENSE_FROM_M`` rows, weights
+are dequantized a tile of rows at a time and multiplied in fp32 (compute-bound regime), with
+unquantized activations.
 
-Layout (``prepare``), shared by both paths: columns are sorted by group (act-order) and each
-group padded to L columns (L a multiple of 32), so Kp = G * L; ``src`` int32 [Kp] names the
-x column of each layout column (K = a zero column), empty when it is the identity.
+Two layouts (``prepare``; ``prepare_ext(result, layout)``). Both sort columns by group
+(act-order) and pad each group to L columns (L a multiple of 32), so Kp = G * L; ``src`` int32
+[Kp] names the x column of each layout column (K = a zero column), empty for the identity.
+* rows (any CPU: AVX2 maddubs or a portable loop):
   w4 uint8 [N, Kp/2] (64-column chunks: byte j = col j | col 32+j << 4) or w8 int8-as-uint8
   [N, Kp] (code - 128); scales fp16 [N, G]; zeros int8 [N, G] (z, or z - 128 for 8 bits).
+* panels (CPUs with AVX-512 VNNI, chosen there by default): 16 output rows per panel, so one
+  vpdpbusd yields 16 outputs' partial sums and the per-block scaling is one multiply per 16
+  outputs (2x faster than rows at M = 16 on a Sapphire Rapids core). w uint8 [P, Kp/8 or Kp/4,
+  64], scales fp16 [P, G, 16], zeros uint8 [P, G, 16] (see ``pack_panels``).
 Without the extension (no compiler) it falls back to torch's packed ops: 4-bit through
 ``_weight_int4pack_mm_for_cpu`` (bf16 activations and bf16 scales: zero_float = (8 - z) * s),
 per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul otherwise.
@@ -32,7 +37,8 @@ from .reference import quantize_per_token_int8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_FROM_M = 1024  # the int8 kernel beat dequantize + fp32 GEMM up to M=512 on a Zen 3 core
 DENSE_TILE_N = 1024
-EXT, INT4PACK, INT8PACK, DEQUANT = 0, 1, 2, 3
+EXT, INT4PACK, INT8PACK, DEQUANT, EXT_PANEL = 0, 1, 2, 3, 4
+PANEL = 16  # output rows per panel of the AVX-512 VNNI layout
 SIMD_BEST = 2  # the extension's SIMD limit: 0 scalar, 1 AVX2, 2 AVX-512 VNNI (it uses what the CPU has)
 
 
@@ -86,6 +92,43 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
 
 
+def pack_panels(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [N, Kp] codes -> the panel layout uint8 [P, Kp/8 (4-bit) or Kp/4 (8-bit), 64], rows
+    padded to P * 16 with code 0; byte 4i+t of step j is row 16p+i's column 8j+t (| 8j+4+t << 4)
+    for 4 bits, its column 4j+t for 8 bits."""
+    n, kp = codes.shape
+    panels = -(-n // PANEL)
+    c = torch.nn.functional.pad(codes, (0, 0, 0, panels * PANEL - n))
+    if bits == 8:
+        c = c.reshape(panels, PANEL, kp // 4, 4)
+    else:
+        c = c.reshape(panels, PANEL, kp // 8, 2, 4)
+        c = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
+    return c.permute(0, 2, 1, 3).reshape(panels, -1, 4 * PANEL).contiguous()
+
+
+def _panel_params(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] per-row values -> [P, G, 16] (rows padded with 0)."""
+    n, groups = t.shape
+    panels = -(-n // PANEL)
+    t = torch.nn.functional.pad(t, (0, 0, 0, panels * PANEL - n))
+    return t.reshape(panels, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def panels_supported() -> bool:
+    """Whether the extension runs the panel layout here (a CPU with AVX-512 VNNI)."""
+    ext = load_cpu_ext()
+    return ext is not None and ext.simd_level(SIMD_BEST, 8, 64) == SIMD_BEST
+
+
+def layout_columns(p: dict[str, torch.Tensor]) -> int:
+    """Kp: the columns of an extension layout (rows or panels), padding included."""
+    kind, bits = int(p["meta"][0]), int(p["meta"][1])
+    if kind == EXT_PANEL:
+        return p["w"].shape[1] * (8 if bits <= 4 else 4)
+    return p["w"].shape[1] * (2 if bits <= 4 else 1)
+
+
 def _src_tensor(src: torch.Tensor, k: int) -> torch.Tensor:
     identity = torch.equal(src[:k], torch.arange(k)) and bool((src[k:] == k).all())
     return torch.empty(0, dtype=torch.int32) if identity else src.to(torch.int32)
@@ -95,12 +138,26 @@ def _meta(kind: int, bits: int, block: int, k: int) -> torch.Tensor:
     return torch.tensor([kind, bits, block, k], dtype=torch.int64)
 
 
-def prepare_ext(result: QuantResult) -> dict[str, torch.Tensor]:
-    """The extension's layout (see the module docstring)."""
+def prepare_ext(result: QuantResult, layout: str = "auto") -> dict[str, torch.Tensor]:
+    """The extension's layout (see the module docstring): ``rows``, ``panels`` (AVX-512 VNNI
+    CPUs), or ``auto`` = panels where they run, else rows."""
+    if layout not in ("auto", "rows", "panels"):
+        raise ValueError(f"layout={layout!r} is not auto, rows or panels")
+    if layout == "auto":
+        layout = "panels" if panels_supported() else "rows"
     scheme = result.scheme
     n, k = result.shape
     src, groups, length = column_map(result)
     codes, scales, zeros = _gather_codes(result, src, groups)
+    meta = (scheme.bits, block_len(length, scheme), k)
+    if layout == "panels":
+        return {
+            "w": pack_panels(codes, 8 if scheme.bits == 8 else 4),
+            "scales": _panel_params(scales.to(torch.float16)),
+            "zeros": _panel_params(zeros.round().to(torch.uint8)),
+            "src": _src_tensor(src, k),
+            "meta": _meta(EXT_PANEL, *meta),
+        }
     if scheme.bits == 8:
         w = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8).contiguous()
         zeros = zeros - 128
@@ -111,7 +168,7 @@ def prepare_ext(result: QuantResult) -> dict[str, torch.Tensor]:
         "scales": scales.to(torch.float16).contiguous(),
         "zeros": zeros.to(torch.int8).contiguous(),
         "src": _src_tensor(src, k),
-        "meta": _meta(EXT, scheme.bits, block_len(length, scheme), k),
+        "meta": _meta(EXT, *meta),
     }
 
 
@@ -154,12 +211,13 @@ def _dense_ext(ext, x2, p, scheme, n, bits) -> torch.Tensor:
         xs = qx.to(torch.float32)
     else:
         xs = x2.to(torch.float32)
-    xs = _gather(xs, p["src"], p["w"].shape[1] * (2 if bits <= 4 else 1))
+    xs = _gather(xs, p["src"], layout_columns(p))
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     ext_bits = 4 if bits <= 4 else 8
+    dequant = ext.dequant_panel_rows if int(p["meta"][0]) == EXT_PANEL else ext.dequant_rows
     for n0 in range(0, n, DENSE_TILE_N):
         n1 = min(n, n0 + DENSE_TILE_N)
-        w = ext.dequant_rows(p["w"], p["scales"], p["zeros"], ext_bits, n0, n1)
+        w = dequant(p["w"], p["scales"], p["zeros"], ext_bits, n0, n1)
         torch.mm(xs, w.T, out=y[:, n0:n1])
     return y * sx if w8a8 else y
 
@@ -206,6 +264,7 @@ class BoundQGemm:
     in_features: int
     bits: int  # 4 (bits 2, 3, 4 share the nibble layout) or 8
     block: int
+    panels: bool = False  # the panel layout (quantspec_cpu.qgemm_panel)
 
     def __call__(self, x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None):
         if x.shape[-1] != self.in_features:
@@ -215,9 +274,14 @@ class BoundQGemm:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] >= DENSE_FROM_M:
             return CpuBackend().linear(x, p, self.scheme, self.out_features, self.in_features, bias)
-        y = torch.ops.quantspec_cpu.qgemm.default(
-            x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits, self.block,
-            SIMD_BEST)
+        if self.panels:
+            y = torch.ops.quantspec_cpu.qgemm_panel.default(
+                x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits,
+                self.block, self.out_features)
+        else:
+            y = torch.ops.quantspec_cpu.qgemm.default(
+                x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits,
+                self.block, SIMD_BEST)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -249,9 +313,10 @@ class CpuBackend:
         """The extension's op with this layer's constants (the layout's kind, bits and block
         read once), or None for torch's fallback layouts (``linear`` serves those)."""
         kind, bits, block, _ = prepared["meta"].tolist()
-        if kind != EXT or load_cpu_ext() is None:
+        if kind not in (EXT, EXT_PANEL) or load_cpu_ext() is None:
             return None
-        return BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block)
+        return BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block,
+                          kind == EXT_PANEL)
 
     def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
         """x [..., K] (fp32/bf16/fp16, CPU) -> [..., N] in x.dtype."""
@@ -262,13 +327,12 @@ class CpuBackend:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
         kind, bits, block, _ = prepared["meta"].tolist()
-        if kind == EXT:
+        if kind in (EXT, EXT_PANEL):
             ext = load_cpu_ext()
             if ext is None:
                 raise RuntimeError("layer was prepared for the cpu extension, which is gone")
             if x2.shape[0] < DENSE_FROM_M:  # the bound op's path (one kernel call)
-                bound = BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block)
-                return bound(x, prepared, bias)
+                return self.bind(prepared, scheme, out_features, in_features)(x, prepared, bias)
             y = _dense_ext(ext, x2, prepared, scheme, out_features, bits)
             if bias is not None:
                 y = y + bias.to(torch.float32)

@@ -57,8 +57,9 @@ def extension_enabled() -> bool:
 
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
-    """The compiled module (``qgemm``, ``dequant_rows``, ``simd_level``; ``qgemm`` also as the op
-    ``torch.ops.quantspec_cpu.qgemm``), or None with one warning."""
+    """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
+    ``simd_level``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
+    ``qgemm_panel``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -105,3 +106,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::qgemm")
     def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, simd_limit):
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("quantspec_cpu::qgemm_panel")
+    def _qgemm_panel_fake(x, w, scales, zeros, src, bias, bits, block, n):
+        return x.new_empty((x.shape[0], n))
