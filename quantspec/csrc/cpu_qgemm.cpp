@@ -10,8 +10,9 @@
 //   scales fp16  [N, G]; zeros int8 [N, G] (z for 4-bit, z - 128 for 8-bit).
 //   y[m, n] = sum_b sw[n,g(b)] * sx[m,b] * dot_b(q, xq) - sum_g sw[n,g] * z[n,g] * X[m,g],
 //   X[m, g] = sum_{b in g} sx[m,b] * sum(xq[m, b]).
-// AVX-512 VNNI (vpdpbusd) or else AVX2 (maddubs/madd, the int8 dot used by llama.cpp's Q4_0 x
-// Q8_0) is chosen at run time by what the CPU has; a portable scalar path serves every other CPU.
+// AVX2 (maddubs/madd, the int8 dot used by llama.cpp's Q4_0 x Q8_0) is chosen at run time when
+// the CPU has it; a portable scalar path serves every other CPU. CPUs with AVX-512 VNNI get the
+// panel layout instead (qgemm_panel, below).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -348,134 +349,15 @@ bool cpu_has_avx2() {
   return ok;
 }
 
-// ---- AVX-512 VNNI path (vpdpbusd: u8 x s8 -> s32, 64 products per instruction) -----------
-// 4-bit: two 64-column chunks per 512-bit load; the nibbles are regrouped so that t0 holds
-// chunk c's 64 codes in column order and t1 chunk c+1's, which then pair with x as stored.
-// 8-bit: codes are stored as code - 128 (int8); xor 0x80 gives the unsigned code, and the
-// extra 128 * sum(x) per group is folded into the zero correction (z + 128 instead of z - 128).
-// Used when the activation block B is 64 or 128 (B = 32 stays on AVX2).
+// ---- AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32, 64 products per instruction): panel layout ----
 #define QS_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-// Weight bytes read ahead of use (and 4x as far into L2 in the panel kernel): rows and panels
-// are streamed once, in order (the next one follows).
+// Weight bytes read ahead of use (and 4x as far into L2): panels are streamed once, in order.
 #ifndef QS_PREFETCH
 #define QS_PREFETCH 4096
 #endif
 
 QS_VNNI inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
-
-QS_VNNI inline __m512i chunk_codes(const uint8_t* w, int64_t c, __m512i mask) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-  const __m256i lo = _mm256_and_si256(v, _mm512_castsi512_si256(mask));
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm512_castsi512_si256(mask));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-// acc[m] += float(isum[m]) * s * sx[m][b]; isum[m] = 0
-template <int MT>
-QS_VNNI inline void flush_block(__m512i* isum, __m512* acc, const float* const* sx, int64_t b,
-                                float s) {
-  for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(s * sx[m][b]), acc[m]);
-    isum[m] = _mm512_setzero_si512();
-  }
-}
-
-template <int MT>
-QS_VNNI void row4_vnni(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
-                       const Geometry& g, int64_t m0, float* y) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  const int64_t nblk = g.nblk(), bpg = g.bpg(), cpb = g.B / 64, nchunk = g.Kp / 64;
-  const int8_t* x[MT];
-  const float* sx[MT];
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) {
-    x[m] = a.xq + (m0 + m) * g.Kp;
-    sx[m] = a.sx + (m0 + m) * nblk;
-    acc[m] = _mm512_setzero_ps();
-  }
-  // isum[m] collects the current block; a block ends after cpb chunks
-  __m512i isum[MT];
-  for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-  int64_t b = 0, in_block = 0, gi = 0, in_group = 0;
-#define QS_CLOSE_CHUNK()                                                                      \
-  if (++in_block == cpb) {                                                                    \
-    flush_block<MT>(isum, acc, sx, b, swf[gi]);                                               \
-    in_block = 0, ++b;                                                                        \
-    if (++in_group == bpg) in_group = 0, ++gi;                                                \
-  }
-  int64_t c = 0;
-  for (; c + 2 <= nchunk; c += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * c + QS_PREFETCH), _MM_HINT_T0);
-    const __m512i v = load64(w + 32 * c);
-    const __m512i lo = _mm512_and_si512(v, mask);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    const __m512i t0 = _mm512_shuffle_i64x2(lo, hi, 0x44);  // chunk c: lo 0-31 | hi 32-63
-    const __m512i t1 = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // chunk c + 1
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_dpbusd_epi32(isum[m], t0, load64(x[m] + 64 * c));
-    QS_CLOSE_CHUNK();
-    for (int m = 0; m < MT; ++m)
-      isum[m] = _mm512_dpbusd_epi32(isum[m], t1, load64(x[m] + 64 * c + 64));
-    QS_CLOSE_CHUNK();
-  }
-  if (c < nchunk) {
-    const __m512i t = chunk_codes(w, c, mask);
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_dpbusd_epi32(isum[m], t, load64(x[m] + 64 * c));
-    QS_CLOSE_CHUNK();
-  }
-#undef QS_CLOSE_CHUNK
-  for (int m = 0; m < MT; ++m)
-    y[(m0 + m) * g.N] =
-        _mm512_reduce_add_ps(acc[m]) - zero_correction_avx2(szf, a.xg + (m0 + m) * g.G, g.G);
-}
-
-template <int MT>
-QS_VNNI void row8_vnni(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
-                       const Geometry& g, int64_t m0, float* y) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t nblk = g.nblk(), bpg = g.bpg();
-  const int8_t* x[MT];
-  const float* sx[MT];
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) {
-    x[m] = a.xq + (m0 + m) * g.Kp;
-    sx[m] = a.sx + (m0 + m) * nblk;
-    acc[m] = _mm512_setzero_ps();
-  }
-  int64_t gi = 0, in_group = 0;
-  for (int64_t b = 0; b < nblk; ++b) {
-    __m512i isum[MT];
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    int64_t k = b * g.B;
-    const int64_t k_end = k + g.B;
-    for (; k + 64 <= k_end; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + QS_PREFETCH), _MM_HINT_T0);
-      const __m512i u = _mm512_xor_si512(load64(w + k), flip);
-      for (int m = 0; m < MT; ++m) isum[m] = _mm512_dpbusd_epi32(isum[m], u, load64(x[m] + k));
-    }
-    if (k < k_end) {  // 32 columns left
-      const __m256i u = _mm256_xor_si256(load32(w + k), _mm512_castsi512_si256(flip));
-      for (int m = 0; m < MT; ++m) {
-        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, load32(x[m] + k));
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_zextsi256_si512(d));
-      }
-    }
-    const float s = swf[gi];
-    for (int m = 0; m < MT; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(s * sx[m][b]), acc[m]);
-    if (++in_group == bpg) in_group = 0, ++gi;
-  }
-  for (int m = 0; m < MT; ++m)
-    y[(m0 + m) * g.N] =
-        _mm512_reduce_add_ps(acc[m]) - zero_correction_avx2(szf, a.xg + (m0 + m) * g.G, g.G);
-}
-
-template <int BITS, int MT>
-QS_VNNI void row_vnni(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
-                      const Geometry& g, int64_t m0, float* y) {
-  if (BITS == 4) row4_vnni<MT>(w, swf, szf, a, g, m0, y);
-  else row8_vnni<MT>(w, swf, szf, a, g, m0, y);
-}
 
 bool cpu_has_vnni() {
   static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
@@ -485,42 +367,13 @@ bool cpu_has_vnni() {
 }
 #endif
 
-// SIMD levels: the best one this CPU runs, capped by the caller's limit.
-enum Simd : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
-
-int64_t best_simd() {
-#ifdef QS_X86
-  if (cpu_has_vnni()) return AVX512_VNNI;
-  if (cpu_has_avx2()) return AVX2;
-#endif
-  return SCALAR;
-}
-
-// The level the kernel runs at for this layout (VNNI needs 4-bit blocks of whole 64-col chunks).
-int64_t kernel_simd(int64_t limit, int64_t bits, int64_t B) {
-  int64_t level = std::min(limit, best_simd());
-  if (level == AVX512_VNNI && bits == 4 && B % 64 != 0) level = AVX2;
-  return level;
-}
-
-// One output row n against every activation row, MT rows at a time.
+// One output row n against every activation row, tiled 4 rows at a time.
 template <int BITS>
 void row_all_m(const uint8_t* w, const float* swf, const float* szf, const Acts& a,
-               const Geometry& g, int64_t level, float* y) {
+               const Geometry& g, bool simd, float* y) {
   int64_t m0 = 0;
 #ifdef QS_X86
-  if (level == AVX512_VNNI) {
-    for (; m0 + 8 <= g.M; m0 += 8) row_vnni<BITS, 8>(w, swf, szf, a, g, m0, y);
-    if (g.M - m0 >= 4) row_vnni<BITS, 4>(w, swf, szf, a, g, m0, y), m0 += 4;
-    switch (g.M - m0) {
-      case 3: row_vnni<BITS, 3>(w, swf, szf, a, g, m0, y); break;
-      case 2: row_vnni<BITS, 2>(w, swf, szf, a, g, m0, y); break;
-      case 1: row_vnni<BITS, 1>(w, swf, szf, a, g, m0, y); break;
-      default: break;
-    }
-    return;
-  }
-  if (level == AVX2) {
+  if (simd) {
     for (; m0 + 4 <= g.M; m0 += 4) row_avx2<BITS, 4>(w, swf, szf, a, g, m0, y);
     switch (g.M - m0) {
       case 3: row_avx2<BITS, 3>(w, swf, szf, a, g, m0, y); break;
@@ -668,14 +521,14 @@ QuantizedActs quantize_acts(const torch::Tensor& x, const torch::Tensor& src, co
 torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                     const torch::Tensor& zeros, const torch::Tensor& src,
                     const c10::optional<torch::Tensor>& bias, int64_t bits, int64_t block,
-                    int64_t simd_limit) {
+                    bool allow_simd) {
   check_layout(x, w, scales, zeros, bits, block);
   Geometry g{x.size(0), w.size(0), x.size(1), bits == 4 ? 2 * w.size(1) : w.size(1),
              scales.size(1), block};
-  const int64_t level = kernel_simd(simd_limit, bits, block);
-  const bool simd = level >= AVX2;
-  // VNNI multiplies unsigned 8-bit codes (code - 128 stored): the zero offset becomes z
-  const float zero_shift = (level == AVX512_VNNI && bits == 8) ? 128.f : 0.f;
+  bool simd = false;
+#ifdef QS_X86
+  simd = allow_simd && cpu_has_avx2();
+#endif
   const QuantizedActs qa = quantize_acts(x, src, g, simd);
   torch::Tensor y = torch::empty({g.M, g.N}, torch::TensorOptions().dtype(torch::kFloat));
   const Acts acts = qa.view();
@@ -693,12 +546,10 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
       else
 #endif
         row_scales(sp + n * g.G, zp + n * g.G, g.G, swf.data(), szf.data());
-      if (zero_shift != 0.f)
-        for (int64_t gi = 0; gi < g.G; ++gi) szf[gi] += zero_shift * swf[gi];
       if (bits == 4)
-        row_all_m<4>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, level, yp + n);
+        row_all_m<4>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
       else
-        row_all_m<8>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, level, yp + n);
+        row_all_m<8>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
     }
   });
   if (bias.has_value() && bias->defined()) y.add_(bias->to(torch::kFloat));
@@ -823,16 +674,27 @@ torch::Tensor dequant_panel_rows(const torch::Tensor& w, const torch::Tensor& sc
   return out;
 }
 
-// The SIMD level qgemm runs at for a layout (0 scalar, 1 AVX2, 2 AVX-512 VNNI), given a limit.
-int64_t simd_level(int64_t limit, int64_t bits, int64_t block) {
-  return kernel_simd(limit, bits, block);
+bool has_avx2() {
+#ifdef QS_X86
+  return cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#ifdef QS_X86
+  return cpu_has_vnni();
+#else
+  return false;
+#endif
 }
 
 // The same qgemm as a dispatcher op, so that compiled graphs (torch.compile) call it without a
 // Python frame; its fake (meta) kernel is registered from Python (quantspec/kernels/cpu_ext.py).
 TORCH_LIBRARY(quantspec_cpu, m) {
   m.def("qgemm(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor src, Tensor? bias, "
-        "int bits, int block, int simd_limit) -> Tensor");
+        "int bits, int block, bool allow_simd) -> Tensor");
   m.def("qgemm_panel(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor src, Tensor? bias, "
         "int bits, int block, int n) -> Tensor");
 }
@@ -847,5 +709,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "dense fp32 rows of a prepared layout");
   m.def("qgemm_panel", &qgemm_panel, "the same product on the panel layout (AVX-512 VNNI)");
   m.def("dequant_panel_rows", &dequant_panel_rows, "dense fp32 rows of a panel layout");
-  m.def("simd_level", &simd_level, "the SIMD level qgemm runs at: (limit, bits, block) -> 0/1/2");
+  m.def("has_avx2", &has_avx2, "whether qgemm's AVX2 path runs on this CPU");
+  m.def("has_vnni", &has_vnni, "whether this CPU runs the panel layout (AVX-512 VNNI)");
 }

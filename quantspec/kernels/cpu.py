@@ -39,7 +39,6 @@ DENSE_FROM_M = 1024  # the int8 kernel beat dequantize + fp32 GEMM up to M=512 o
 DENSE_TILE_N = 1024
 EXT, INT4PACK, INT8PACK, DEQUANT, EXT_PANEL = 0, 1, 2, 3, 4
 PANEL = 16  # output rows per panel of the AVX-512 VNNI layout
-SIMD_BEST = 2  # the extension's SIMD limit: 0 scalar, 1 AVX2, 2 AVX-512 VNNI (it uses what the CPU has)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -118,7 +117,7 @@ def _panel_params(t: torch.Tensor) -> torch.Tensor:
 def panels_supported() -> bool:
     """Whether the extension runs the panel layout here (a CPU with AVX-512 VNNI)."""
     ext = load_cpu_ext()
-    return ext is not None and ext.simd_level(SIMD_BEST, 8, 64) == SIMD_BEST
+    return ext is not None and ext.has_vnni()
 
 
 def layout_columns(p: dict[str, torch.Tensor]) -> int:
@@ -281,7 +280,7 @@ class BoundQGemm:
         else:
             y = torch.ops.quantspec_cpu.qgemm.default(
                 x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits,
-                self.block, SIMD_BEST)
+                self.block, True)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

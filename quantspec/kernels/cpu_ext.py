@@ -58,7 +58,7 @@ def extension_enabled() -> bool:
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
-    ``simd_level``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
+    ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
     ``qgemm_panel``), or None with one warning."""
     if not extension_enabled():
         return None
@@ -104,7 +104,7 @@ def _register_fake() -> None:
     """Shapes for torch.compile of the extension's dispatcher op ``quantspec_cpu::qgemm``."""
 
     @torch.library.register_fake("quantspec_cpu::qgemm")
-    def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, simd_limit):
+    def _qgemm_fake(x, w, scales, zeros, src, bias, bits, block, allow_simd):
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("quantspec_cpu::qgemm_panel")
