@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from quantspec.kernels.cpu import CpuBackend
+from quantspec.kernels.cpu import CpuBackend, panels_supported, prepare_ext
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
 
-KERNELS = ("ours", "torch_int4", "dense_bf16", "dense_fp32", "reference")
+KERNELS = ("ours", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -59,7 +59,7 @@ def build_kernels(n: int, k: int, group: int = 128) -> dict[str, tuple[Callable,
     w_bf16 = result.dequantize(torch.bfloat16)
     w_fp32 = result.dequantize(torch.float32)
     bound = cpu.bind(ours, scheme, n, k)  # what QuantLinear calls (None: torch's fallback)
-    return {
+    kernels = {
         "ours": ((lambda x: bound(x, ours, None)) if bound is not None
                  else (lambda x: cpu.linear(x, ours, scheme, n, k, None)),
                  nbytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))),
@@ -70,6 +70,12 @@ def build_kernels(n: int, k: int, group: int = 128) -> dict[str, tuple[Callable,
         "reference": (lambda x: ref.linear(x, refp, scheme, n, k, None),
                       nbytes([refp["codes"], refp["scales"]])),
     }
+    if panels_supported():  # ours is the panel layout here: time the rows layout beside it
+        rows = prepare_ext(result, "rows")
+        bound_rows = cpu.bind(rows, scheme, n, k)
+        kernels["ours_rows"] = (lambda x: bound_rows(x, rows, None),
+                                nbytes(rows[name] for name in ("w", "scales", "zeros")))
+    return kernels
 
 
 SLOW = {"reference": 3}  # rounds cap for kernels that take seconds per call
@@ -133,24 +139,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         plan = [(4096, 4096, [1, 16])]
     else:
-        plan = [(4096, 4096, [1, 2, 4, 8, 16, 32]), (14336, 4096, [1, 2, 4]),
+        plan = [(4096, 4096, [1, 2, 4, 8, 16, 32, 128]), (14336, 4096, [1, 2, 4]),
                 (4096, 14336, [1, 2, 4])]
     rows = run_cpu_benchmark(plan, args.rounds, args.reference)
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "scheme": "w4g128 sym (RTN)", "activations": "bf16", "rounds": args.rounds,
             "statistic": "median us, warm-up excluded", "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu-kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem = "cpu-kernels" + (f"-{args.tag}" if args.tag else "")
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     header = (f"# CPU kernels: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
               f"{meta['scheme']}, bf16 activations, median of {args.rounds} ({meta['date']})")
     text = markdown(rows, header)
-    (args.out / "cpu-kernels.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 
