@@ -136,10 +136,57 @@ def test_capture_parents_replays_the_consuming_module(arch_name):
             block(inputs[j : j + 1], **kwargs[0])
         for h in hooks:
             h.remove()
-        torch.testing.assert_close(attn.run(attn.inputs()), torch.cat([o.reshape(-1) for o in outs["attn"]]))
-        torch.testing.assert_close(mlp.run(mlp.inputs()), torch.cat([o.reshape(-1) for o in outs["mlp"]]))
+        torch.testing.assert_close(torch.cat(list(attn.run_each(attn.inputs()))), torch.cat([o.reshape(-1) for o in outs["attn"]]))
+        torch.testing.assert_close(torch.cat(list(mlp.run_each(mlp.inputs()))), torch.cat([o.reshape(-1) for o in outs["mlp"]]))
         x = block.input_layernorm(inputs[2:3])
         torch.testing.assert_close(attn.inputs()[1], x)
+
+
+@pytest.mark.parametrize("use_parent", [True, False])
+def test_bounded_search_picks_what_the_full_search_picks(use_parent):
+    """Stopping a candidate once its running error passes the best one's (search_scale's
+    ``bounded``) chooses the same scale as evaluating every candidate in full, with fewer
+    forwards of the consuming module (or fewer Linear-output parts)."""
+    import transformers
+
+    from quantspec.quant.awq import PART_TOKENS, _PairObjective
+    from quantspec.quant.smoothing import resolve_pairs
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).eval()
+    arch = get_arch(model)
+    ids = torch.randint(3, 320, (6, 64), generator=torch.Generator().manual_seed(1))
+    scheme = QuantScheme(3, 32, False)
+    with torch.no_grad():
+        inputs, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
+        block = arch.block_list(model)[0]
+        pairs, _ = resolve_pairs(block, arch)
+        found = _capture_parents(block, inputs, kwargs[0], pairs, list(range(6)))
+        i = next(j for j, p in enumerate(pairs) if p.prev_name == "post_attention_layernorm")
+        pair, parent = pairs[i], found[i]
+        x = None
+        if not use_parent:
+            x = torch.cat([a[0][parent.slot] if isinstance(parent.slot, int) else a[1][parent.slot]
+                           for a in parent.calls]).reshape(-1, pair.linears[0].in_features)
+            x = x.repeat(PART_TOKENS * 4 // x.shape[0] + 1, 1)[: PART_TOKENS * 4]
+            parent = None
+        planned = {n: scheme for n in pair.linear_names}
+        objective = _PairObjective(pair, planned, x, parent)
+        gen = torch.Generator().manual_seed(2)
+        x_mean = torch.rand(pair.linears[0].in_features, generator=gen) * 4 + 0.01
+        w_mean = weight_group_mean([lin.weight for lin in pair.linears], scheme)
+        calls = []
+        counted = pair.linears[0].register_forward_hook(lambda *a: calls.append(1))
+        try:
+            full, info_full = search_scale(x_mean, objective, 10, w_mean)
+            n_full = len(calls)
+            calls.clear()
+            fast, info_fast = search_scale(x_mean, objective, 10, w_mean, bounded=True)
+        finally:
+            counted.remove()
+    assert torch.equal(full, fast)
+    assert (info_full["alpha"], info_full["duo"]) == (info_fast["alpha"], info_fast["duo"])
+    assert info_full["loss"] == pytest.approx(info_fast["loss"], rel=1e-6)
+    assert len(calls) < n_full
 
 
 def test_search_clip_lowers_group_output_error():
