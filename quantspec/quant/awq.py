@@ -18,7 +18,7 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    argument; else the Linears' concatenated outputs on a token sample (v -> o, up -> down).
    RTN is a candidate, so the chosen scales never do worse than RTN on the sample.
 3. Fold the best ``s`` (exactly, ``smoothing.fold_scales``).
-4. Optional clipping search (the paper's auto_clip; by default only at 3 bits and below,
+4. Optional clipping search (the paper's auto_clip; off by default, see CLIP_AUTO_MAX_BITS;
    ``clip_wanted``): per output row and group, the max |w|
    shrinks by ``1 - i/20`` for i < 10; pick the one minimising the group's output error
    ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
@@ -60,10 +60,11 @@ from .smoothing import ResolvedPair, collect_input_stats, fold_scales, resolve_p
 
 # Linears whose outputs feed attention scores: the output MSE of a clip search means little there.
 CLIP_SKIP = ("q_proj", "k_proj", "qkv_proj")
-# Clipping by default only up to this many bits. Measured on Qwen2.5-Coder-0.5B (first 4 blocks
-# quantized, 64 C4 x 512, wikitext2 ppl over 20 windows): W4 g128 51.09 without, 52.30 with
-# (RTN 51.55); W3 g128 56.93 without, 56.74 with (RTN 57.50).
-CLIP_AUTO_MAX_BITS = 3
+# Clipping by default only up to this many bits (0: never). Measured on Qwen2.5-Coder-0.5B (64 C4
+# x 512, wikitext2): first 4 blocks, 20 windows: W4 g128 51.09 without, 52.30 with (RTN 51.55);
+# W3 g128 56.93 without, 56.74 with (RTN 57.50); whole model, 40 windows, W3 g128: 77.561
+# without, 80.253 with (validated clips). So off unless asked for (``awq.clip: true``).
+CLIP_AUTO_MAX_BITS = 0
 # tokens per part of a Linear-output objective: a candidate scale's error is summed part by part
 # and the search drops it once the sum passes the best candidate's (search_scale's ``bounded``)
 PART_TOKENS = 512
@@ -257,7 +258,10 @@ class AWQSettings:
     """AWQ's options plus the CPU-friendly sample sizes of the searches (tokens)."""
 
     awq: AWQOptions = AWQOptions()
-    search_tokens: int = 2048
+    # tokens each candidate scale is scored on. Qwen2.5-Coder-0.5B W3 g128 (no clip, wikitext2
+    # 40 windows): 77.530 at 2048, 74.335 at 8192 (llm-compressor, which scores on all 32768:
+    # 74.173); first 4 blocks: 56.9 at 2048, 54.32 at 8192
+    search_tokens: int = 8192
     clip_tokens: int = 512
     clip_skip: tuple[str, ...] = CLIP_SKIP  # Linear names (suffixes) never clipped
     quantize: bool = True  # False: scale (and clip search) only, e.g. before GPTQ
