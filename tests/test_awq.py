@@ -103,7 +103,7 @@ def test_awq_options_validated():
 
 def test_clip_by_bit_width_unless_set():
     w4, w3 = QuantScheme(4, 128, False), QuantScheme(3, 128, False)
-    assert not clip_wanted(None, w4) and not clip_wanted(None, w3)  # off by default (CLIP_AUTO_MAX_BITS)
+    assert not clip_wanted(None, w4) and clip_wanted(None, w3)
     assert clip_wanted(True, w4) and not clip_wanted(False, w3)
 
 

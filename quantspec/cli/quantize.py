@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--save-scales", help="AWQ: save the searched scales to this file")
     p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
     p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
-                   help="AWQ: search per-group weight clipping (default: off)")
+                   help="AWQ: search per-group weight clipping (default: at 3 bits and below)")
     p.add_argument("--duo-scaling", choices=["both", "on", "off"],
                    help="AWQ candidate scales: the paper's x^a (off), AutoAWQ's x^a / w^(1-a) (on), or both (default)")
     p.add_argument("--out", help="output folder (default: ./quantspec-out/<model>-<recipe>/)")

@@ -18,7 +18,7 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    argument; else the Linears' concatenated outputs on a token sample (v -> o, up -> down).
    RTN is a candidate, so the chosen scales never do worse than RTN on the sample.
 3. Fold the best ``s`` (exactly, ``smoothing.fold_scales``).
-4. Optional clipping search (the paper's auto_clip; off by default, see CLIP_AUTO_MAX_BITS;
+4. Optional clipping search (the paper's auto_clip; by default only at 3 bits and below,
    ``clip_wanted``): per output row and group, the max |w|
    shrinks by ``1 - i/20`` for i < 10; pick the one minimising the group's output error
    ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
@@ -60,11 +60,12 @@ from .smoothing import ResolvedPair, collect_input_stats, fold_scales, resolve_p
 
 # Linears whose outputs feed attention scores: the output MSE of a clip search means little there.
 CLIP_SKIP = ("q_proj", "k_proj", "qkv_proj")
-# Clipping by default only up to this many bits (0: never). Measured on Qwen2.5-Coder-0.5B (64 C4
-# x 512, wikitext2): first 4 blocks, 20 windows: W4 g128 51.09 without, 52.30 with (RTN 51.55);
-# W3 g128 56.93 without, 56.74 with (RTN 57.50); whole model, 40 windows, W3 g128: 77.561
-# without, 80.253 with (validated clips). So off unless asked for (``awq.clip: true``).
-CLIP_AUTO_MAX_BITS = 0
+# Clipping by default only up to this many bits (0: never). Measured with 64 C4 x 512 and
+# wikitext2: Qwen2.5-Coder-0.5B first 4 blocks, 20 windows: W4 g128 51.09 without, 52.30 with
+# (RTN 51.55); whole model, 40 windows, W3 g128: 77.561 without, 80.253 with (2048-token search).
+# SmolLM2-135M W3 g64 (8192-token search, 40 windows): 74.476 without, 62.461 with (2048). So on
+# at 3 bits and below, where it can matter most, and a recipe can turn it off (awq.clip: false).
+CLIP_AUTO_MAX_BITS = 3
 # tokens per part of a Linear-output objective: a candidate scale's error is summed part by part
 # and the search drops it once the sum passes the best candidate's (search_scale's ``bounded``)
 PART_TOKENS = 512
