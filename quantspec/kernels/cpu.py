@@ -17,7 +17,7 @@ Two layouts (``prepare``; ``prepare_ext(result, layout)``). Both sort columns by
   [N, Kp] (code - 128); scales fp16 [N, G]; zeros int8 [N, G] (z, or z - 128 for 8 bits).
 * panels (CPUs with AVX-512 VNNI, chosen there by default): 16 output rows per panel, so one
   vpdpbusd yields 16 outputs' partial sums and the per-block scaling is one multiply per 16
-  outputs (2x faster than rows at M = 16 on a Sapphire Rapids core). w uint8 [P, Kp/8 or Kp/4,
+  outputs (~3x faster than rows at M = 16 on a 2-core AVX-512 Xeon). w uint8 [P, Kp/8 or Kp/4,
   64], scales fp16 [P, G, 16], zeros uint8 [P, G, 16] (see ``pack_panels``).
 Without the extension (no compiler) it falls back to torch's packed ops: 4-bit through
 ``_weight_int4pack_mm_for_cpu`` (bf16 activations and bf16 scales: zero_float = (8 - z) * s),
