@@ -63,8 +63,8 @@ CLIP_SKIP = ("q_proj", "k_proj", "qkv_proj")
 # Clipping by default only up to this many bits (0: never). Measured with 64 C4 x 512 and
 # wikitext2: Qwen2.5-Coder-0.5B first 4 blocks, 20 windows: W4 g128 51.09 without, 52.30 with
 # (RTN 51.55); whole model, 40 windows, W3 g128: 77.561 without, 80.253 with (2048-token search).
-# SmolLM2-135M W3 g64 (8192-token search, 40 windows): 74.476 without, 62.461 with (2048). So on
-# at 3 bits and below, where it can matter most, and a recipe can turn it off (awq.clip: false).
+# SmolLM2-135M W3 g64 (8192-token search, 40 windows): 74.476 without, 64.939 with. So on at 3
+# bits and below, where it can matter most, and a recipe can turn it off (awq.clip: false).
 CLIP_AUTO_MAX_BITS = 3
 # tokens per part of a Linear-output objective: a candidate scale's error is summed part by part
 # and the search drops it once the sum passes the best candidate's (search_scale's ``bounded``)
