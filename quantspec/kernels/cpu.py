@@ -331,7 +331,9 @@ class CpuBackend:
             if ext is None:
                 raise RuntimeError("layer was prepared for the cpu extension, which is gone")
             if x2.shape[0] < DENSE_FROM_M:  # the bound op's path (one kernel call)
-                return self.bind(prepared, scheme, out_features, in_features)(x, prepared, bias)
+                bound = BoundQGemm(scheme, out_features, in_features, 4 if bits <= 4 else 8, block,
+                                   kind == EXT_PANEL)
+                return bound(x, prepared, bias)
             y = _dense_ext(ext, x2, prepared, scheme, out_features, bits)
             if bias is not None:
                 y = y + bias.to(torch.float32)
