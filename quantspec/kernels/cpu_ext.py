@@ -1,4 +1,4 @@
-"""Build and load the optional C++ extension of the CPU backend (quantspec/csrc/cpu_qgemm.cpp).
+"""Build and load the optional C++ extension of the CPU backend (quantspec/csrc/*.cpp).
 
 Built with ``torch.utils.cpp_extension.load`` on first use, never at import, and cached under
 ``$QUANTSPEC_CACHE/ext`` (default ``~/.cache/quantspec/ext``). The build name carries a hash of
@@ -21,7 +21,8 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_qgemm.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp")
 
 
 def cache_root() -> Path:
@@ -41,7 +42,8 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return f"quantspec_cpu_qgemm_{digest.hexdigest()[:12]}"
@@ -59,7 +61,8 @@ def extension_enabled() -> bool:
 def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
-    ``qgemm_panel``), or None with one warning."""
+    ``qgemm_panel``, and the ops ``rms_norm``, ``bf16_gemv``, ``has_bf16_gemv`` of cpu_dense.cpp),
+    or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -81,7 +84,7 @@ def load_cpu_ext() -> ModuleType | None:
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -110,3 +113,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::qgemm_panel")
     def _qgemm_panel_fake(x, w, scales, zeros, src, bias, bits, block, n):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("quantspec_cpu::rms_norm")
+    def _rms_norm_fake(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("quantspec_cpu::bf16_gemv")
+    def _bf16_gemv_fake(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))

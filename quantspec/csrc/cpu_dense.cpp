@@ -1,0 +1,174 @@
+// Small dense ops of the CPU decode path, as dispatcher ops in the quantspec_cpu namespace
+// (built with cpu_qgemm.cpp into one extension; see quantspec/kernels/cpu_ext.py).
+//
+// rms_norm(x [..., D], w [D], eps) -> [..., D]: transformers' Llama RMSNorm, w * round_to_dtype(
+//   x * rsqrt(mean(x^2) + eps)), the mean in fp32; one op instead of eight.
+// bf16_gemv(x [M, K] bf16, w [N, K] bf16) -> [M, N] bf16: x @ w.T with fp32 accumulation of exact
+//   bf16 products (AVX-512 BF16 vdpbf16ps), for the few-row products of decode, where torch's
+//   bf16 matmul streams the weight at a third of the memory bandwidth. Blocks of 64 rows of w
+//   are read from memory once for all rows of x. has_bf16_gemv() says whether this CPU runs it.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QS_X86 1
+#endif
+
+namespace {
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * d;
+      float part[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= d; i += 16)
+        for (int j = 0; j < 16; ++j) {
+          const float v = static_cast<float>(xr[i + j]);
+          part[j] += v * v;
+        }
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += part[j];
+      for (; i < d; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+      T* yr = y + r * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const T normed = static_cast<T>(static_cast<float>(xr[j]) * inv);  // rounded, as HF
+        yr[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0),
+              "rms_norm: x [..., D] and w [D] disagree");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must share a dtype");
+  const torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case torch::kFloat:
+      rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, d, e);
+      break;
+    case torch::kBFloat16:
+      rms_rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(),
+               y.data_ptr<c10::BFloat16>(), rows, d, e);
+      break;
+    case torch::kHalf:
+      rms_rows(xc.data_ptr<c10::Half>(), wc.data_ptr<c10::Half>(), y.data_ptr<c10::Half>(), rows,
+               d, e);
+      break;
+    default:
+      TORCH_CHECK(false, "rms_norm: fp32, bf16 or fp16 only, got ", x.scalar_type());
+  }
+  return y;
+}
+
+bool cpu_has_bf16() {
+#ifdef QS_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+#ifdef QS_X86
+// acc[m][r] += x[m, k0:k0+32] . w[r, k0:k0+32] for R rows of w and MR rows of x; lanes masked
+// past K.
+template <int R, int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_tile(
+    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+      wv[r] = _mm512_loadu_si512(w + r * K + k);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x + m * ldx + k);
+      for (int r = 0; r < R; ++r)
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(tail, w + r * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(tail, x + m * ldx + k);
+      for (int r = 0; r < R; ++r)
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_rows(
+    const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+    int64_t N) {
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) gemv_tile<8, MR>(x, K, w + n * K, K, y + n, N);
+  for (; n < n1; ++n) gemv_tile<1, MR>(x, K, w + n * K, K, y + n, N);
+}
+#endif
+
+torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "bf16_gemv: x [M, K] and w [N, K] disagree");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bf16_gemv: x and w must be bf16");
+  TORCH_CHECK(w.is_contiguous(), "bf16_gemv: w must be contiguous");
+  TORCH_CHECK(cpu_has_bf16(), "bf16_gemv needs AVX-512 BF16; use torch.matmul");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat));
+#ifdef QS_X86
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  // blocks of 64 rows of w, each read once for all rows of x (4 at a time)
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = 64 * b, n1 = std::min<int64_t>(N, n0 + 64);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) gemv_rows<4>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
+      for (; m < M; ++m) gemv_rows<1>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
+    }
+  });
+#endif
+  return y.to(torch::kBFloat16);
+}
+
+bool has_bf16_gemv() { return cpu_has_bf16(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
+}
+
+TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("bf16_gemv", &bf16_gemv);
+}

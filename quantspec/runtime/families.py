@@ -1,0 +1,71 @@
+"""Which model families the static decoder runs, declared as data.
+
+A family runs when its block is the Llama block: ``x + o(attn(rope(q), rope(k), v))`` then
+``x + down(silu(gate) * up)``, each half behind an RMSNorm (``weight * normalized``, offset 0),
+with rotary embeddings from the model's own ``rotary_emb`` (so every rope scaling that
+transformers implements is honoured). ``qk_norm`` adds Qwen3's per-head RMSNorm of q and k
+before rope. Names are those of ``quant.arch`` (blocks, embedding, final norm, lm_head) plus the
+block-relative ones below. Gemma (offset norms, scaled embeddings, soft-capping) and Phi-3 (fused
+projections) are not declared: they run through transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..errors import QuantspecError
+from ..quant.arch import ARCHS, ArchSpec
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    arch: ArchSpec
+    qkv: tuple[str, str, str] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    out: str = "self_attn.o_proj"
+    gate_up: tuple[str, str] = ("mlp.gate_proj", "mlp.up_proj")
+    down: str = "mlp.down_proj"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    rotary: str = "model.rotary_emb"
+    qk_norm: tuple[str, str] | None = None  # per-head norms of q and k (Qwen3)
+
+
+FAMILIES: dict[str, DecoderFamily] = {
+    "llama": DecoderFamily(ARCHS["llama"]),
+    "mistral": DecoderFamily(ARCHS["mistral"]),
+    "qwen2": DecoderFamily(ARCHS["qwen2"]),
+    "qwen3": DecoderFamily(ARCHS["qwen3"], qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
+}
+
+
+def family_of(model: nn.Module) -> DecoderFamily:
+    """The declared family of ``model``; QuantspecError naming what does not fit otherwise."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type or "")
+    fix = "run it through transformers (the static decoder covers " + ", ".join(FAMILIES) + ")."
+    if family is None:
+        raise QuantspecError(f"the static decoder has no declaration for model_type {model_type!r}", fix)
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise QuantspecError(f"{model_type} with hidden_act={act!r} (the static decoder runs silu)", fix)
+    arch = family.arch
+    missing = [n for n in (arch.blocks, arch.embed, arch.final_norm, arch.lm_head, family.rotary)
+               if _get(model, n) is None]
+    names = [*family.qkv, family.out, *family.gate_up, family.down, family.attn_norm, family.mlp_norm]
+    names += list(family.qk_norm or ())
+    blocks = _get(model, arch.blocks)
+    for i, block in enumerate(blocks if isinstance(blocks, nn.ModuleList) else []):
+        missing += [f"{arch.block_name(i)}.{n}" for n in names if _get(block, n) is None]
+    if missing:
+        raise QuantspecError(f"{model_type} model lacks {', '.join(missing)}", fix)
+    return family
+
+
+def _get(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
