@@ -3,6 +3,9 @@
 //
 // rms_norm(x [..., D], w [D], eps) -> [..., D]: transformers' Llama RMSNorm, w * round_to_dtype(
 //   x * rsqrt(mean(x^2) + eps)), the mean in fp32; one op instead of eight.
+// rope(x [B, T, H, D], cos [B, T, D], sin [B, T, D]) -> [B, T, H, D]: rotary embedding with the
+//   sign of rotate_half folded into sin (its first half negated): x * cos + roll(x, D/2) * sin,
+//   rounded once; x may be a strided view (last dimension contiguous).
 // bf16_gemv(x [M, K] bf16, w [N, K] bf16) -> [M, N] bf16: x @ w.T with fp32 accumulation of exact
 //   bf16 products (AVX-512 BF16 vdpbf16ps), for the few-row products of decode, where torch's
 //   bf16 matmul streams the weight at a third of the memory bandwidth. Blocks of 64 rows of w
@@ -16,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -72,6 +76,56 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
       break;
     default:
       TORCH_CHECK(false, "rms_norm: fp32, bf16 or fp16 only, got ", x.scalar_type());
+  }
+  return y;
+}
+
+template <typename T>
+void rope_rows(const torch::Tensor& x, const T* c, const T* sn, T* y) {
+  const int64_t B = x.size(0), Tn = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const T* xp = x.data_ptr<T>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * Tn, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, H * D)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Tn, t = r % Tn;
+      const T* cr = c + r * D;
+      const T* sr = sn + r * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xr = xp + b * sb + t * st + h * sh;
+        T* yr = y + (r * H + h) * D;
+        for (int64_t j = 0; j < D; ++j) {
+          const int64_t o = j < half ? j + half : j - half;
+          yr[j] = static_cast<T>(static_cast<float>(xr[j]) * static_cast<float>(cr[j]) +
+                                 static_cast<float>(xr[o]) * static_cast<float>(sr[j]));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "rope: x must be [B, T, H, D], last dim contiguous");
+  TORCH_CHECK(x.size(3) % 2 == 0, "rope: head_dim must be even");
+  const std::vector<int64_t> cs{x.size(0), x.size(1), x.size(3)};
+  TORCH_CHECK(cos.sizes() == cs && sin.sizes() == cs, "rope: cos and sin must be [B, T, D]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: x, cos and sin must share a dtype");
+  const torch::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  torch::Tensor y = torch::empty(x.sizes(), x.options());
+  switch (x.scalar_type()) {
+    case torch::kFloat:
+      rope_rows(x, c.data_ptr<float>(), sn.data_ptr<float>(), y.data_ptr<float>());
+      break;
+    case torch::kBFloat16:
+      rope_rows(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(),
+                y.data_ptr<c10::BFloat16>());
+      break;
+    case torch::kHalf:
+      rope_rows(x, c.data_ptr<c10::Half>(), sn.data_ptr<c10::Half>(), y.data_ptr<c10::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "rope: fp32, bf16 or fp16 only, got ", x.scalar_type());
   }
   return y;
 }
@@ -164,11 +218,13 @@ bool has_bf16_gemv() { return cpu_has_bf16(); }
 
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
 }
 
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
   m.impl("bf16_gemv", &bf16_gemv);
 }

@@ -493,25 +493,68 @@ void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::T
 }
 
 // x's int8 blocks for one call (see quantize_activations), owned by tensors.
-struct QuantizedActs {
-  torch::Tensor xq, sx, xg;
-  Acts view() const { return {xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xg.data_ptr<float>()}; }
+// Per-call buffers of the calling thread, reused across calls: decode runs hundreds of small
+// products per token, where allocating and converting tensors costs as much as the product.
+struct Scratch {
+  std::vector<float> xf, sx, xg, y, bias;
+  std::vector<int8_t> xq;
 };
 
-QuantizedActs quantize_acts(const torch::Tensor& x, const torch::Tensor& src, const Geometry& g,
-                            bool simd) {
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// t (contiguous-able, float/bf16/fp16) as floats: its own data when it is contiguous fp32.
+const float* as_floats(const torch::Tensor& t, std::vector<float>& buf) {
+  if (t.scalar_type() == torch::kFloat && t.is_contiguous()) return t.data_ptr<float>();
+  const torch::Tensor c = t.contiguous();
+  const int64_t n = c.numel();
+  buf.resize(n);
+  if (c.scalar_type() == torch::kBFloat16) {
+    const c10::BFloat16* p = c.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  } else if (c.scalar_type() == torch::kHalf) {
+    const c10::Half* p = c.data_ptr<c10::Half>();
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  } else {
+    const torch::Tensor f = c.to(torch::kFloat);
+    std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n, buf.begin());
+  }
+  return buf.data();
+}
+
+Acts quantize_acts(const torch::Tensor& x, const torch::Tensor& src, const Geometry& g, bool simd) {
   const bool has_src = src.numel() > 0;
   TORCH_CHECK(!has_src || (src.scalar_type() == torch::kInt && src.numel() == g.Kp),
               "src must be int32 [Kp]");
   TORCH_CHECK(has_src || g.K <= g.Kp, "x has more columns than the layout");
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  QuantizedActs qa{torch::empty({g.M, g.Kp}, torch::TensorOptions().dtype(torch::kInt8)),
-                   torch::empty({g.M, g.nblk()}, f32), torch::empty({g.M, g.G}, f32)};
-  quantize_activations(xf.data_ptr<float>(), has_src ? src.data_ptr<int32_t>() : nullptr, g,
-                       simd, qa.xq.data_ptr<int8_t>(), qa.sx.data_ptr<float>(),
-                       qa.xg.data_ptr<float>());
-  return qa;
+  Scratch& s = scratch();
+  const float* xf = as_floats(x, s.xf);
+  s.xq.resize(g.M * g.Kp);
+  s.sx.resize(g.M * g.nblk());
+  s.xg.resize(g.M * g.G);
+  quantize_activations(xf, has_src ? src.data_ptr<int32_t>() : nullptr, g, simd, s.xq.data(),
+                       s.sx.data(), s.xg.data());
+  return {s.xq.data(), s.sx.data(), s.xg.data()};
+}
+
+// The float products y [M, N] (+ bias [N]) as a new tensor of dtype.
+torch::Tensor finish(const float* y, int64_t M, int64_t N,
+                     const c10::optional<torch::Tensor>& bias, torch::ScalarType dtype) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const float* b = has_bias ? as_floats(*bias, scratch().bias) : nullptr;
+  torch::Tensor out = torch::empty({M, N}, torch::TensorOptions().dtype(dtype));
+  auto write = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        o[m * N + n] = static_cast<T>(y[m * N + n] + (b ? b[n] : 0.f));
+  };
+  if (dtype == torch::kBFloat16) write(out.data_ptr<c10::BFloat16>());
+  else if (dtype == torch::kHalf) write(out.data_ptr<c10::Half>());
+  else write(out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace
@@ -529,14 +572,14 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
 #ifdef QS_X86
   simd = allow_simd && cpu_has_avx2();
 #endif
-  const QuantizedActs qa = quantize_acts(x, src, g, simd);
-  torch::Tensor y = torch::empty({g.M, g.N}, torch::TensorOptions().dtype(torch::kFloat));
-  const Acts acts = qa.view();
+  const Acts acts = quantize_acts(x, src, g, simd);
+  std::vector<float>& y = scratch().y;
+  y.resize(g.M * g.N);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const int8_t* zp = zeros.data_ptr<int8_t>();
   const int64_t row_bytes = w.size(1);
-  float* yp = y.data_ptr<float>();
+  float* yp = y.data();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, g.Kp * g.M / 64));
   at::parallel_for(0, g.N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> swf(g.G), szf(g.G);
@@ -552,8 +595,7 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
         row_all_m<8>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
     }
   });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(torch::kFloat));
-  return y.to(x.scalar_type());
+  return finish(y.data(), g.M, g.N, bias, x.scalar_type());
 }
 
 // The dense weight rows [n0, n1) in the layout's permuted, padded column order: float [n1-n0, Kp].
@@ -612,13 +654,13 @@ torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
 #ifdef QS_X86
   TORCH_CHECK(cpu_has_vnni(), "the panel layout needs AVX-512 VNNI; prepare the rows layout");
   Geometry g{x.size(0), n, x.size(1), Kp, G, block};
-  const QuantizedActs qa = quantize_acts(x, src, g, true);
-  const Acts acts = qa.view();
-  torch::Tensor y = torch::empty({g.M, n}, torch::TensorOptions().dtype(torch::kFloat));
+  const Acts acts = quantize_acts(x, src, g, true);
+  std::vector<float>& y = scratch().y;
+  y.resize(g.M * n);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = y.data();
   const int64_t panel_bytes = w.size(1) * 64;
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, Kp * g.M / 64));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
@@ -632,8 +674,7 @@ torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
                        valid, yp);
     }
   });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(torch::kFloat));
-  return y.to(x.scalar_type());
+  return finish(y.data(), g.M, n, bias, x.scalar_type());
 #else
   TORCH_CHECK(false, "the panel layout needs an x86 CPU with AVX-512 VNNI");
 #endif

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import QuantspecError
 from ..kernels.dense import fast_linear
-from ..kernels.norms import rms_norm
+from ..kernels.small_ops import rms_norm, rope, signed_sin
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of
 
@@ -71,8 +72,6 @@ class StaticDecoder:
         self.final_norm, self.eps = final.weight, _eps(final, eps)
         self.lm_head = fast_linear(model.get_submodule(arch.lm_head))
         self.blocks = [self._block(b, config, eps) for b in arch.block_list(model)]
-        half = self.head_dim // 2
-        self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])
         self.reset()
 
     def _block(self, block: nn.Module, config, eps: float) -> _Block:
@@ -129,12 +128,17 @@ class StaticDecoder:
     def _columns(self, chunks: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, t] (right-aligned chunks) and position ids [B, t]; updates the masks."""
         batch, dev = len(chunks), self.device
-        ids = torch.zeros(batch, t, dtype=torch.int64, device=dev)
-        ragged = any(int(c.numel()) != t for c in chunks)
-        for b, c in enumerate(chunks):
-            if c.numel():
-                ids[b, t - c.numel():] = c.to(dev)
-            self.lengths[b] += int(c.numel())
+        sizes = [int(c.numel()) for c in chunks]
+        ragged = any(n != t for n in sizes)
+        if ragged:
+            ids = torch.zeros(batch, t, dtype=torch.int64, device=dev)
+            for b, c in enumerate(chunks):
+                if sizes[b]:
+                    ids[b, t - sizes[b]:] = c.to(dev)
+        else:
+            ids = torch.stack(chunks).to(dev)
+        for b, n in enumerate(sizes):
+            self.lengths[b] += n
         if self.mask is None and not ragged:
             pos = torch.arange(self.width, self.width + t, device=dev)
             return ids, pos.unsqueeze(0).expand(batch, t)
@@ -165,10 +169,6 @@ class StaticDecoder:
         allowed = allowed | (cols.unsqueeze(0) == rows.unsqueeze(1)).unsqueeze(0)  # padding rows
         return allowed.unsqueeze(1)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
-        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
-
     @torch.inference_mode()
     def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:
         """Feed ``chunks[b]`` (int64 [T_b]) to row b; returns logits [B, T, V] (``keep`` > 0:
@@ -180,7 +180,7 @@ class StaticDecoder:
         ids, pos = self._columns(chunks, t)
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
-        cos, sin = cos.unsqueeze(2), (sin * self._sign.to(sin.dtype)).unsqueeze(2)
+        sin = signed_sin(sin)
         b, h, kv, d = len(chunks), self.n_heads, self.n_kv, self.head_dim
         masks: dict[int | None, torch.Tensor | None] = {}
         lo, hi = self.width, self.width + t
@@ -192,7 +192,7 @@ class StaticDecoder:
             q, k, v = q.view(b, t, h, d), k.view(b, t, kv, d), v.view(b, t, kv, d)
             if blk.q_norm is not None:
                 q, k = rms_norm(q, blk.q_norm, self.eps), rms_norm(k, blk.k_norm, self.eps)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             kc, vc = self._k[i], self._v[i]
             kc[:, :, lo:hi] = k.transpose(1, 2)
             vc[:, :, lo:hi] = v.transpose(1, 2)
@@ -227,3 +227,14 @@ class StaticDecoder:
         used = self.mask.any(dim=0).nonzero()
         self.width = int(used[-1]) + 1 if used.numel() else 0
         self.mask = self.mask[:, : self.width]
+
+
+def fast_decoder(model: nn.Module):
+    """A StaticDecoder for a declared family, else transformers' forward (``specdec.kv.KVDecoder``);
+    both take the same calls."""
+    try:
+        return StaticDecoder(model)
+    except QuantspecError:
+        from ..specdec.kv import KVDecoder
+
+        return KVDecoder(model)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .kv import KVDecoder
+from ..runtime.decoder import fast_decoder
 from .sampling import SamplingConfig, probs_from_logits, sample
 
 
@@ -66,7 +66,7 @@ class DraftModel:
     def __init__(self, model: torch.nn.Module, name: str = "draft"):
         self.model = model.eval()
         self.name = name
-        self._decoder = KVDecoder(self.model)
+        self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
 
     def reset(self) -> None:

@@ -1,0 +1,54 @@
+"""The small ops of a decoder block, each one op of the CPU extension where it is built.
+
+At decode these ops cost more in dispatch than in arithmetic (transformers' RMSNorm is eight
+ops, rotary six per tensor); the torch expressions here are the references the ops are tested
+against.
+
+- ``rms_norm(x, weight, eps)``: transformers' Llama RMSNorm, ``weight * (x32 * rsqrt(mean(x32^2)
+  + eps)).to(x.dtype)`` over the last dimension.
+- ``rope(x, cos, sin_signed)``: rotary embedding of x [B, T, H, D] with cos and sin [B, T, D] as
+  the model's ``rotary_emb`` returns them, sin with its first half negated (``signed_sin``):
+  ``x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * sin_signed``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_ext import load_cpu_ext
+
+
+def _ext_ok(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    return first.is_cpu and all(t.dtype == first.dtype for t in tensors) and load_cpu_ext() is not None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> [..., D]."""
+    if _ext_ok(x, weight):
+        return torch.ops.quantspec_cpu.rms_norm.default(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated (the sign of rotate_half folded in)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    c, s = cos.unsqueeze(2), sin_signed.unsqueeze(2)
+    return torch.addcmul(x * c, x.roll(x.shape[-1] // 2, dims=-1), s)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D], cos and sin_signed [B, T, D] -> [B, T, H, D]."""
+    if _ext_ok(x, cos, sin_signed) and x.stride(-1) == 1:
+        return torch.ops.quantspec_cpu.rope.default(x, cos, sin_signed)
+    return rope_reference(x, cos, sin_signed)

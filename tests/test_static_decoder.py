@@ -1,0 +1,212 @@
+"""The static-cache decoder against transformers' forward, and its small ops against torch.
+
+Reference: ``specdec.kv.KVDecoder`` (transformers' own forward with a DynamicCache, the same
+calls). Tolerances: fp32 logits within 1e-4 absolute (logits of scale ~1: the tiny models'
+weights are N(0, 0.02)); rms_norm and rope bit-exact in fp32 up to 1e-6 and within one bf16
+rounding (2^-7 relative) in bf16; bf16_gemv within 1e-2 relative of the fp32 product (one bf16
+rounding of the output).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantspec.errors import QuantspecError
+from quantspec.kernels import dense, small_ops
+from quantspec.kernels.cpu_ext import load_cpu_ext
+from quantspec.kernels.quant_linear import QuantLinear
+from quantspec.kernels.siblings import Siblings
+from quantspec.quant.rtn import rtn
+from quantspec.quant.scheme import QuantScheme
+from quantspec.runtime.decoder import StaticDecoder, fast_decoder
+from quantspec.specdec.kv import KVDecoder
+from quantspec.specdec.selfdraft import quantize_in_memory
+
+from helpers import tiny_config
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # random q/k/v biases, so that their handling is checked
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model.eval()
+
+
+def _steps(decoder, rows: list[torch.Tensor], gen: torch.Generator):
+    """Prefill uneven rows, decode, feed ragged chunks, drop rows' last tokens unevenly, decode
+    again. Yields (logits, real tokens of each row in this step)."""
+    yield decoder.forward(rows), [len(r) for r in rows]
+    for sizes in ([1] * len(rows), [1] * len(rows), [3, 1, 2][: len(rows)]):
+        yield decoder.forward([torch.randint(3, 200, (n,), generator=gen) for n in sizes]), sizes
+    decoder.drop_last([2, 0, 1][: len(rows)])
+    chunks = [torch.randint(3, 200, (1,), generator=gen) for _ in rows]
+    yield decoder.forward(chunks, keep=1), [1] * len(rows)
+
+
+def _compare(model, rows, atol=1e-4):
+    got = _steps(StaticDecoder(model), rows, torch.Generator().manual_seed(1))
+    want = _steps(KVDecoder(model), rows, torch.Generator().manual_seed(1))
+    for i, ((g, sizes), (w, _)) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"step {i}: {tuple(g.shape)} != {tuple(w.shape)}"
+        for b, n in enumerate(sizes):  # a row's padded positions are not compared
+            assert torch.allclose(g[b, -n:].float(), w[b, -n:].float(), atol=atol), (
+                f"step {i} row {b}: max diff {(g[b, -n:] - w[b, -n:]).abs().max():.2e}")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_matches_transformers_batch_one(arch):
+    with torch.inference_mode():
+        _compare(tiny_model(arch), [torch.arange(5, 17)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_matches_transformers_uneven_rows(arch):
+    """Ragged chunks and dropped tokens leave holes in the cache; each row still computes what it
+    would compute alone."""
+    rows = [torch.arange(5, 17), torch.arange(30, 34), torch.arange(40, 48)]
+    with torch.inference_mode():
+        _compare(tiny_model(arch), rows)
+
+
+def test_sliding_window_matches_transformers():
+    """Past the window, each query sees only the last 6 positions (transformers' full forward is
+    the reference: its sliding-window cache cannot drop tokens)."""
+    model = tiny_model("mistral", sliding_window=6)
+    ids = torch.arange(5, 25)
+    dec = StaticDecoder(model)
+    with torch.inference_mode():
+        got = [dec.forward([ids[:4]])[:, -1]] + [dec.forward([ids[i : i + 1]])[:, -1] for i in range(4, 20)]
+        want = model(ids[None]).logits[0, 3:]
+        chunk = StaticDecoder(model).forward([ids])[0, 3:]
+    assert torch.allclose(torch.cat(got), want, atol=1e-4)
+    assert torch.allclose(chunk, want, atol=1e-4)
+
+
+def test_rope_scaling_comes_from_the_model():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    model = tiny_model("llama", rope_parameters=scaling)
+    with torch.inference_mode():
+        _compare(model, [torch.arange(5, 90)])
+
+
+def test_cache_grows_past_its_first_capacity():
+    model = tiny_model("llama")
+    dec = StaticDecoder(model)
+    ids = torch.arange(3, 200)
+    with torch.inference_mode():
+        dec.forward([ids[:10]])
+        for i in range(10, len(ids)):
+            last = dec.forward([ids[i : i + 1]])
+        full = model(ids[None]).logits[:, -1]
+    assert dec.width == len(ids) and dec.lengths == [len(ids)]
+    assert torch.allclose(last[:, -1], full, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_undeclared_families_are_refused_and_fall_back(arch):
+    model = tiny_model(arch)
+    with pytest.raises(QuantspecError, match=arch):
+        StaticDecoder(model)
+    assert isinstance(fast_decoder(model), KVDecoder)
+
+
+def test_quantized_model_matches_transformers_on_the_reference_backend():
+    model = tiny_model("qwen2")
+    model, _ = quantize_in_memory(model, QuantScheme(bits=4, group_size=32), backend="reference")
+    with torch.inference_mode():
+        _compare(model, [torch.arange(5, 17)])
+
+
+def test_fused_siblings_equal_separate_layers():
+    model = tiny_model("qwen2")
+    model, _ = quantize_in_memory(model, QuantScheme(bits=4, group_size=32, symmetric=False), backend="cpu")
+    attn = model.model.layers[0].self_attn
+    mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+    fused = Siblings(mods)
+    assert fused.fused
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        for got, mod in zip(fused(x), mods):
+            assert torch.allclose(got, mod(x), rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_with_different_schemes_run_separately():
+    model, _ = quantize_in_memory(tiny_model("llama"), QuantScheme(bits=4, group_size=32), backend="cpu")
+    attn = model.model.layers[0].self_attn
+    other = QuantLinear.from_result(rtn(torch.randn(32, 64), QuantScheme(bits=8, group_size=32)), "gptq", None, torch.float32)
+    other.prepare("cpu")
+    s = Siblings([attn.q_proj, other])
+    assert not s.fused
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        a, b = s(x)
+        assert torch.equal(a, attn.q_proj(x)) and torch.equal(b, other(x))
+
+
+needs_ext = pytest.mark.skipif(
+    load_cpu_ext() is None, reason="the CPU extension is not built here (no compiler)")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 100), (7,)])
+def test_rms_norm_op_matches_reference(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    got = torch.ops.quantspec_cpu.rms_norm.default(x, w, 1e-5)
+    want = small_ops.rms_norm_reference(x, w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert got.dtype == want.dtype
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_op_matches_reference_on_strided_views(dtype):
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(2, 3, 7 * 16, generator=g).to(dtype)
+    q = fused[..., : 4 * 16].view(2, 3, 4, 16)  # a view with row stride 112, as split() gives
+    cos = torch.randn(2, 3, 16, generator=g).to(dtype)
+    sin = small_ops.signed_sin(torch.randn(2, 3, 16, generator=g).to(dtype))
+    got = torch.ops.quantspec_cpu.rope.default(q, cos, sin)
+    want = small_ops.rope_reference(q, cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_signed_sin_rope_equals_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 4, 16, generator=g), torch.randn(2, 3, 2, 16, generator=g)
+    cos, sin = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    s = small_ops.signed_sin(sin)
+    assert torch.allclose(small_ops.rope(q, cos, s), want_q, atol=1e-6)
+    assert torch.allclose(small_ops.rope(k, cos, s), want_k, atol=1e-6)
+
+
+@pytest.mark.skipif(not dense.gemv_available(), reason="needs the CPU extension on an AVX-512 BF16 CPU")
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(37, 100), (64, 64), (200, 576)])
+def test_bf16_gemv_matches_fp32_product(m, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    lin = torch.nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    want = x.float() @ lin.weight.float().T + lin.bias.float()
+    got = dense.fast_linear(lin)(x)
+    assert isinstance(dense.fast_linear(lin), dense.DenseGemv)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
