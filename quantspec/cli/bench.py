@@ -29,6 +29,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", default="auto", help="kernel backend of the quantized layers")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time decode under torch.compile (default backend: inductor), next to eager")
+    p.add_argument("--static", action=argparse.BooleanOptionalAction, default=False,
+                   help="also time decode through quantspec's static-cache decoder (Llama, Mistral, Qwen2/3)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="print progress to stderr")
     p.add_argument("--json", type=Path, help="also write the full result as JSON here")
     p.set_defaults(func=run)
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     config = SpeedConfig(
         prompt_lengths=tuple(args.prompt_lengths), batch_sizes=tuple(args.batch_sizes),
         decode_prompt_length=args.decode_prompt_length, new_tokens=args.new_tokens,
-        repeats=args.repeats, warmup=args.warmup, compile=args.compile,
+        repeats=args.repeats, warmup=args.warmup, compile=args.compile, static=args.static,
     )
     say = (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)) if args.progress else None
     report = speed_report(args.model, baseline=args.baseline, config=config, dtype=args.dtype,

@@ -56,6 +56,7 @@ class SpeedConfig:
     warmup: int = 1
     seed: int = 0
     compile: str | None = None  # also time decode under torch.compile with this backend (e.g. "inductor")
+    static: bool = False  # also time decode through quantspec's StaticDecoder (runtime/decoder.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_lengths or min(self.prompt_lengths) < 1:
@@ -241,6 +242,25 @@ def decode_run(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[f
     return ttft, steps
 
 
+@torch.inference_mode()
+def static_decode_run(decoder, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
+    """``decode_run`` through a ``runtime.decoder.StaticDecoder`` (its cache reset first)."""
+    device = ids.device
+    decoder.reset()
+    _sync(device)
+    start = time.perf_counter()
+    nxt = decoder.forward(list(ids), keep=1)[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    ttft = time.perf_counter() - start
+    steps = []
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        nxt = decoder.forward(list(nxt), keep=1)[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        steps.append(time.perf_counter() - t)
+    return ttft, steps
+
+
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     pos = (len(s) - 1) * q
@@ -266,6 +286,16 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
         secs = statistics.median(_timed(lambda: prefill_seconds(model, ids), config))
         prefill[str(length)] = {"seconds": round(secs, 6), "tokens_per_s": round(length / secs, 2)}
     result = {"prefill": prefill, "decode": _decode_table(model, config, dev, vocab, say)}
+    if config.static:
+        from ..runtime.decoder import StaticDecoder
+
+        try:
+            decoder = StaticDecoder(model)
+        except QuantspecError as exc:
+            result["decode_static"] = {"error": str(exc)}
+        else:
+            result["decode_static"] = _decode_table(decoder, config, dev, vocab,
+                                                    lambda m: say(f"static {m}"), static_decode_run)
     if config.compile:
         from ..kernels.custom_ops import register_ops
 
@@ -279,13 +309,14 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
     return result
 
 
-def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress) -> dict[str, Any]:
-    """Decode tokens/s, TTFT and TPOT per batch size (warm-up runs first, then medians)."""
+def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress, run=decode_run) -> dict[str, Any]:
+    """Decode tokens/s, TTFT and TPOT per batch size (warm-up runs first, then medians);
+    ``run(model, ids, new_tokens)`` is one timed generation."""
     decode = {}
     for batch in config.batch_sizes:
         say(f"decode batch {batch}, {config.new_tokens} tokens")
         ids = random_prompt(vocab, batch, config.decode_prompt_length, config.seed, dev)
-        runs = _timed(lambda: decode_run(model, ids, config.new_tokens), config)
+        runs = _timed(lambda: run(model, ids, config.new_tokens), config)
         steps = [s for _, run_steps in runs for s in run_steps]
         tps = statistics.median(batch * len(r) / sum(r) for _, r in runs)
         decode[str(batch)] = {
@@ -324,8 +355,20 @@ def speedups(model: dict[str, Any], dense: dict[str, Any]) -> dict[str, Any]:
     for n, p in model["prefill"].items():
         if n in dense["prefill"]:
             out["prefill"][n] = round(p["tokens_per_s"] / dense["prefill"][n]["tokens_per_s"], 3)
+    for key in ("decode_static", "decode_compiled"):  # the same mode on both sides
+        if _has_table(model, key) and _has_table(dense, key):
+            out[key] = {b: round(d["tokens_per_s"] / dense[key][b]["tokens_per_s"], 3)
+                        for b, d in model[key].items() if b in dense[key]}
+    if _has_table(model, "decode_static"):  # ours through the static decoder vs dense as usual
+        out["decode_static_vs_dense_eager"] = {
+            b: round(d["tokens_per_s"] / dense["decode"][b]["tokens_per_s"], 3)
+            for b, d in model["decode_static"].items() if b in dense["decode"]}
     out["weights"] = round(dense["weights_mb"] / model["weights_mb"], 3) if model["weights_mb"] else None
     return out
+
+
+def _has_table(result: dict[str, Any], key: str) -> bool:
+    return key in result and "error" not in result[key]
 
 
 def speed_report(model: str, baseline: str | None = None, config: SpeedConfig | None = None,
@@ -368,9 +411,12 @@ def speed_markdown(report: dict[str, Any]) -> str:
     bs = list(first["decode"])
     head = ["", "backend", "weights MB", "peak MB"] + [f"prefill {n} tok/s" for n in pl]
     compiled = "decode_compiled" in first
+    static = "decode_static" in first
     head += [f"decode b{b} tok/s" for b in bs] + ["TTFT ms", "TPOT p50 ms", "TPOT p95 ms"]
     if compiled:
         head += [f"compiled decode b{b} tok/s" for b in bs]
+    if static:
+        head += [f"static decode b{b} tok/s" for b in bs] + ["static TPOT p50 ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in rows:
         d1 = r["decode"][bs[0]]
@@ -380,9 +426,20 @@ def speed_markdown(report: dict[str, Any]) -> str:
         cells += [f"{d1['ttft_ms']:.1f}", f"{d1['tpot_ms_p50']:.2f}", f"{d1['tpot_ms_p95']:.2f}"]
         if compiled:
             cells += [f"{r['decode_compiled'][b]['tokens_per_s']:.1f}" for b in bs]
+        if static and _has_table(r, "decode_static"):
+            cells += [f"{r['decode_static'][b]['tokens_per_s']:.1f}" for b in bs]
+            cells += [f"{r['decode_static'][bs[0]]['tpot_ms_p50']:.2f}"]
+        elif static:
+            cells += ["n/a"] * (len(bs) + 1)
         lines.append("| " + " | ".join(cells) + " |")
     if report.get("speedup"):
         sp = report["speedup"]["decode"]
         lines.append("")
         lines.append("decode speed-up vs dense: " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in sp.items()))
+        for key, what in (("decode_static", "static decoder, both sides"),
+                          ("decode_static_vs_dense_eager", "static decoder vs dense through transformers"),
+                          ("decode_compiled", "compiled, both sides")):
+            if key in report["speedup"]:
+                vals = report["speedup"][key]
+                lines.append(f"decode speed-up ({what}): " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in vals.items()))
     return "\n".join(lines)
