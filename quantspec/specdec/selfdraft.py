@@ -29,11 +29,14 @@ def quantize_in_memory(
     include_lm_head: bool = True,
     fmt: str = "gptq",
     backend: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, dict]:
     """A quantized copy of ``model`` (RTN) and a report {layer: scheme or reason, backends}.
 
     include_lm_head: the draft may quantize the output projection too (a large share of a
     small model's weights); the target itself is never changed.
+    dtype: the copy's compute dtype (default: the model's); a bf16 draft of an fp32 target
+    reads half the bytes in the layers it leaves dense.
     """
     from ..formats import get_format
     from ..kernels.quant_linear import QuantLinear
@@ -43,6 +46,8 @@ def quantize_in_memory(
     from ..models.conv1d import linearize_conv1d
 
     draft = copy.deepcopy(model).eval()  # a tied lm_head is swapped, the embedding stays
+    if dtype is not None:
+        draft = draft.to(dtype)
     linearize_conv1d(draft)
     ignore = () if include_lm_head else ("lm_head",)
     plan = make_plan(draft, scheme, get_format(fmt), ignore=ignore)
@@ -72,10 +77,11 @@ class QuantizedSelf(DraftModel):
 
     @classmethod
     def from_target(
-        cls, target: nn.Module, scheme: QuantScheme | None = None, include_lm_head: bool = True
+        cls, target: nn.Module, scheme: QuantScheme | None = None, include_lm_head: bool = True,
+        dtype: torch.dtype | None = None,
     ) -> "QuantizedSelf":
         scheme = scheme or QuantScheme(bits=4, group_size=128)
-        draft, report = quantize_in_memory(target, scheme, include_lm_head=include_lm_head)
+        draft, report = quantize_in_memory(target, scheme, include_lm_head=include_lm_head, dtype=dtype)
         return cls(draft, name=f"self:{scheme.short_name}", report=report)
 
     @classmethod
