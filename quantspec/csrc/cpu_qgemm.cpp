@@ -411,10 +411,15 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
     sx[m] = a.sx + (m0 + m) * nblk;
     acc[m] = _mm512_setzero_ps();
   }
+  // With few rows, one accumulator per row is a chain of dependent vpdpbusd (5 cycles each)
+  // that caps a core below memory bandwidth: rows of x up to 4 get a second, independent
+  // accumulator (4-bit: the high nibbles; 8-bit: odd steps), added at the end of each block.
+  constexpr bool SPLIT = MT <= 4;
+  __m512i isum2[MT];
   int64_t gi = 0, in_group = 0, j = 0;
   __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
   for (int64_t b = 0; b < nblk; ++b) {
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (int m = 0; m < MT; ++m) isum[m] = isum2[m] = _mm512_setzero_si512();
     for (const int64_t j_end = j + steps_per_block; j < j_end; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + QS_PREFETCH), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + 4 * QS_PREFETCH), _MM_HINT_T1);
@@ -425,15 +430,19 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
         for (int m = 0; m < MT; ++m) {
           const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 8 * j);
           isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(xj[0]));
-          isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(xj[1]));
+          __m512i& second = SPLIT ? isum2[m] : isum[m];
+          second = _mm512_dpbusd_epi32(second, hi, _mm512_set1_epi32(xj[1]));
         }
       } else {
         for (int m = 0; m < MT; ++m) {
           const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 4 * j);
-          isum[m] = _mm512_dpbusd_epi32(isum[m], v, _mm512_set1_epi32(xj[0]));
+          __m512i& into = (SPLIT && (j & 1)) ? isum2[m] : isum[m];
+          into = _mm512_dpbusd_epi32(into, v, _mm512_set1_epi32(xj[0]));
         }
       }
     }
+    if (SPLIT)
+      for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(isum[m], isum2[m]);
     for (int m = 0; m < MT; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
                                _mm512_mul_ps(ws, _mm512_set1_ps(sx[m][b])), acc[m]);
