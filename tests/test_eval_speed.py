@@ -112,3 +112,52 @@ def test_profile_dense_and_quantized(dense_dir, quant_dir, tmp_path):
     quant, _, _ = load_for_eval(str(quant_dir))
     q = profile_model(quant, cfg, "cpu", None, peak)
     assert q["quant_linears"] == 14 and q["by_class"]["dequant-GEMM"]["ms"] > 0
+
+
+def test_speed_report_static_decoder_next_to_transformers(quant_dir, dense_dir):
+    """--static: decode is timed again through the StaticDecoder for both models; the ratios
+    of the same mode on both sides and of ours (static) vs dense (transformers) are reported,
+    and the static greedy tokens are the ones transformers' forward picks (fp32)."""
+    from dataclasses import replace
+
+    from quantspec.eval.speed import random_prompt, speed_markdown, static_decode_run
+    from quantspec.runtime.decoder import StaticDecoder
+
+    cfg = replace(TINY_SPEED, prompt_lengths=(8,), batch_sizes=(1, 2), static=True)
+    rep = speed_report(str(quant_dir), baseline=str(dense_dir), config=cfg, device="cpu")
+    for side in ("model", "dense"):
+        table = rep[side]["decode_static"]
+        assert set(table) == {"1", "2"} and all(v["tokens_per_s"] > 0 for v in table.values())
+    sp = rep["speedup"]
+    want = rep["model"]["decode_static"]["2"]["tokens_per_s"] / rep["dense"]["decode"]["2"]["tokens_per_s"]
+    assert sp["decode_static_vs_dense_eager"]["2"] == pytest.approx(want, rel=1e-2)
+    assert set(sp["decode_static"]) == {"1", "2"}
+    text = speed_markdown(rep)
+    assert "static decode b2 tok/s" in text and "static decoder vs dense through transformers" in text
+
+    model = load_for_eval(str(dense_dir))[0]
+    ids = random_prompt(model.config.vocab_size, 2, 8, 0, "cpu")
+    dec = StaticDecoder(model)
+    with torch.inference_mode():
+        ttft, steps = static_decode_run(dec, ids, 5)
+        assert ttft > 0 and len(steps) == 4 and dec.lengths == [8 + 4, 8 + 4]
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5)
+        dec.reset()
+        nxt = dec.forward(list(ids), keep=1)[:, -1].argmax(-1, keepdim=True)
+        got = [nxt]
+        for _ in range(4):
+            nxt = dec.forward(list(nxt), keep=1)[:, -1].argmax(-1, keepdim=True)
+            got.append(nxt)
+    assert torch.equal(torch.cat(got, 1), want[:, 8:])
+
+
+def test_speed_report_static_decoder_names_an_undeclared_family(tmp_path):
+    from dataclasses import replace
+
+    from quantspec.eval.speed import speed_markdown
+
+    folder = make_tiny_model(tmp_path, "phi3", seed=1)
+    cfg = replace(TINY_SPEED, prompt_lengths=(8,), batch_sizes=(1,), static=True)
+    rep = speed_report(str(folder), config=cfg, device="cpu")
+    assert "phi3" in rep["model"]["decode_static"]["error"]
+    assert "n/a" in speed_markdown(rep)

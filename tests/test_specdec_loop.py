@@ -218,3 +218,19 @@ def test_sampling_end_to_end_matches_target_distribution(sampling):
     again, _ = speculative_generate(target, draft, prompt.expand(n, -1), max_new_tokens=2, k=2,
                                     sampling=sampling, seed=123)
     assert torch.equal(out, again)  # seeded: reproducible
+
+
+def test_divergence_names_the_first_differing_token_and_its_logit_gap(setup):
+    from quantspec.specdec.bench import divergence
+
+    target, rows, refs, _ = setup
+    row, ref = rows[0], refs[0]
+    full = torch.cat([row, ref])[None]
+    assert divergence(target, full, full, len(row)) is None
+    other = full.clone()
+    other[0, len(row) + 3] = (int(ref[3]) + 1) % 256
+    d = divergence(target, other, full, len(row))
+    logits = target(full[:, : len(row) + 3]).logits[0, -1]
+    assert d["at"] == 3 and d["target_token"] == int(ref[3]) and d["ours_token"] == int(other[0, len(row) + 3])
+    want = float(logits[int(ref[3])] - logits[d["ours_token"]])
+    assert d["logit_gap"] == pytest.approx(want, abs=1e-3) and d["logit_gap"] >= 0

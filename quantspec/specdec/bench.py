@@ -117,6 +117,8 @@ def run_bench(
                    "ours": st.to_dict()}
             _add(modes["target"], n, t_ref)
             _add(modes["ours"], st.new_tokens, t_ours, _same(ours, ref), row)
+            if not _same(ours, ref):
+                rec["divergence"] = divergence(target, ours, ref, ids.shape[1])
             modes["ours"].stats = modes["ours"].stats.merge(st)
             if hf_kwargs is not None:
                 out, t_hf = _timed(lambda: target.generate(ids, attention_mask=mask, **common, **hf_kwargs))
@@ -131,6 +133,31 @@ def run_bench(
 
 def _same(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return out.shape == ref.shape and bool(torch.equal(out.cpu(), ref.cpu()))
+
+
+@torch.inference_mode()
+def divergence(target, out: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> dict | None:
+    """Where a greedy output first leaves the target's own, and how close the target's choice was.
+
+    out, ref: [1, P + n] sequences. Returns None when they agree, else {"at": new-token index,
+    "target_token", "ours_token", "logit_gap"}: the gap between the two tokens' logits in one
+    target forward over the common prefix. A gap within the logits' rounding (bf16: ~1e-2 of
+    their scale) is a near-tie that the target's own numerics decide differently at different
+    batch shapes (verifying k+1 tokens at once vs one per step), not a wrong acceptance.
+    """
+    a, b = out[0, prompt_len:].cpu(), ref[0, prompt_len:].cpu()
+    n = min(len(a), len(b))
+    diff = (a[:n] != b[:n]).nonzero()
+    if diff.numel() == 0 and len(a) == len(b):
+        return None
+    at = int(diff[0]) if diff.numel() else n
+    if at >= n:  # one stopped earlier
+        return {"at": at, "target_token": None, "ours_token": None, "logit_gap": None}
+    prefix = ref[:, : prompt_len + at]
+    logits = target(prefix.to(next(target.parameters()).device)).logits[0, -1].float().cpu()
+    t_tok, o_tok = int(b[at]), int(a[at])
+    return {"at": at, "target_token": t_tok, "ours_token": o_tok,
+            "logit_gap": round(float(logits[t_tok] - logits[o_tok]), 4)}
 
 
 def _add(mode: ModeResult, tokens: int, wall: float, same: bool = True, row: dict | None = None):
@@ -165,10 +192,19 @@ def format_table(result: dict) -> str:
     """One Markdown table: tokens/s, speed-up vs target, acceptance, mean accepted per call."""
     lines = ["| mode | tokens | tokens/s | speed-up | acceptance | accepted/call | greedy == target |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    where = {str(p.get("id")): p["divergence"] for p in result.get("prompts", []) if p.get("divergence")}
+
+    def named(pid: str, mode: str) -> str:
+        d = where.get(pid) if mode == "ours" else None
+        if not d or d["logit_gap"] is None:
+            return pid
+        return f"{pid} @{d['at']} gap {d['logit_gap']:g}"
+
     for name, m in result["modes"].items():
         acc = f"{m['acceptance_rate']:.3f}" if "acceptance_rate" in m else "-"
         mean = f"{m['mean_accepted']:.2f}" if "mean_accepted" in m else "-"
-        same = "yes" if m["greedy_matches_target"] else f"NO ({', '.join(m['mismatched_prompts'])})"
+        same = "yes" if m["greedy_matches_target"] else (
+            "NO (" + ", ".join(named(pid, name) for pid in m["mismatched_prompts"]) + ")")
         lines.append(f"| {name} | {m['tokens']} | {m['tokens_per_s']:.2f} | {m['speedup']:.2f}x "
                      f"| {acc} | {mean} | {same} |")
     return "\n".join(lines)
