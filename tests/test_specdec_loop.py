@@ -230,7 +230,8 @@ def test_divergence_names_the_first_differing_token_and_its_logit_gap(setup):
     other = full.clone()
     other[0, len(row) + 3] = (int(ref[3]) + 1) % 256
     d = divergence(target, other, full, len(row))
-    logits = target(full[:, : len(row) + 3]).logits[0, -1]
+    with torch.no_grad():
+        logits = target(full[:, : len(row) + 3]).logits[0, -1]
     assert d["at"] == 3 and d["target_token"] == int(ref[3]) and d["ours_token"] == int(other[0, len(row) + 3])
     want = float(logits[int(ref[3])] - logits[d["ours_token"]])
     assert d["logit_gap"] == pytest.approx(want, abs=1e-3) and d["logit_gap"] >= 0

@@ -210,3 +210,19 @@ def test_bf16_gemv_matches_fp32_product(m, n, k):
     assert isinstance(dense.fast_linear(lin), dense.DenseGemv)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_op_matches_torch_on_views_of_a_fused_product(dtype):
+    g = torch.Generator().manual_seed(0)
+    fused = (torch.randn(2, 3, 2 * 40, generator=g) * 4).to(dtype)
+    gate, up = fused.split([40, 40], dim=-1)  # strided views, as Siblings returns them
+    got = torch.ops.quantspec_cpu.silu_mul.default(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    odd = fused.transpose(0, 1)[..., :40]  # not rows at one stride: copied first
+    assert torch.allclose(small_ops.silu_mul(odd, odd).float(),
+                          (torch.nn.functional.silu(odd) * odd).float(), rtol=tol, atol=tol)

@@ -6,6 +6,8 @@
 // rope(x [B, T, H, D], cos [B, T, D], sin [B, T, D]) -> [B, T, H, D]: rotary embedding with the
 //   sign of rotate_half folded into sin (its first half negated): x * cos + roll(x, D/2) * sin,
 //   rounded once; x may be a strided view (last dimension contiguous).
+// silu_mul(gate, up) -> silu(gate) * up, each rounded as torch rounds them; gate and up may be
+//   views of one fused product.
 // bf16_gemv(x [M, K] bf16, w [N, K] bf16) -> [M, N] bf16: x @ w.T with fp32 accumulation of exact
 //   bf16 products (AVX-512 BF16 vdpbf16ps), for the few-row products of decode, where torch's
 //   bf16 matmul streams the weight at a third of the memory bandwidth. Blocks of 64 rows of w
@@ -130,6 +132,59 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return y;
 }
 
+// The stride between rows of t viewed as [rows, t.size(-1)] with contiguous rows (a view of
+// one part of a fused product qualifies), or -1 when t is not such a view.
+int64_t row_stride(const torch::Tensor& t) {
+  if (t.dim() == 0 || t.stride(-1) != 1) return -1;
+  if (t.dim() == 1) return t.size(0);
+  for (int64_t i = 0; i + 2 < t.dim(); ++i)
+    if (t.size(i) > 1 && t.stride(i) != t.stride(i + 1) * t.size(i + 1)) return -1;
+  return t.stride(-2);
+}
+
+template <typename T>
+void silu_mul_rows(const T* g, int64_t sg, const T* u, int64_t su, T* y, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gr = g + r * sg;
+      const T* ur = u + r * su;
+      T* yr = y + r * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float a = static_cast<float>(gr[j]);
+        const T act = static_cast<T>(a / (1.0f + std::exp(-a)));  // silu rounded, as torch's
+        yr[j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(ur[j]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
+                  gate.dim() >= 1, "silu_mul: gate and up must share a shape and a dtype");
+  const torch::Tensor g = row_stride(gate) < 0 ? gate.contiguous() : gate;
+  const torch::Tensor u = row_stride(up) < 0 ? up.contiguous() : up;
+  const int64_t d = gate.size(-1), rows = d ? gate.numel() / d : 0;
+  const int64_t sg = row_stride(g), su = row_stride(u);
+  torch::Tensor y = torch::empty(gate.sizes(), gate.options());
+  switch (gate.scalar_type()) {
+    case torch::kFloat:
+      silu_mul_rows(g.data_ptr<float>(), sg, u.data_ptr<float>(), su, y.data_ptr<float>(), rows, d);
+      break;
+    case torch::kBFloat16:
+      silu_mul_rows(g.data_ptr<c10::BFloat16>(), sg, u.data_ptr<c10::BFloat16>(), su,
+                    y.data_ptr<c10::BFloat16>(), rows, d);
+      break;
+    case torch::kHalf:
+      silu_mul_rows(g.data_ptr<c10::Half>(), sg, u.data_ptr<c10::Half>(), su,
+                    y.data_ptr<c10::Half>(), rows, d);
+      break;
+    default:
+      TORCH_CHECK(false, "silu_mul: fp32, bf16 or fp16 only, got ", gate.scalar_type());
+  }
+  return y;
+}
+
 bool cpu_has_bf16() {
 #ifdef QS_X86
   __builtin_cpu_init();
@@ -219,6 +274,7 @@ bool has_bf16_gemv() { return cpu_has_bf16(); }
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
 }
@@ -226,5 +282,6 @@ TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
   m.impl("bf16_gemv", &bf16_gemv);
 }

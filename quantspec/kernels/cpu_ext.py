@@ -61,7 +61,7 @@ def extension_enabled() -> bool:
 def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
-    ``qgemm_panel``, and the ops ``rms_norm``, ``bf16_gemv``, ``has_bf16_gemv`` of cpu_dense.cpp),
+    ``qgemm_panel``, and the ops ``rms_norm``, ``rope``, ``silu_mul``, ``bf16_gemv``, ``has_bf16_gemv`` of cpu_dense.cpp),
     or None with one warning."""
     if not extension_enabled():
         return None
@@ -117,6 +117,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::rms_norm")
     def _rms_norm_fake(x, w, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("quantspec_cpu::rope")
+    def _rope_fake(x, cos, sin):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("quantspec_cpu::silu_mul")
+    def _silu_mul_fake(gate, up):
+        return torch.empty_like(gate)
 
     @torch.library.register_fake("quantspec_cpu::bf16_gemv")
     def _bf16_gemv_fake(x, w):

@@ -9,11 +9,13 @@ against.
 - ``rope(x, cos, sin_signed)``: rotary embedding of x [B, T, H, D] with cos and sin [B, T, D] as
   the model's ``rotary_emb`` returns them, sin with its first half negated (``signed_sin``):
   ``x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * sin_signed``.
+- ``silu_mul(gate, up)``: ``silu(gate) * up`` (the SwiGLU of a Llama MLP).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .cpu_ext import load_cpu_ext
 
@@ -52,3 +54,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     if _ext_ok(x, cos, sin_signed) and x.stride(-1) == 1:
         return torch.ops.quantspec_cpu.rope.default(x, cos, sin_signed)
     return rope_reference(x, cos, sin_signed)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., I] (views of one fused product allowed) -> silu(gate) * up."""
+    if _ext_ok(gate, up):
+        return torch.ops.quantspec_cpu.silu_mul.default(gate, up)
+    return F.silu(gate) * up

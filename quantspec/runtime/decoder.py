@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..kernels.dense import fast_linear
-from ..kernels.small_ops import rms_norm, rope, signed_sin
+from ..kernels.small_ops import rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of
 
@@ -202,7 +202,7 @@ class StaticDecoder:
             )
             x = x + blk.out(o.transpose(1, 2).reshape(b, t, h * d))
             gate, up = blk.gate_up(rms_norm(x, blk.mlp_norm, self.eps))
-            x = x + blk.down(F.silu(gate) * up)
+            x = x + blk.down(silu_mul(gate, up))
         self.width = hi
         if keep:
             x = x[:, -keep:]
