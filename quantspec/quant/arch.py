@@ -144,10 +144,7 @@ def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
     problems: list[str] = []
 
     def find(name: str) -> nn.Module | None:
-        try:
-            return model.get_submodule(name)
-        except AttributeError:
-            return None
+        return submodule_or_none(model, name)
 
     blocks = find(spec.blocks)
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
@@ -160,15 +157,16 @@ def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
         problems.append(f"{spec.lm_head} is not a Linear")
     for i, block in enumerate(blocks):
         for rel in spec.linear_names():
-            if not isinstance(_sub(block, rel), nn.Linear):
+            if not isinstance(submodule_or_none(block, rel), nn.Linear):
                 problems.append(f"{spec.block_name(i)}.{rel} is not a Linear")
         for pair in spec.smooth:
-            if _sub(block, pair.prev) is None:
+            if submodule_or_none(block, pair.prev) is None:
                 problems.append(f"{spec.block_name(i)}.{pair.prev} is missing")
     return problems
 
 
-def _sub(module: nn.Module, name: str) -> nn.Module | None:
+def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
+    """``module.get_submodule(name)``, or None when there is no such submodule."""
     try:
         return module.get_submodule(name)
     except AttributeError:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch import ArchSpec
+from .arch import ArchSpec, submodule_or_none
 from .calibrate import run_linear_inputs
 
 
@@ -82,13 +82,6 @@ class ResolvedPair:
         return isinstance(self.prev, nn.Linear)
 
 
-def _sub(module: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return module.get_submodule(name)
-    except AttributeError:
-        return None
-
-
 def resolve_pairs(block: nn.Module, arch: ArchSpec) -> tuple[list[ResolvedPair], list[str]]:
     """The ArchSpec's smoothing pairs that fit this block, and why the others were skipped.
 
@@ -98,8 +91,8 @@ def resolve_pairs(block: nn.Module, arch: ArchSpec) -> tuple[list[ResolvedPair],
     """
     pairs, skipped = [], []
     for p in arch.smooth:
-        prev = _sub(block, p.prev)
-        linears = [_sub(block, n) for n in p.linears]
+        prev = submodule_or_none(block, p.prev)
+        linears = [submodule_or_none(block, n) for n in p.linears]
         why = None
         if prev is None or any(not isinstance(m, nn.Linear) for m in linears):
             why = "module missing"

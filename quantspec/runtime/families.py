@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import QuantspecError
-from ..quant.arch import ARCHS, ArchSpec
+from ..quant.arch import ARCHS, ArchSpec, submodule_or_none
 
 
 @dataclass(frozen=True)
@@ -53,19 +53,12 @@ def family_of(model: nn.Module) -> DecoderFamily:
         raise QuantspecError(f"{model_type} with hidden_act={act!r} (the static decoder runs silu)", fix)
     arch = family.arch
     missing = [n for n in (arch.blocks, arch.embed, arch.final_norm, arch.lm_head, family.rotary)
-               if _get(model, n) is None]
+               if submodule_or_none(model, n) is None]
     names = [*family.qkv, family.out, *family.gate_up, family.down, family.attn_norm, family.mlp_norm]
     names += list(family.qk_norm or ())
-    blocks = _get(model, arch.blocks)
+    blocks = submodule_or_none(model, arch.blocks)
     for i, block in enumerate(blocks if isinstance(blocks, nn.ModuleList) else []):
-        missing += [f"{arch.block_name(i)}.{n}" for n in names if _get(block, n) is None]
+        missing += [f"{arch.block_name(i)}.{n}" for n in names if submodule_or_none(block, n) is None]
     if missing:
         raise QuantspecError(f"{model_type} model lacks {', '.join(missing)}", fix)
     return family
-
-
-def _get(root: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(name)
-    except AttributeError:
-        return None
