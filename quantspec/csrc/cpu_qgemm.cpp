@@ -411,9 +411,10 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
     sx[m] = a.sx + (m0 + m) * nblk;
     acc[m] = _mm512_setzero_ps();
   }
-  // With few rows, one accumulator per row is a chain of dependent vpdpbusd (5 cycles each)
-  // that caps a core below memory bandwidth: rows of x up to 4 get a second, independent
-  // accumulator (4-bit: the high nibbles; 8-bit: odd steps), added at the end of each block.
+  // With few rows, one accumulator per row is a chain of dependent vpdpbusd (5 cycles each):
+  // rows of x up to 4 get a second, independent accumulator (4-bit: the high nibbles, used in
+  // place as 16 x code, one instruction fewer per 64 bytes; 8-bit: odd steps), added at the end
+  // of each block.
   constexpr bool SPLIT = MT <= 4;
   __m512i isum2[MT];
   int64_t gi = 0, in_group = 0, j = 0;
@@ -424,14 +425,21 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
       _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + QS_PREFETCH), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j + 4 * QS_PREFETCH), _MM_HINT_T1);
       const __m512i v = load64(w + 64 * j);
-      if (BITS == 4) {
+      if (BITS == 4 && SPLIT) {  // high nibbles in place (16 x code): isum2 is 16x, shifted below
+        const __m512i lo = _mm512_and_si512(v, mask);
+        const __m512i hi16 = _mm512_andnot_si512(mask, v);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 8 * j);
+          isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(xj[0]));
+          isum2[m] = _mm512_dpbusd_epi32(isum2[m], hi16, _mm512_set1_epi32(xj[1]));
+        }
+      } else if (BITS == 4) {
         const __m512i lo = _mm512_and_si512(v, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         for (int m = 0; m < MT; ++m) {
           const int32_t* xj = reinterpret_cast<const int32_t*>(x[m] + 8 * j);
           isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(xj[0]));
-          __m512i& second = SPLIT ? isum2[m] : isum[m];
-          second = _mm512_dpbusd_epi32(second, hi, _mm512_set1_epi32(xj[1]));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(xj[1]));
         }
       } else {
         for (int m = 0; m < MT; ++m) {
@@ -441,8 +449,9 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
         }
       }
     }
-    if (SPLIT)
-      for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(isum[m], isum2[m]);
+    if (SPLIT)  // 4-bit: isum2 holds 16 x the high nibbles' sums (exact: a multiple of 16)
+      for (int m = 0; m < MT; ++m)
+        isum[m] = _mm512_add_epi32(isum[m], BITS == 4 ? _mm512_srai_epi32(isum2[m], 4) : isum2[m]);
     for (int m = 0; m < MT; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
                                _mm512_mul_ps(ws, _mm512_set1_ps(sx[m][b])), acc[m]);
@@ -671,7 +680,8 @@ torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   float* yp = y.data();
   const int64_t panel_bytes = w.size(1) * 64;
-  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, Kp * g.M / 64));
+  // at least 32 KB of weights per thread: smaller shares cost more in waking a thread
+  const int64_t grain = std::max<int64_t>(1, 32768 / panel_bytes);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t valid = std::min<int64_t>(16, n - 16 * p);
