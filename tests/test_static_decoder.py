@@ -135,10 +135,13 @@ def test_fused_siblings_equal_separate_layers():
     mods = [attn.q_proj, attn.k_proj, attn.v_proj]
     fused = Siblings(mods)
     assert fused.fused
+    assert all(m.backend_name is None for m in mods)  # one copy of the layout: the fused one
     x = torch.randn(3, 64)
     with torch.inference_mode():
-        for got, mod in zip(fused(x), mods):
+        outs = fused(x)
+        for got, mod in zip(outs, mods):  # each layer prepares itself again when called
             assert torch.allclose(got, mod(x), rtol=1e-5, atol=1e-5)
+            assert mod.backend_name == "cpu"
 
 
 def test_siblings_with_different_schemes_run_separately():

@@ -337,8 +337,8 @@ def measure_model(spec: str, config: SpeedConfig, dtype="auto", device="cpu", ba
         model, _tok, desc = load_for_eval(spec, dtype=dtype, device=device, backend=backend)
         load_s = time.perf_counter() - start
         say(f"loaded {desc['kind']} {spec} in {load_s:.1f}s")
+        wbytes = weight_bytes(model)  # as loaded (--static fuses some layers' layouts later)
         result = measure_speed(model, config, device, lambda m: say(f"{desc['kind']}: {m}"))
-        wbytes = weight_bytes(model)
     del model
     gc.collect()
     return {"model": spec, **desc, "load_s": round(load_s, 3), "weights_mb": round(wbytes / 2**20, 3),

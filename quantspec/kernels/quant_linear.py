@@ -46,6 +46,7 @@ class QuantLinear(nn.Module):
         self._prepared_names: list[str] = []
         self._prepared_cache: dict[str, torch.Tensor] | None = None
         self._runner = None
+        self._released_backend: str | None = None  # what release_prepared() dropped
 
     def format_tensors(self) -> dict[str, torch.Tensor]:
         names = get_format(self.fmt).tensor_specs(self.scheme, self.out_features, self.in_features)
@@ -93,6 +94,17 @@ class QuantLinear(nn.Module):
         self._runner = bind(prepared, self.scheme, self.out_features, self.in_features) if bind else None
         return chosen.name
 
+    def release_prepared(self) -> None:
+        """Drop the backend's layout (the next forward prepares it again), e.g. once a fused
+        copy serves this layer (``kernels.siblings``): the format tensors stay."""
+        for name in self._prepared_names:
+            delattr(self, name)
+        self._prepared_names = []
+        self._prepared_cache = None
+        self._runner = None
+        self._backend = None
+        self._released_backend, self.backend_name = self.backend_name, None
+
     def prepared(self) -> dict[str, torch.Tensor]:
         if torch.compiler.is_compiling():  # the module's buffers, as torch.compile tracks them
             return {n[3:]: getattr(self, n) for n in self._prepared_names}
@@ -107,7 +119,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend_name is None:
-            self.prepare()
+            self.prepare(self._released_backend or "auto")
         if self._runner is not None:  # eager and compiled alike: one dispatcher op
             return self._runner(x, self.prepared(), self.bias)
         if torch.compiler.is_compiling():

@@ -6,7 +6,9 @@ as a small layer's work; fusing q/k/v and gate/up removes three of a Llama block
 prepares them once for the first layer's backend, when every layer is a prepared QuantLinear
 with that backend, the same scheme, input width, compute dtype and column order (``g_idx``);
 otherwise it calls the layers one by one. Either way ``siblings(x)`` returns the layers' outputs
-in order, as the layers themselves would compute them.
+in order, as the layers themselves would compute them. Fused layers release their own prepared
+layouts (``QuantLinear.release_prepared``), so memory holds one copy; called directly, such a
+layer prepares itself again.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Siblings:
         self._run = backend.bind(self._prepared, result.scheme, n, first.in_features)
         if self._run is None:
             return
+        for m in self.mods:
+            m.release_prepared()
         biases = [m.bias for m in self.mods]
         self._bias = None
         if any(b is not None for b in biases):
