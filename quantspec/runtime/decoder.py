@@ -4,9 +4,9 @@ On a CPU, one decode step of a small model through transformers costs about 0.5 
 Python and small ops (norms as eight ops, rotary as six per tensor, a growing KV cache
 concatenated every step) before any weight is read; with 4-bit weights that overhead is most of
 the step. ``StaticDecoder`` runs the same computation from the model's own modules and weights
-(nothing is copied, except q/k/v and gate/up of quantized layers, prepared once more as one
-product each, see ``kernels.siblings``), with a preallocated KV cache that grows by doubling, the
-norms as one op each and rotary as three ops per tensor.
+(nothing is copied; q/k/v and gate/up of quantized layers run as one product each, see
+``kernels.siblings``), with a preallocated KV cache that grows by doubling, and RMSNorm, rotary
+and SwiGLU as one op each (``kernels.small_ops``; dense bf16 layers through ``kernels.dense``).
 
 Its interface is ``specdec.kv.KVDecoder``'s: a batch of rows that advance unevenly, each row's
 new tokens right-aligned in a chunk, ``drop_last`` forgetting a row's last tokens by masking
@@ -71,10 +71,10 @@ class StaticDecoder:
         final = model.get_submodule(arch.final_norm)
         self.final_norm, self.eps = final.weight, _eps(final, eps)
         self.lm_head = fast_linear(model.get_submodule(arch.lm_head))
-        self.blocks = [self._block(b, config, eps) for b in arch.block_list(model)]
+        self.blocks = [self._block(b, config) for b in arch.block_list(model)]
         self.reset()
 
-    def _block(self, block: nn.Module, config, eps: float) -> _Block:
+    def _block(self, block: nn.Module, config) -> _Block:
         fam = self.family
         get = block.get_submodule
         qn, kn = (get(n).weight for n in fam.qk_norm) if fam.qk_norm else (None, None)
@@ -213,6 +213,8 @@ class StaticDecoder:
         for b, c in enumerate(counts):
             if c > self.lengths[b]:
                 raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {c}")
+        if not any(counts):
+            return
         if len(counts) == 1 and self.mask is None:
             self.width -= counts[0]
             self.lengths[0] -= counts[0]
