@@ -229,3 +229,35 @@ def test_silu_mul_op_matches_torch_on_views_of_a_fused_product(dtype):
     odd = fused.transpose(0, 1)[..., :40]  # not rows at one stride: copied first
     assert torch.allclose(small_ops.silu_mul(odd, odd).float(),
                           (torch.nn.functional.silu(odd) * odd).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"num_key_value_heads": 1},                            # multi-query attention
+    {"num_key_value_heads": 4},                            # no grouping
+    {"attention_bias": True, "mlp_bias": True},            # biases everywhere
+    {"tie_word_embeddings": True},
+    {"head_dim": 32, "num_attention_heads": 4},            # head_dim * heads != hidden
+])
+def test_llama_variants_match_transformers(overrides):
+    model = tiny_model("llama", **overrides)
+    if overrides.get("attention_bias"):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1 and p.shape[0] != model.config.hidden_size:
+                    p.normal_(0, 0.5)
+    with torch.inference_mode():
+        _compare(model, [torch.arange(5, 17), torch.arange(30, 34)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_follow_transformers(dtype):
+    """In bf16/fp16 the fused ops round differently from transformers' op-by-op arithmetic: the
+    logits agree to the dtype's precision and the greedy tokens of a short decode agree."""
+    model = tiny_model("qwen2").to(dtype)
+    ids = torch.arange(5, 21)
+    with torch.inference_mode():
+        got = StaticDecoder(model).forward([ids])[0].float()
+        want = model(ids[None]).logits[0].float()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.05 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
