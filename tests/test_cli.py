@@ -103,6 +103,8 @@ def test_quantize_compare_table(tiny, tmp_path, capsys):
     table = json.loads((tmp_path / "q.json").read_text())["compare"]
     rows = table["rows"]
     assert rows["dense fp32"]["ppl"] > 1 and all(r["decode_tok_s"] > 0 for r in rows.values())
+    assert all(r["static_tok_s"] > 0 for r in rows.values())  # a llama: the static decoder runs it
+    assert "static tok/s" in out
     q = next(v for k, v in rows.items() if k.startswith("quantized"))
     assert q["size_mb"] < rows["dense fp32"]["size_mb"]
 

@@ -9,11 +9,16 @@ DECODE = dict(prompt_lengths=(16,), batch_sizes=(1,), decode_prompt_length=16, n
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model) -> float:
-    """Greedy decode tokens/s at batch 1 (32 new tokens, median of 3 runs after a warm-up)."""
+def decode_tokens_per_s(model) -> dict[str, float | None]:
+    """Greedy decode tokens/s at batch 1 (32 new tokens, median of 3 runs after a warm-up),
+    through transformers ("decode_tok_s") and through quantspec's StaticDecoder ("static_tok_s",
+    None for a family it does not declare)."""
     from .speed import SpeedConfig, measure_speed
 
-    return measure_speed(model, SpeedConfig(**DECODE))["decode"]["1"]["tokens_per_s"]
+    result = measure_speed(model, SpeedConfig(**DECODE, static=True))
+    static = result.get("decode_static", {})
+    return {"decode_tok_s": result["decode"]["1"]["tokens_per_s"],
+            "static_tok_s": static["1"]["tokens_per_s"] if "1" in static else None}
 
 
 def dense_size_bytes(model) -> int:
@@ -56,19 +61,17 @@ def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, wind
     data = data_or_fallback(data)
     r = perplexity(dense, tok, data, seqlen=seqlen, windows=windows, progress=progress)
     rows["dense fp32"] = {
-        "ppl": r["ppl"], "size_mb": dense_size_bytes(dense) / 1e6,
-        "decode_tok_s": decode_tokens_per_s(dense),
+        "ppl": r["ppl"], "size_mb": dense_size_bytes(dense) / 1e6, **decode_tokens_per_s(dense),
     }
     dense_bf16 = dense.to(torch.bfloat16)
     rows["dense bf16"] = {"ppl": None, "size_mb": rows["dense fp32"]["size_mb"],
-                          "decode_tok_s": decode_tokens_per_s(dense_bf16)}
+                          **decode_tokens_per_s(dense_bf16)}
     del dense, dense_bf16
     q = load_quantized(qdir)
     backends = sorted(set(q.quantspec_backends.values()))
     rq = perplexity(q, tok, data, seqlen=seqlen, windows=windows, progress=progress)
     rows[f"quantized ({'/'.join(backends)})"] = {
-        "ppl": rq["ppl"], "size_mb": folder_size_bytes(qdir) / 1e6,
-        "decode_tok_s": decode_tokens_per_s(q),
+        "ppl": rq["ppl"], "size_mb": folder_size_bytes(qdir) / 1e6, **decode_tokens_per_s(q),
     }
     return {"data": r["data"], "seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"], "rows": rows}
 
@@ -76,10 +79,12 @@ def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, wind
 def format_table(table: dict) -> str:
     lines = [
         f"perplexity on {table['data']} (seqlen {table['seqlen']}, {table['windows']} windows, "
-        f"{table['tokens']} tokens); decode at batch 1, 32 new tokens, median of 3",
-        f"{'model':<28} {'ppl':>9} {'size MB':>9} {'decode tok/s':>13}",
+        f"{table['tokens']} tokens); decode at batch 1, 32 new tokens, median of 3, through "
+        "transformers and through quantspec's static-cache decoder",
+        f"{'model':<28} {'ppl':>9} {'size MB':>9} {'decode tok/s':>13} {'static tok/s':>13}",
     ]
     for name, row in table["rows"].items():
         ppl = f"{row['ppl']:.3f}" if row["ppl"] is not None else "-"
-        lines.append(f"{name:<28} {ppl:>9} {row['size_mb']:>9.1f} {row['decode_tok_s']:>13.1f}")
+        static = f"{row['static_tok_s']:.1f}" if row.get("static_tok_s") is not None else "-"
+        lines.append(f"{name:<28} {ppl:>9} {row['size_mb']:>9.1f} {row['decode_tok_s']:>13.1f} {static:>13}")
     return "\n".join(lines)
