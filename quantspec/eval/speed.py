@@ -309,7 +309,8 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
     return result
 
 
-def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress, run=decode_run) -> dict[str, Any]:
+def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress,
+                  run=decode_run) -> dict[str, Any]:
     """Decode tokens/s, TTFT and TPOT per batch size (warm-up runs first, then medians);
     ``run(model, ids, new_tokens)`` is one timed generation."""
     decode = {}
@@ -441,5 +442,6 @@ def speed_markdown(report: dict[str, Any]) -> str:
                           ("decode_compiled", "compiled, both sides")):
             if key in report["speedup"]:
                 vals = report["speedup"][key]
-                lines.append(f"decode speed-up ({what}): " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in vals.items()))
+                lines.append(f"decode speed-up ({what}): "
+                             + ", ".join(f"batch {b}: {v:.2f}x" for b, v in vals.items()))
     return "\n".join(lines)

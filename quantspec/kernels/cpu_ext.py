@@ -60,9 +60,9 @@ def extension_enabled() -> bool:
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
-    ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm`` and
-    ``qgemm_panel``, and the ops ``rms_norm``, ``rope``, ``silu_mul``, ``bf16_gemv``, ``has_bf16_gemv`` of cpu_dense.cpp),
-    or None with one warning."""
+    ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm``
+    and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
+    ``bf16_gemv`` and ``has_bf16_gemv``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
