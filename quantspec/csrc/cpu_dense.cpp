@@ -15,6 +15,7 @@
 
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -64,21 +65,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   torch::Tensor y = torch::empty_like(xc);
   const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
   const float e = static_cast<float>(eps);
-  switch (x.scalar_type()) {
-    case torch::kFloat:
-      rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, d, e);
-      break;
-    case torch::kBFloat16:
-      rms_rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(),
-               y.data_ptr<c10::BFloat16>(), rows, d, e);
-      break;
-    case torch::kHalf:
-      rms_rows(xc.data_ptr<c10::Half>(), wc.data_ptr<c10::Half>(), y.data_ptr<c10::Half>(), rows,
-               d, e);
-      break;
-    default:
-      TORCH_CHECK(false, "rms_norm: fp32, bf16 or fp16 only, got ", x.scalar_type());
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, d, e);
+  });
   return y;
 }
 
@@ -115,20 +104,9 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
               "rope: x, cos and sin must share a dtype");
   const torch::Tensor c = cos.contiguous(), sn = sin.contiguous();
   torch::Tensor y = torch::empty(x.sizes(), x.options());
-  switch (x.scalar_type()) {
-    case torch::kFloat:
-      rope_rows(x, c.data_ptr<float>(), sn.data_ptr<float>(), y.data_ptr<float>());
-      break;
-    case torch::kBFloat16:
-      rope_rows(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(),
-                y.data_ptr<c10::BFloat16>());
-      break;
-    case torch::kHalf:
-      rope_rows(x, c.data_ptr<c10::Half>(), sn.data_ptr<c10::Half>(), y.data_ptr<c10::Half>());
-      break;
-    default:
-      TORCH_CHECK(false, "rope: fp32, bf16 or fp16 only, got ", x.scalar_type());
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    rope_rows(x, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
+  });
   return y;
 }
 
@@ -167,28 +145,18 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   const int64_t d = gate.size(-1), rows = d ? gate.numel() / d : 0;
   const int64_t sg = row_stride(g), su = row_stride(u);
   torch::Tensor y = torch::empty(gate.sizes(), gate.options());
-  switch (gate.scalar_type()) {
-    case torch::kFloat:
-      silu_mul_rows(g.data_ptr<float>(), sg, u.data_ptr<float>(), su, y.data_ptr<float>(), rows, d);
-      break;
-    case torch::kBFloat16:
-      silu_mul_rows(g.data_ptr<c10::BFloat16>(), sg, u.data_ptr<c10::BFloat16>(), su,
-                    y.data_ptr<c10::BFloat16>(), rows, d);
-      break;
-    case torch::kHalf:
-      silu_mul_rows(g.data_ptr<c10::Half>(), sg, u.data_ptr<c10::Half>(), su,
-                    y.data_ptr<c10::Half>(), rows, d);
-      break;
-    default:
-      TORCH_CHECK(false, "silu_mul: fp32, bf16 or fp16 only, got ", gate.scalar_type());
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows(g.data_ptr<scalar_t>(), sg, u.data_ptr<scalar_t>(), su, y.data_ptr<scalar_t>(),
+                  rows, d);
+  });
   return y;
 }
 
 bool cpu_has_bf16() {
 #ifdef QS_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16") &&
+                                                    __builtin_cpu_supports("avx512bw"));
+  return ok;
 #else
   return false;
 #endif
@@ -199,7 +167,7 @@ bool cpu_has_bf16() {
 // past K.
 template <int R, int MR>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_tile(
-    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, c10::BFloat16* y, int64_t ldy) {
   __m512 acc[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -227,12 +195,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_tile(
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_rows(
-    const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+    const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, c10::BFloat16* y,
     int64_t N) {
   int64_t n = n0;
   for (; n + 8 <= n1; n += 8) gemv_tile<8, MR>(x, K, w + n * K, K, y + n, N);
@@ -249,11 +217,11 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(cpu_has_bf16(), "bf16_gemv needs AVX-512 BF16; use torch.matmul");
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat));
+  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kBFloat16));
 #ifdef QS_X86
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  float* yp = y.data_ptr<float>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   // blocks of 64 rows of w, each read once for all rows of x (4 at a time)
   at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -264,10 +232,8 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
     }
   });
 #endif
-  return y.to(torch::kBFloat16);
+  return y;
 }
-
-bool has_bf16_gemv() { return cpu_has_bf16(); }
 
 }  // namespace
 
@@ -276,7 +242,7 @@ TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
-  m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
+  m.def("has_bf16_gemv() -> bool", &cpu_has_bf16);
 }
 
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {

@@ -510,7 +510,6 @@ void check_layout(const torch::Tensor& x, const torch::Tensor& w, const torch::T
   TORCH_CHECK(bits == 8 || Kp % 64 == 0, "4-bit Kp must be a multiple of 64");
 }
 
-// x's int8 blocks for one call (see quantize_activations), owned by tensors.
 // Per-call buffers of the calling thread, reused across calls: decode runs hundreds of small
 // products per token, where allocating and converting tensors costs as much as the product.
 struct Scratch {

@@ -75,10 +75,8 @@ class QuantLinear(nn.Module):
         chosen, why = choose_backend(
             self.scheme, self.out_features, self.in_features, device, self.compute_dtype, backend
         )
-        for name in self._prepared_names:
-            delattr(self, name)
+        self._drop_layout()
         prepared = chosen.prepare(self.quant_result(), self.compute_dtype)
-        self._prepared_names = []
         for name, t in prepared.items():
             attr = f"_p_{name}"
             self.register_buffer(attr, t, persistent=False)
@@ -89,7 +87,6 @@ class QuantLinear(nn.Module):
         self._backend = chosen
         self.backend_name = chosen.name
         self.backend_reason = why
-        self._prepared_cache = None
         bind = getattr(chosen, "bind", None)
         self._runner = bind(prepared, self.scheme, self.out_features, self.in_features) if bind else None
         return chosen.name
@@ -97,13 +94,16 @@ class QuantLinear(nn.Module):
     def release_prepared(self) -> None:
         """Drop the backend's layout (the next forward prepares it again), e.g. once a fused
         copy serves this layer (``kernels.siblings``): the format tensors stay."""
+        self._drop_layout()
+        self._runner = None
+        self._backend = None
+        self._released_backend, self.backend_name = self.backend_name, None
+
+    def _drop_layout(self) -> None:
         for name in self._prepared_names:
             delattr(self, name)
         self._prepared_names = []
         self._prepared_cache = None
-        self._runner = None
-        self._backend = None
-        self._released_backend, self.backend_name = self.backend_name, None
 
     def prepared(self) -> dict[str, torch.Tensor]:
         if torch.compiler.is_compiling():  # the module's buffers, as torch.compile tracks them

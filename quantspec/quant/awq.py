@@ -236,10 +236,11 @@ def search_scale(
         steps = max(grid - 1, 1)
         cands += [(i / steps, True, scale_from_alpha(x_mean, i / steps, w_mean)) for i in range(grid)]
     if bounded:  # coarse to fine, so that a good bound is found early; the choice is the same
-        losses = [float("nan")] * len(cands)
+        losses, best = [float("nan")] * len(cands), float("inf")
         for i in _coarse_to_fine(len(cands)):
-            best_so_far = min((v for v in losses if v == v), default=float("inf"))
-            losses[i] = loss(cands[i][2], best_so_far)
+            losses[i] = loss(cands[i][2], best)
+            if losses[i] < best:  # False for NaN
+                best = losses[i]
     else:
         losses = [loss(s) for *_, s in cands]
     finite = [i for i, v in enumerate(losses) if v == v]  # NaN != NaN

@@ -116,8 +116,9 @@ def run_bench(
                    "new_tokens": n, "target_s": round(t_ref, 4), "ours_s": round(t_ours, 4),
                    "ours": st.to_dict()}
             _add(modes["target"], n, t_ref)
-            _add(modes["ours"], st.new_tokens, t_ours, _same(ours, ref), row)
-            if not _same(ours, ref):
+            same = _same(ours, ref)
+            _add(modes["ours"], st.new_tokens, t_ours, same, row)
+            if not same:
                 rec["divergence"] = divergence(target, ours, ref, ids.shape[1])
             modes["ours"].stats = modes["ours"].stats.merge(st)
             if hf_kwargs is not None:
