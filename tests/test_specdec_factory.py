@@ -117,7 +117,7 @@ def test_bench_specdec_command(target_dir, tmp_path):
                "--max-new-tokens", "8", "--k", "3", "--json", str(out), "--threads", "1"])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert set(result["modes"]) == {"target", "ours", "hf_assisted"}
+    assert set(result["modes"]) == {"target", "ours", "target_fast", "hf_assisted"}
     for mode in result["modes"].values():
         assert mode["greedy_matches_target"], mode
     assert result["modes"]["ours"]["tokens"] == result["modes"]["target"]["tokens"] > 0

@@ -201,18 +201,25 @@ def test_signed_sin_rope_equals_rotate_half():
     assert torch.allclose(small_ops.rope(k, cos, s), want_k, atol=1e-6)
 
 
-@pytest.mark.skipif(not dense.gemv_available(), reason="needs the CPU extension on an AVX-512 BF16 CPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize("n,k", [(37, 100), (64, 64), (200, 576)])
-def test_bf16_gemv_matches_fp32_product(m, n, k):
+def test_dense_gemv_matches_fp32_product(m, n, k, dtype, tol):
+    """bf16: exact products, fp32 sums, one bf16 rounding; fp32: another summation order."""
+    if dense.gemv_op(dtype) is None:
+        pytest.skip(f"needs the CPU extension on a CPU with the {dtype} few-row product")
     g = torch.Generator().manual_seed(m + n + k)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    lin = torch.nn.Linear(k, n, bias=True).to(torch.bfloat16)
-    want = x.float() @ lin.weight.float().T + lin.bias.float()
-    got = dense.fast_linear(lin)(x)
-    assert isinstance(dense.fast_linear(lin), dense.DenseGemv)
-    assert got.dtype == torch.bfloat16
-    assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    x = torch.randn(m, k, generator=g).to(dtype)
+    lin = torch.nn.Linear(k, n, bias=True).to(dtype)
+    want = x.double() @ lin.weight.double().T + lin.bias.double()
+    call = dense.fast_linear(lin)
+    got = call(x)
+    assert isinstance(call, dense.DenseGemv)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert (got.double() - want).abs().max() <= tol * want.abs().max()
+    if m > dense.GEMV_MAX_M // 2:  # more rows than the op takes: the module's own product
+        xx = torch.randn(dense.GEMV_MAX_M + 1, k, generator=g).to(dtype)
+        assert torch.equal(call(xx), lin(xx))
 
 
 @needs_ext

@@ -2,7 +2,7 @@
 assisted generation, greedy, on the same prompts; prints one table and writes JSON.
 
 ``add_specdec_args`` is shared with ``quantspec generate`` (--draft, --k, --adaptive,
---temperature, --top-k, --top-p); ``sampling_from_args`` turns them into a SamplingConfig.
+--fast-verify, --temperature, --top-k, --top-p); ``sampling_from_args`` turns them into a SamplingConfig.
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--draft", required=draft_required, default=None,
                    help="ngram | ngram:MAX_N | self:w4g128 | self:/path/to/quantized | a draft model id/folder")
+    g.add_argument("--draft-dtype", default="auto",
+                   help="the draft model's dtype: auto (bfloat16 for an fp32 target on a CPU with "
+                        "AVX-512 BF16, else the target's), float32, bfloat16, float16")
+    g.add_argument("--draft-head", default="w8gpc",
+                   help="output head of a self: draft: a scheme (w8gpc, w4g32, ...), same (the body's) or dense")
     g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                    help="grow k while every draft is accepted, shrink it when fewer than half are")
+    g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="the target's dense Linears verify through quantspec's few-row CPU products")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -71,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
     prompts = load_prompts(args.prompts, kinds)
     target, tokenizer, info = load_dense(args.target, dtype=args.dtype, device=args.device)
-    proposer = make_proposer(args.draft, target, tokenizer)
+    proposer = make_proposer(args.draft, target, tokenizer, dtype=args.draft_dtype,
+                             head=args.draft_head)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = run_bench(target, tokenizer, proposer, prompts, max_new_tokens=args.max_new_tokens,
-                       k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf, progress=log)
+                       k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf, progress=log,
+                       fast_verify=args.fast_verify)
     result["target"] = args.target
     result["draft_report"] = getattr(proposer, "report", None)
     print(format_table(result))

@@ -43,11 +43,11 @@ def run(args) -> int:
     if args.draft:
         from ..specdec import make_proposer, speculative_generate
 
-        proposer = make_proposer(args.draft, model, tok)
+        proposer = make_proposer(args.draft, model, tok, dtype=args.draft_dtype, head=args.draft_head)
         ids, stats = speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
             adaptive=args.adaptive, sampling=sampling_from_args(args), eos_token_id=tok.eos_token_id,
-            seed=args.seed,
+            seed=args.seed, fast_verify=args.fast_verify,
         )
         out["specdec"] = stats.to_dict()
     else:

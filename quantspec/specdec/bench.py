@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantspecError
+from ..kernels.dense import few_row_linears
 from .loop import speculative_generate
 from .proposers import DraftModel, NGram, Proposer
 from .stats import SpecStats
@@ -88,14 +89,20 @@ def run_bench(
     chat: bool = True,
     hf: bool = True,
     progress=None,
+    fast_verify: bool = True,
 ) -> dict:
     """Greedy benchmark; returns a JSON-ready dict (per mode and per prompt).
 
-    progress: optional callable(str) for one line per prompt.
+    progress: optional callable(str) for one line per prompt. fast_verify: passed to
+    ``speculative_generate``; when on, the mode ``target_fast`` also times the target alone
+    with the same Linears (``kernels.dense.few_row_linears``), to show what the kernels give
+    without speculation.
     """
     device = next(target.parameters()).device
     hf_kwargs = _hf_kwargs(proposer, k, adaptive) if hf else None
     modes = {"target": ModeResult(), "ours": ModeResult(stats=SpecStats())}
+    if fast_verify:
+        modes["target_fast"] = ModeResult()
     if hf_kwargs is not None:
         modes["hf_assisted"] = ModeResult()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -104,13 +111,15 @@ def run_bench(
     with torch.inference_mode():
         warm = encode(tokenizer, prompts[0]["prompt"], chat).to(device)
         target.generate(warm, attention_mask=torch.ones_like(warm), **{**common, "max_new_tokens": 8})
-        speculative_generate(target, proposer, warm, max_new_tokens=8, k=k, adaptive=adaptive)
+        speculative_generate(target, proposer, warm, max_new_tokens=8, k=k, adaptive=adaptive,
+                             fast_verify=fast_verify)
         for row in prompts:
             ids = encode(tokenizer, row["prompt"], chat).to(device)
             mask = torch.ones_like(ids)
             ref, t_ref = _timed(lambda: target.generate(ids, attention_mask=mask, **common))
             (ours, st), t_ours = _timed(lambda: speculative_generate(
-                target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=k, adaptive=adaptive))
+                target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=k, adaptive=adaptive,
+                fast_verify=fast_verify))
             n = ref.shape[1] - ids.shape[1]
             rec = {"id": row.get("id"), "kind": row.get("kind"), "prompt_tokens": ids.shape[1],
                    "new_tokens": n, "target_s": round(t_ref, 4), "ours_s": round(t_ours, 4),
@@ -121,6 +130,11 @@ def run_bench(
             if not same:
                 rec["divergence"] = divergence(target, ours, ref, ids.shape[1])
             modes["ours"].stats = modes["ours"].stats.merge(st)
+            if fast_verify:
+                with few_row_linears(target):
+                    out, t_fast = _timed(lambda: target.generate(ids, attention_mask=mask, **common))
+                _add(modes["target_fast"], out.shape[1] - ids.shape[1], t_fast, _same(out, ref), row)
+                rec["target_fast_s"] = round(t_fast, 4)
             if hf_kwargs is not None:
                 out, t_hf = _timed(lambda: target.generate(ids, attention_mask=mask, **common, **hf_kwargs))
                 _add(modes["hf_assisted"], out.shape[1] - ids.shape[1], t_hf, _same(out, ref), row)

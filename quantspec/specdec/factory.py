@@ -2,7 +2,9 @@
 
 Specs: ``ngram`` (or ``ngram:MAX_N``), ``self:w4g128`` (the target quantized in memory; any
 ``w{bits}g{group}`` or ``w{bits}gpc``), ``self:/path/to/checkpoint`` (a quantized checkpoint of
-the target), or a model id / folder / GGUF (a smaller model sharing the target's tokenizer).
+the target, e.g. GPTQ or AWQ+GPTQ: they agree with the target more often than RTN), or a model
+id / folder / GGUF (a smaller model sharing the target's tokenizer). A ``self:`` draft's output
+head is quantized to 8 bits per channel unless told otherwise.
 """
 
 from __future__ import annotations
@@ -74,9 +76,28 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None,
             )
 
 
-def _load_draft(spec: str, target):
+def draft_dtype(target: torch.nn.Module, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The draft's compute dtype: ``dtype`` when given (a torch dtype or its name), else the
+    target's, except bfloat16 for an fp32 target on a CPU with the bf16 few-row product (a draft
+    is read every token and needs speed, not the last bits; verification stays the target's)."""
+    if isinstance(dtype, str) and dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise QuantspecError(f"'{dtype}' is not a floating dtype.", "use auto, float32, bfloat16 or float16.")
+        return value
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    param = next(target.parameters())
+    if param.dtype == torch.float32 and param.is_cpu:
+        from ..kernels.dense import gemv_op
+
+        if gemv_op(torch.bfloat16) is not None:
+            return torch.bfloat16
+    return param.dtype
+
+
+def _load_draft(spec: str, target, dtype: torch.dtype):
     device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
     try:
         from ..models import load_dense
     except ImportError:  # models/ not available: a plain local folder or hub id
@@ -88,20 +109,28 @@ def _load_draft(spec: str, target):
     return model, tokenizer
 
 
-def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None) -> Proposer:
-    """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's."""
+def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
+                  dtype: torch.dtype | str | None = None, head: str = "w8gpc") -> Proposer:
+    """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's,
+    ``dtype`` the draft model's (see ``draft_dtype``). ``head``: the output head of a ``self:``
+    draft: a scheme name (default ``w8gpc``, see ``selfdraft.DRAFT_HEAD``), ``same`` (the
+    body's scheme) or ``dense``."""
     spec = spec.strip()
     if spec == "ngram" or spec.startswith("ngram:"):
         max_n = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return NGram(max_n=max_n)
+    dtype = draft_dtype(target, dtype)
     if spec.startswith("self:"):
         rest = spec[len("self:"):]
+        head_scheme = None if head in ("same", "dense") else parse_scheme(head)
         if Path(rest).expanduser().is_dir():
-            prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target)
+            prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target, dtype=dtype,
+                                                 head_scheme=head_scheme)
             check_same_vocab(target, prop.model, draft_name=spec)
             return prop
-        return QuantizedSelf.from_target(target, parse_scheme(rest))
-    model, draft_tok = _load_draft(spec, target)
+        return QuantizedSelf.from_target(target, parse_scheme(rest), include_lm_head=head != "dense",
+                                         dtype=dtype, head_scheme=head_scheme)
+    model, draft_tok = _load_draft(spec, target, dtype)
     name = getattr(getattr(target, "config", None), "_name_or_path", "target") or "target"
     check_same_vocab(target, model, tokenizer, draft_tok, target_name=name, draft_name=spec)
     return DraftModel(model, name=spec)

@@ -11,11 +11,14 @@ max_new_tokens) stop growing and their step is dropped whole.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from ..errors import QuantspecError
+from ..kernels.dense import few_row_linears
+from ..runtime.decoder import fast_decoder
 from .adaptive import AdaptiveK, FixedK
 from .kv import KVDecoder
 from .proposers import Proposal, Proposer
@@ -79,6 +82,7 @@ def speculative_generate(
     seed: int | None = None,
     pad_token_id: int | None = None,
     k_max: int = 16,
+    fast_verify: bool = True,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate with speculative decoding (Leviathan et al. 2023).
 
@@ -90,6 +94,11 @@ def speculative_generate(
     sampling (draft and verification). Returns ``(ids [B, P + T], stats)`` like
     ``generate``: the input followed by the new tokens, rows that stop early padded with
     ``pad_token_id``.
+    fast_verify: the target verifies through quantspec's runtime: the StaticDecoder for a
+    declared family (``runtime.fast_decoder``; logits equal transformers' within fp32 rounding),
+    and dense Linears through the few-row products of ``kernels.dense`` where this CPU has them
+    (torch's CPU matmul costs 2-3x more for the k + 1 rows of a verification than for one).
+    Off: transformers' own forward and matmuls.
     """
     sampling = sampling or SamplingConfig()
     if k < 0 or (adaptive and k < 1):
@@ -107,10 +116,11 @@ def speculative_generate(
     seqs = [p.to(device) for p in prompts]
     new: list[list[int]] = [[] for _ in seqs]
     done = [max_new_tokens <= 0] * len(seqs)
-    decoder = KVDecoder(target)
+    decoder = fast_decoder(target) if fast_verify else KVDecoder(target)
     proposer.reset()
     start = time.perf_counter()
-    with torch.inference_mode():
+    fast = few_row_linears(target) if fast_verify else contextlib.nullcontext()
+    with torch.inference_mode(), fast:
         if any(s.numel() > 1 for s in seqs):
             decoder.forward([s[:-1] for s in seqs], keep=1)
         while not all(done):
