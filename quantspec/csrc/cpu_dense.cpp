@@ -15,7 +15,13 @@
 // f32_gemv(x [M, K] fp32, w [N, K] fp32) -> [M, N] fp32: the same for fp32 (AVX-512F FMA), where
 //   torch's fp32 matmul costs 2-3x more for 5 rows than for one (the verification of k = 4
 //   speculative tokens): tiles of up to 8 rows of x by 3-8 rows of w, w read once per 8 rows.
-//   has_f32_gemv() says whether this CPU runs it.
+// attend(q [B, t, H, D], k [B, t, KV, D], v [B, t, KV, D], cos [B, t, D], sin [B, t, D], kc, vc
+//   [B, KV, cap, D], lo, scale) -> [B, t, H * D]: one decode step of a block's attention with
+//   no holes in the cache: rope (as rope() above) on q and k, k and v written into the caches at
+//   columns [lo, lo + t), and causal attention of query i over columns [0, lo + i] (softmax in
+//   fp32, one rounding of the output); grouped-query heads share their KV head. q, k, v may be
+//   strided views of one fused product. Five ops and two copies of transformers' path in one.
+// has_avx512f() says whether this CPU runs f32_gemv and attend (D a multiple of 16).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -326,6 +332,125 @@ torch::Tensor f32_gemv(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+#ifdef QS_X86
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) void attend_rows(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* cs,
+    const T* sn, torch::Tensor& kc, torch::Tensor& vc, int64_t lo, float scale, T* out) {
+  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = k.size(2);
+  const int64_t half = D / 2, group = H / KV, cap = kc.size(2);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T *kcp = kc.data_ptr<T>(), *vcp = vc.data_ptr<T>();
+  auto rope_at = [&](const T* x, const T* c, const T* s, int64_t j) {
+    const int64_t o = j < half ? j + half : j - half;
+    return static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j]) +
+                          static_cast<float>(x[o]) * static_cast<float>(s[j]));
+  };
+  // the new keys (roped) and values into the caches
+  at::parallel_for(0, B * Tn * KV, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (Tn * KV), i = (r / KV) % Tn, g = r % KV;
+      const T* kr = kp + b * k.stride(0) + i * k.stride(1) + g * k.stride(2);
+      const T* vr = vp + b * v.stride(0) + i * v.stride(1) + g * v.stride(2);
+      const T* c = cs + (b * Tn + i) * D;
+      const T* s = sn + (b * Tn + i) * D;
+      T* kd = kcp + ((b * KV + g) * cap + lo + i) * D;
+      T* vd = vcp + ((b * KV + g) * cap + lo + i) * D;
+      for (int64_t j = 0; j < D; ++j) {
+        kd[j] = rope_at(kr, c, s, j);
+        vd[j] = vr[j];
+      }
+    }
+  });
+  at::parallel_for(0, B * Tn * H, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> qf(D), score(lo + Tn);
+    __m512 acc[16];  // D <= 256
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (Tn * H), i = (r / H) % Tn, hh = r % H, g = hh / group;
+      const T* qr = qp + b * q.stride(0) + i * q.stride(1) + hh * q.stride(2);
+      const T* c = cs + (b * Tn + i) * D;
+      const T* s = sn + (b * Tn + i) * D;
+      for (int64_t j = 0; j < D; ++j) qf[j] = static_cast<float>(rope_at(qr, c, s, j));
+      const T* kb = kcp + (b * KV + g) * cap * D;
+      const T* vb = vcp + (b * KV + g) * cap * D;
+      const int64_t L = lo + i + 1;
+      float top = -INFINITY;
+      for (int64_t col = 0; col < L; ++col) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D; j += 16)
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + j), load16(kb + col * D + j), dot);
+        score[col] = _mm512_reduce_add_ps(dot) * scale;
+        top = std::max(top, score[col]);
+      }
+      float total = 0.f;
+      for (int64_t col = 0; col < L; ++col) total += (score[col] = std::exp(score[col] - top));
+      for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t col = 0; col < L; ++col) {
+        const __m512 p = _mm512_set1_ps(score[col]);
+        for (int64_t j = 0; j < D; j += 16)
+          acc[j / 16] = _mm512_fmadd_ps(p, load16(vb + col * D + j), acc[j / 16]);
+      }
+      T* o = out + ((b * Tn + i) * H + hh) * D;
+      const __m512 inv = _mm512_set1_ps(1.0f / total);
+      float buf[16];
+      for (int64_t j = 0; j < D; j += 16) {
+        _mm512_storeu_ps(buf, _mm512_mul_ps(acc[j / 16], inv));
+        for (int e = 0; e < 16; ++e) o[j + e] = static_cast<T>(buf[e]);
+      }
+    }
+  });
+}
+#endif
+
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor kc,
+                     torch::Tensor vc, int64_t lo, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "attend: q [B, t, H, D], k and v [B, t, KV, D] disagree");
+  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = k.size(2);
+  TORCH_CHECK(H % KV == 0 && D % 16 == 0 && D <= 256,
+              "attend: needs H a multiple of KV and D a multiple of 16 up to 256");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "attend: q, k, v need a contiguous last dimension");
+  TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(0) == B && kc.size(1) == KV &&
+                  kc.size(3) == D && kc.is_contiguous() && vc.is_contiguous(),
+              "attend: caches must be contiguous [B, KV, cap, D]");
+  TORCH_CHECK(lo >= 0 && lo + Tn <= kc.size(2), "attend: columns [lo, lo + t) outside the cache");
+  const std::vector<int64_t> cshape{B, Tn, D};
+  TORCH_CHECK(cos.sizes() == cshape && sin.sizes() == cshape, "attend: cos and sin must be [B, t, D]");
+  for (const torch::Tensor& t : {k, v, cos, sin, kc, vc})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "attend: all tensors must share a dtype");
+  TORCH_CHECK(cpu_has_avx512f(), "attend needs AVX-512F");
+  const torch::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  torch::Tensor out = torch::empty({B, Tn, H * D}, q.options());
+#ifdef QS_X86
+  AT_DISPATCH_SWITCH(q.scalar_type(), "attend",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
+                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
+                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
+                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+    }));
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
@@ -335,7 +460,9 @@ TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("has_bf16_gemv() -> bool", &cpu_has_bf16);
   m.def("f32_gemv(Tensor x, Tensor w) -> Tensor");
-  m.def("has_f32_gemv() -> bool", &cpu_has_avx512f);
+  m.def("has_avx512f() -> bool", &cpu_has_avx512f);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, "
+        "int lo, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
@@ -344,4 +471,5 @@ TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("bf16_gemv", &bf16_gemv);
   m.impl("f32_gemv", &f32_gemv);
+  m.impl("attend", &attend);
 }

@@ -35,7 +35,7 @@ def gemv_op(dtype: torch.dtype):
     ops = torch.ops.quantspec_cpu
     if dtype == torch.bfloat16:
         return ops.bf16_gemv.default if ops.has_bf16_gemv() else None
-    return ops.f32_gemv.default if ops.has_f32_gemv() else None
+    return ops.f32_gemv.default if ops.has_avx512f() else None
 
 
 class DenseGemv:

@@ -10,6 +10,10 @@ against.
   the model's ``rotary_emb`` returns them, sin with its first half negated (``signed_sin``):
   ``x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * sin_signed``.
 - ``silu_mul(gate, up)``: ``silu(gate) * up`` (the SwiGLU of a Llama MLP).
+- ``attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo)``: a decode step's attention over a
+  cache without holes: rope on q and k, k and v written into the caches [B, KV, cap, D] at
+  columns [lo, lo + t), causal attention of the t queries over columns [0, lo + t) with
+  grouped-query heads; returns [B, t, H * D].
 """
 
 from __future__ import annotations
@@ -61,3 +65,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if _ext_ok(gate, up):
         return torch.ops.quantspec_cpu.silu_mul.default(gate, up)
     return F.silu(gate) * up
+
+
+def attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
+    b, t, h, d = q.shape
+    q, k = rope_reference(q, cos, sin_signed), rope_reference(k, cos, sin_signed)
+    k_cache[:, :, lo:lo + t] = k.transpose(1, 2)
+    v_cache[:, :, lo:lo + t] = v.transpose(1, 2)
+    total = lo + t
+    causal = torch.arange(total, device=q.device).unsqueeze(0) <= torch.arange(lo, total, device=q.device).unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :total], v_cache[:, :, :total],
+                                       attn_mask=causal, enable_gqa=h != k.shape[2])
+    return o.transpose(1, 2).reshape(b, t, h * d)
+
+
+def attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
+    """q [B, t, H, D], k and v [B, t, KV, D] (views of a fused product allowed), cos and
+    sin_signed [B, t, D], caches [B, KV, cap, D] (written) -> [B, t, H * D]."""
+    if (_ext_ok(q, k, v, cos, sin_signed, k_cache, v_cache) and q.shape[-1] % 16 == 0
+            and torch.ops.quantspec_cpu.has_avx512f() and k_cache.is_contiguous()
+            and all(x.stride(-1) == 1 for x in (q, k, v))):
+        return torch.ops.quantspec_cpu.attend.default(q, k, v, cos, sin_signed, k_cache, v_cache, lo,
+                                                      q.shape[-1] ** -0.5)
+    return attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo)

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..kernels.dense import fast_linear
-from ..kernels.small_ops import rms_norm, rope, signed_sin, silu_mul
+from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of
 
@@ -185,22 +185,25 @@ class StaticDecoder:
         masks: dict[int | None, torch.Tensor | None] = {}
         lo, hi = self.width, self.width + t
         for i, blk in enumerate(self.blocks):
-            if blk.window not in masks:
-                masks[blk.window] = self._attn_mask(t, pos, blk.window)
             y = rms_norm(x, blk.attn_norm, self.eps)
             q, k, v = blk.qkv(y)
             q, k, v = q.view(b, t, h, d), k.view(b, t, kv, d), v.view(b, t, kv, d)
             if blk.q_norm is not None:
                 q, k = rms_norm(q, blk.q_norm, self.eps), rms_norm(k, blk.k_norm, self.eps)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
             kc, vc = self._k[i], self._v[i]
-            kc[:, :, lo:hi] = k.transpose(1, 2)
-            vc[:, :, lo:hi] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi],
-                attn_mask=masks[blk.window], enable_gqa=h != kv,
-            )
-            x = x + blk.out(o.transpose(1, 2).reshape(b, t, h * d))
+            if self.mask is None and (blk.window is None or hi <= blk.window):
+                o = attend(q, k, v, cos, sin, kc, vc, lo)  # no holes: causal over the cache
+            else:
+                if blk.window not in masks:
+                    masks[blk.window] = self._attn_mask(t, pos, blk.window)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
+                kc[:, :, lo:hi] = k.transpose(1, 2)
+                vc[:, :, lo:hi] = v.transpose(1, 2)
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi],
+                    attn_mask=masks[blk.window], enable_gqa=h != kv,
+                ).transpose(1, 2).reshape(b, t, h * d)
+            x = x + blk.out(o)
             gate, up = blk.gate_up(rms_norm(x, blk.mlp_norm, self.eps))
             x = x + blk.down(silu_mul(gate, up))
         self.width = hi

@@ -127,14 +127,18 @@ def speculative_generate(
             left = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b])
             kk = min(control.k, left - 1)
             if kk > 0:
+                t0 = time.perf_counter()
                 prop = proposer.propose(seqs, kk, sampling, generator)
+                stats.draft_s += time.perf_counter() - t0
                 stats.draft_calls += prop.model_calls
             else:
                 prop = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.int64, device=device))
             width = prop.tokens.shape[1]
             offered = [width] * len(seqs) if prop.lengths is None else prop.lengths.tolist()
             chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
+            t0 = time.perf_counter()
             logits = decoder.forward(chunks, keep=width + 1)
+            stats.target_s += time.perf_counter() - t0
             stats.target_calls += 1
             stats.k_used.append(width)
             n_acc, nxt = _verify(prop, logits, sampling, generator)

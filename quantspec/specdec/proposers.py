@@ -106,6 +106,8 @@ class DraftModel:
         )
 
     def accept(self, n_accepted: list[int]) -> None:
+        if not self._fed_drafts:  # nothing fed since the last call (e.g. a step with k = 0)
+            return
         kept = [min(n, self._fed_drafts) for n in n_accepted]
         self._decoder.drop_last([self._fed_drafts - n for n in kept])
         self._fed_drafts = 0

@@ -12,6 +12,8 @@ class SpecStats:
 
     proposed / accepted: draft tokens offered and kept, summed over verifications.
     hist: accepted drafts per verification -> count. k_used: draft length of each target call.
+    draft_s / target_s: wall time inside the proposer and inside verifying target forwards (the
+    rest of wall_s is the prompt's prefill and the loop's own work).
     """
 
     target_calls: int = 0
@@ -21,6 +23,8 @@ class SpecStats:
     accepted: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
     hist: Counter = field(default_factory=Counter)
     k_used: list[int] = field(default_factory=list)
 
@@ -61,6 +65,8 @@ class SpecStats:
             accepted=self.accepted + other.accepted,
             new_tokens=self.new_tokens + other.new_tokens,
             wall_s=self.wall_s + other.wall_s,
+            draft_s=self.draft_s + other.draft_s,
+            target_s=self.target_s + other.target_s,
             hist=self.hist + other.hist,
             k_used=self.k_used + other.k_used,
         )
@@ -78,6 +84,8 @@ class SpecStats:
             "accepted": self.accepted,
             "new_tokens": self.new_tokens,
             "wall_s": round(self.wall_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "target_s": round(self.target_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mean_k": round(sum(self.k_used) / len(self.k_used), 3) if self.k_used else 0.0,
         }
