@@ -26,6 +26,8 @@ per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -266,22 +268,31 @@ class BoundQGemm:
     panels: bool = False  # the panel layout (quantspec_cpu.qgemm_panel)
 
     def __call__(self, x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None):
+        # a decode step calls this hundreds of times: few tensor attribute reads, one op call
+        lead = x.shape[:-1]
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the layer takes {self.in_features}")
-        if not x.is_cpu or x.dtype not in DTYPES:
+        if x.dtype not in DTYPES or not x.is_cpu:
             raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         if x2.shape[0] >= DENSE_FROM_M:
             return CpuBackend().linear(x, p, self.scheme, self.out_features, self.in_features, bias)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         if self.panels:
-            y = torch.ops.quantspec_cpu.qgemm_panel.default(
-                x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits,
-                self.block, self.out_features)
+            y = _ops().qgemm_panel.default(x2, p["w"], p["scales"], p["zeros"], p["src"], bias,
+                                           self.bits, self.block, self.out_features)
         else:
-            y = torch.ops.quantspec_cpu.qgemm.default(
-                x2.contiguous(), p["w"], p["scales"], p["zeros"], p["src"], bias, self.bits,
-                self.block, True)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = _ops().qgemm.default(x2, p["w"], p["scales"], p["zeros"], p["src"], bias,
+                                     self.bits, self.block, True)
+        return y if len(lead) == 1 else y.view(*lead, self.out_features)
+
+
+@functools.cache
+def _ops():
+    """The extension's op namespace (looked up once: ``torch.ops`` attribute lookups cost
+    microseconds per call)."""
+    return torch.ops.quantspec_cpu
 
 
 class CpuBackend:

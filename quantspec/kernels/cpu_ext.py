@@ -62,7 +62,7 @@ def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm``
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
-    ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend`` and ``has_avx512f``), or None with one warning."""
+    ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and ``has_avx512f``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -133,6 +133,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::f32_gemv")
     def _f32_gemv_fake(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("quantspec_cpu::argmax_rows")
+    def _argmax_rows_fake(x):
+        return x.new_empty((x.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("quantspec_cpu::attend")
     def _attend_fake(q, k, v, cos, sin, kc, vc, lo, scale):

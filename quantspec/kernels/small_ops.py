@@ -14,6 +14,7 @@ against.
   cache without holes: rope on q and k, k and v written into the caches [B, KV, cap, D] at
   columns [lo, lo + t), causal attention of the t queries over columns [0, lo + t) with
   grouped-query heads; returns [B, t, H * D].
+- ``argmax(x)``: ``x.argmax(-1)`` (first maximum, NaN counts as the maximum) for fp32/bf16 logits.
 """
 
 from __future__ import annotations
@@ -88,3 +89,12 @@ def attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
         return torch.ops.quantspec_cpu.attend.default(q, k, v, cos, sin_signed, k_cache, v_cache, lo,
                                                       q.shape[-1] ** -0.5)
     return attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> int64 [...]: ``x.argmax(-1)``, through the extension for CPU fp32/bf16."""
+    if (x.dtype in (torch.float32, torch.bfloat16) and _ext_ok(x) and x.shape[-1] > 0
+            and x.numel() > 0 and torch.ops.quantspec_cpu.has_avx512f()):
+        lead = x.shape[:-1]
+        return torch.ops.quantspec_cpu.argmax_rows.default(x.reshape(-1, x.shape[-1])).reshape(lead)
+    return x.argmax(-1)

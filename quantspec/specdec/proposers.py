@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.small_ops import argmax
 from ..runtime.decoder import fast_decoder
 from .sampling import SamplingConfig, probs_from_logits, sample
 
@@ -93,7 +94,7 @@ class DraftModel:
             if i:
                 logits = self._decoder.forward([t for t in tokens[-1].unsqueeze(1)], keep=1)[:, -1]
             if sampling.greedy:
-                tokens.append(logits.argmax(-1))
+                tokens.append(argmax(logits))
             else:
                 q = probs_from_logits(logits, sampling)
                 probs.append(q)

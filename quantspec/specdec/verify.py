@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.small_ops import argmax
 from .sampling import sample
 
 
@@ -53,7 +54,7 @@ def verify_greedy(
     Returns ``(n_accepted [B] int64, next_token [B] int64)``: the target's argmax after the
     accepted prefix.
     """
-    best = target_logits.argmax(dim=-1)  # [B, k + 1]
+    best = argmax(target_logits)  # [B, k + 1]
     k = draft_tokens.shape[1]
     match = (draft_tokens == best[:, :k]) & _valid(draft_tokens, lengths)
     n = _leading_true(match)
