@@ -92,6 +92,45 @@ def test_quantized_checkpoint_as_self_draft(target, target_dir, tmp_path):
     assert stats.accepted > 0
 
 
+def _head(proposer):
+    return proposer.model.get_output_embeddings()
+
+
+def test_self_draft_head_and_dtype(target, target_dir, tmp_path):
+    """The draft's output head: 8 bits by default, the body's scheme, or dense; its dtype."""
+    import quantspec
+    from quantspec.kernels.quant_linear import QuantLinear
+    from quantspec.specdec.factory import draft_dtype
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    default = make_proposer("self:w4g32", target, tok, dtype=torch.float32)
+    assert isinstance(_head(default), QuantLinear) and _head(default).scheme.bits == 8
+    same = make_proposer("self:w4g32", target, tok, dtype=torch.float32, head="same")
+    assert _head(same).scheme.short_name == "w4g32"
+    dense = make_proposer("self:w4g32", target, tok, dtype=torch.float32, head="dense")
+    assert type(_head(dense)) is torch.nn.Linear
+    assert make_proposer("self:w4g32", target, tok, dtype="bfloat16").model.dtype == torch.bfloat16
+    assert draft_dtype(target, "float16") == torch.float16
+    assert draft_dtype(target.to(torch.bfloat16)) == torch.bfloat16  # not an fp32 target: its own
+    target.to(torch.float32)
+    with pytest.raises(QuantspecError, match="floating dtype"):
+        draft_dtype(target, "int8")
+    with pytest.raises(QuantspecError, match="64 inputs do not split into groups of 128"):
+        make_proposer("self:w4g32", target, tok, head="w8g128")
+
+    out = tmp_path / "ckpt"
+    quantspec.quantize(str(target_dir), "rtn-w4g128", out=out, progress=False)
+    ckpt = make_proposer(f"self:{out}", target, tok, dtype=torch.float32)
+    assert isinstance(_head(ckpt), QuantLinear) and ckpt.report["head"] == "w8gpc"
+    assert type(_head(make_proposer(f"self:{out}", target, tok, head="dense"))) is torch.nn.Linear
+    ids = torch.tensor([[5, 9, 17, 33, 5, 9]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    for fast in (True, False):
+        got, stats = speculative_generate(target, ckpt, ids, max_new_tokens=12, k=3, fast_verify=fast)
+        assert torch.equal(got, ref)
+        assert stats.draft_s > 0 and stats.target_s > 0
+
+
 def test_specdec_flags():
     parser = argparse.ArgumentParser()
     add_specdec_args(parser)
@@ -102,6 +141,9 @@ def test_specdec_flags():
     assert (s.temperature, s.top_k, s.top_p) == (0.7, 20, 0.9)
     assert not parser.parse_args(["--no-adaptive"]).adaptive
     assert sampling_from_args(parser.parse_args([])).greedy
+    defaults = parser.parse_args([])
+    assert (defaults.fast_verify, defaults.draft_dtype, defaults.draft_head) == (None, "auto", "w8gpc")
+    assert not parser.parse_args(["--no-fast-verify"]).fast_verify
 
 
 def test_bench_specdec_command(target_dir, tmp_path):

@@ -122,6 +122,26 @@ def test_greedy_batch_equals_target_generate(setup, case):
     assert sum(n * c for n, c in stats.hist.items()) == stats.accepted
 
 
+@pytest.mark.parametrize("fast_verify", [True, False])
+def test_verification_through_either_runtime(setup, fast_verify):
+    """The target verifies through the StaticDecoder and few-row products (default) or through
+    transformers' own forward: the same greedy output, batch and padding included."""
+    target, rows, refs, proposers = setup
+    ids, mask = left_pad(rows)
+    out, stats = speculative_generate(target, proposers["noisy-draft"], ids, mask, max_new_tokens=NEW,
+                                      k=3, fast_verify=fast_verify)
+    _check_rows(out, ids.shape[1], refs)
+    assert 0 < stats.target_s < stats.wall_s and 0 < stats.draft_s < stats.wall_s
+
+
+def test_k_zero_is_plain_decoding(setup):
+    target, rows, refs, proposers = setup
+    out, stats = speculative_generate(target, proposers["self-w4g32"], rows[1][None],
+                                      max_new_tokens=NEW, k=0)
+    assert torch.equal(out[0, len(rows[1]):], refs[1])
+    assert stats.draft_calls == 0 and stats.target_calls == NEW  # one token per target call
+
+
 def test_single_rows_and_acceptance(setup):
     """Batch 1, each prompt: exact output; the quantized self-draft saves target calls."""
     target, rows, refs, proposers = setup

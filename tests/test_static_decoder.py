@@ -238,6 +238,54 @@ def test_silu_mul_op_matches_torch_on_views_of_a_fused_product(dtype):
                           (torch.nn.functional.silu(odd) * odd).float(), rtol=tol, atol=tol)
 
 
+needs_avx512 = pytest.mark.skipif(
+    load_cpu_ext() is None or not torch.ops.quantspec_cpu.has_avx512f(),
+    reason="the CPU extension's attend and argmax_rows need AVX-512F (else torch's ops run)")
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,t,h,kv,d,lo", [
+    (1, 1, 9, 3, 64, 100),  # decode: one query, grouped heads
+    (2, 5, 4, 4, 32, 7),    # verification: 5 causal queries, no grouping
+    (1, 3, 8, 1, 128, 0),   # prefill from an empty cache, multi-query
+])
+def test_attend_op_matches_rope_cache_write_and_sdpa(dtype, tol, b, t, h, kv, d, lo):
+    """fp32: another summation order (1e-5); bf16: the output rounded once (2e-2 of max)."""
+    g = torch.Generator().manual_seed(b * 100 + t)
+    fused = torch.randn(b, t, (h + 2 * kv) * d, generator=g).to(dtype)
+    q, k, v = (x.view(b, t, -1, d) for x in fused.split([h * d, kv * d, kv * d], dim=-1))
+    cos = torch.randn(b, t, d, generator=g).to(dtype)
+    sin = small_ops.signed_sin(torch.randn(b, t, d, generator=g).to(dtype))
+    kc = torch.randn(b, kv, lo + t + 9, d, generator=g).to(dtype)
+    vc = torch.randn(b, kv, lo + t + 9, d, generator=g).to(dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    got = small_ops.attend(q, k, v, cos, sin, kc, vc, lo)
+    want = small_ops.attend_reference(q, k, v, cos, sin, kc_ref, vc_ref, lo)
+    assert got.shape == (b, t, h * d) and got.dtype == dtype
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    assert torch.equal(vc, vc_ref)  # values copied as they are, nothing else touched
+    # keys: the rope op's single rounding (the reference rounds twice)
+    assert torch.equal(kc[:, :, lo:lo + t], torch.ops.quantspec_cpu.rope.default(k, cos, sin).transpose(1, 2))
+    assert torch.equal(kc[:, :, :lo], kc_ref[:, :, :lo]) and torch.equal(kc[:, :, lo + t:], kc_ref[:, :, lo + t:])
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [17, 49152, 151936 + 3])
+def test_argmax_op_equals_torch_argmax(dtype, v):
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(6, v, generator=g).to(dtype)
+    x[1, -1] = 50.0           # the maximum in the scalar tail
+    x[2, :] = 1.0             # all tied: the first index
+    x[3, v // 2] = float("inf")
+    x[4, v // 3] = x[4, v - 2] = float("nan")  # NaN counts as the maximum, the first one wins
+    x[5, 3] = x[5, 9] = 99.0  # a tie of two maxima
+    want = x.argmax(-1)
+    assert torch.equal(small_ops.argmax(x), want)
+    assert torch.equal(small_ops.argmax(x.view(2, 3, v)), want.view(2, 3))
+
+
 @pytest.mark.parametrize("overrides", [
     {"num_key_value_heads": 1},                            # multi-query attention
     {"num_key_value_heads": 4},                            # no grouping

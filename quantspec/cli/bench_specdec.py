@@ -28,8 +28,9 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                    help="grow k while every draft is accepted, shrink it when fewer than half are")
-    g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="the target's dense Linears verify through quantspec's few-row CPU products")
+    g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="the target verifies through quantspec's static decoder and few-row CPU "
+                        "products (default: for fp32 targets; off: transformers' forward)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")

@@ -295,7 +295,7 @@ __attribute__((target("avx512f"))) void f32_tile(const float* x, const float* w,
 template <int MR>
 __attribute__((target("avx512f"))) void f32_rows(const float* x, int64_t K, const float* w,
                                                  int64_t n0, int64_t n1, float* y, int64_t N) {
-  constexpr int R = MR <= 2 ? 8 : (MR <= 4 ? 4 : 3);
+  constexpr int R = MR <= 2 ? 8 : (MR <= 6 ? 4 : 3);
   int64_t n = n0;
   for (; n + R <= n1; n += R) f32_tile<R, MR>(x, w + n * K, K, y + n, N);
   for (; n < n1; ++n) f32_tile<1, MR>(x, w + n * K, K, y + n, N);

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantspecError
-from .loop import speculative_generate
+from .loop import fast_verify_default, speculative_generate
 from .proposers import DraftModel, NGram, Proposer
 from .stats import SpecStats
 
@@ -88,7 +88,7 @@ def run_bench(
     chat: bool = True,
     hf: bool = True,
     progress=None,
-    fast_verify: bool = True,
+    fast_verify: bool | None = None,
 ) -> dict:
     """Greedy benchmark; returns a JSON-ready dict (per mode and per prompt).
 
@@ -98,6 +98,8 @@ def run_bench(
     without speculation.
     """
     device = next(target.parameters()).device
+    if fast_verify is None:
+        fast_verify = fast_verify_default(target)
     hf_kwargs = _hf_kwargs(proposer, k, adaptive) if hf else None
     modes = {"target": ModeResult(), "ours": ModeResult(stats=SpecStats())}
     if fast_verify:
@@ -131,7 +133,7 @@ def run_bench(
             modes["ours"].stats = modes["ours"].stats.merge(st)
             if fast_verify:
                 (out, st_fast), t_fast = _timed(lambda: speculative_generate(
-                    target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=0))
+                    target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=0, fast_verify=True))
                 _add(modes["target_fast"], st_fast.new_tokens, t_fast, _same(out, ref), row)
                 rec["target_fast_s"] = round(t_fast, 4)
             if hf_kwargs is not None:

@@ -69,6 +69,13 @@ def _verify(prop: Proposal, logits: torch.Tensor, sampling: SamplingConfig, gene
     return verify_sampling(prop.tokens, prop.probs, target_probs, prop.lengths, generator)
 
 
+def fast_verify_default(target: torch.nn.Module) -> bool:
+    """Verify through quantspec's runtime by default only for fp32 targets: in bf16 it left the
+    target's own greedy output on 5 of 8 prompts at near-ties (Qwen2.5-Coder-0.5B, logit gaps
+    <= 0.125), transformers' forward on 2 (benchmarks/results/specdec-cpu-xeon.md)."""
+    return next(target.parameters()).dtype == torch.float32
+
+
 def speculative_generate(
     target: torch.nn.Module,
     proposer: Proposer,
@@ -82,7 +89,7 @@ def speculative_generate(
     seed: int | None = None,
     pad_token_id: int | None = None,
     k_max: int = 16,
-    fast_verify: bool = True,
+    fast_verify: bool | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate with speculative decoding (Leviathan et al. 2023).
 
@@ -98,7 +105,9 @@ def speculative_generate(
     declared family (``runtime.fast_decoder``; logits equal transformers' within fp32 rounding),
     and dense Linears through the few-row products of ``kernels.dense`` where this CPU has them
     (torch's CPU matmul costs 2-3x more for the k + 1 rows of a verification than for one).
-    Off: transformers' own forward and matmuls.
+    False: transformers' own forward and matmuls. None (default): on for fp32 targets; off for
+    bf16/fp16 ones, whose greedy ties the runtime's fused ops (rounded once) break differently
+    from transformers' more often (see ``fast_verify_default``).
     """
     sampling = sampling or SamplingConfig()
     if k < 0 or (adaptive and k < 1):
@@ -119,6 +128,8 @@ def speculative_generate(
     decoder = fast_decoder(target) if fast_verify else KVDecoder(target)
     proposer.reset()
     start = time.perf_counter()
+    if fast_verify is None:
+        fast_verify = fast_verify_default(target)
     fast = few_row_linears(target) if fast_verify else contextlib.nullcontext()
     with torch.inference_mode(), fast:
         if any(s.numel() > 1 for s in seqs):
