@@ -19,10 +19,18 @@ against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from .cpu_ext import load_cpu_ext
+
+
+@functools.cache
+def _avx512() -> bool:
+    """The extension's attend and argmax_rows run here (looked up once)."""
+    return load_cpu_ext() is not None and bool(torch.ops.quantspec_cpu.has_avx512f())
 
 
 def _ext_ok(*tensors: torch.Tensor) -> bool:
@@ -83,8 +91,9 @@ def attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> tor
 def attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
     """q [B, t, H, D], k and v [B, t, KV, D] (views of a fused product allowed), cos and
     sin_signed [B, t, D], caches [B, KV, cap, D] (written) -> [B, t, H * D]."""
-    if (_ext_ok(q, k, v, cos, sin_signed, k_cache, v_cache) and q.shape[-1] % 16 == 0
-            and torch.ops.quantspec_cpu.has_avx512f() and k_cache.is_contiguous()
+    d = q.shape[-1]
+    if (_avx512() and _ext_ok(q, k, v, cos, sin_signed, k_cache, v_cache) and d % 16 == 0
+            and d <= 256 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and all(x.stride(-1) == 1 for x in (q, k, v))):
         return torch.ops.quantspec_cpu.attend.default(q, k, v, cos, sin_signed, k_cache, v_cache, lo,
                                                       q.shape[-1] ** -0.5)
@@ -93,8 +102,8 @@ def attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> int64 [...]: ``x.argmax(-1)``, through the extension for CPU fp32/bf16."""
-    if (x.dtype in (torch.float32, torch.bfloat16) and _ext_ok(x) and x.shape[-1] > 0
-            and x.numel() > 0 and torch.ops.quantspec_cpu.has_avx512f()):
+    if (x.dtype in (torch.float32, torch.bfloat16) and _avx512() and x.is_cpu
+            and x.numel() > 0):
         lead = x.shape[:-1]
         return torch.ops.quantspec_cpu.argmax_rows.default(x.reshape(-1, x.shape[-1])).reshape(lead)
     return x.argmax(-1)
