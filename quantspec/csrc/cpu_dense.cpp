@@ -10,11 +10,12 @@
 //   views of one fused product.
 // bf16_gemv(x [M, K] bf16, w [N, K] bf16) -> [M, N] bf16: x @ w.T with fp32 accumulation of exact
 //   bf16 products (AVX-512 BF16 vdpbf16ps), for the few-row products of decode, where torch's
-//   bf16 matmul streams the weight at a third of the memory bandwidth. Blocks of 64 rows of w
-//   are read from memory once for all rows of x. has_bf16_gemv() says whether this CPU runs it.
+//   bf16 matmul streams the weight at a third of the memory bandwidth. has_bf16_gemv() says
+//   whether this CPU runs it.
 // f32_gemv(x [M, K] fp32, w [N, K] fp32) -> [M, N] fp32: the same for fp32 (AVX-512F FMA), where
 //   torch's fp32 matmul costs 2-3x more for 5 rows than for one (the verification of k = 4
-//   speculative tokens): tiles of up to 8 rows of x by 3-8 rows of w, w read once per 8 rows.
+//   speculative tokens). Both: tiles of up to 8 rows of x by 3-8 rows of w, blocks of 48 rows of
+//   w read from memory once for every 8 rows of x.
 // attend(q [B, t, H, D], k [B, t, KV, D], v [B, t, KV, D], cos [B, t, D], sin [B, t, D], kc, vc
 //   [B, KV, cap, D], lo, scale) -> [B, t, H * D]: one decode step of a block's attention with
 //   no holes in the cache: rope (as rope() above) on q and k, k and v written into the caches at
@@ -175,79 +176,6 @@ bool cpu_has_bf16() {
 #endif
 }
 
-#ifdef QS_X86
-// acc[m][r] += x[m, k0:k0+32] . w[r, k0:k0+32] for R rows of w and MR rows of x; lanes masked
-// past K.
-template <int R, int MR>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_tile(
-    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, c10::BFloat16* y, int64_t ldy) {
-  __m512 acc[MR][R];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512i wv[R];
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
-      wv[r] = _mm512_loadu_si512(w + r * K + k);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512i xv = _mm512_loadu_si512(x + m * ldx + k);
-      for (int r = 0; r < R; ++r)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-    }
-  }
-  if (k < K) {
-    const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512i wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(tail, w + r * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(tail, x + m * ldx + k);
-      for (int r = 0; r < R; ++r)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
-}
-
-template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_rows(
-    const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, c10::BFloat16* y,
-    int64_t N) {
-  int64_t n = n0;
-  for (; n + 8 <= n1; n += 8) gemv_tile<8, MR>(x, K, w + n * K, K, y + n, N);
-  for (; n < n1; ++n) gemv_tile<1, MR>(x, K, w + n * K, K, y + n, N);
-}
-#endif
-
-torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "bf16_gemv: x [M, K] and w [N, K] disagree");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
-              "bf16_gemv: x and w must be bf16");
-  TORCH_CHECK(w.is_contiguous(), "bf16_gemv: w must be contiguous");
-  TORCH_CHECK(cpu_has_bf16(), "bf16_gemv needs AVX-512 BF16; use torch.matmul");
-  const torch::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kBFloat16));
-#ifdef QS_X86
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  // blocks of 64 rows of w, each read once for all rows of x (4 at a time)
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = 64 * b, n1 = std::min<int64_t>(N, n0 + 64);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) gemv_rows<4>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
-      for (; m < M; ++m) gemv_rows<1>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
-    }
-  });
-#endif
-  return y;
-}
-
 bool cpu_has_avx512f() {
 #ifdef QS_X86
   static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
@@ -258,81 +186,126 @@ bool cpu_has_avx512f() {
 }
 
 #ifdef QS_X86
-// y[m, r] = x[m, :] . w[r, :] for R rows of w and MR rows of x (fp32, lanes masked past K).
-template <int R, int MR>
-__attribute__((target("avx512f"))) void f32_tile(const float* x, const float* w, int64_t K,
-                                                 float* y, int64_t ldy) {
+#define QS_GEMV __attribute__((target("avx512f,avx512bw,avx512bf16")))
+// The element types of the few-row products: kStep elements per 512-bit register, loads (masked
+// past K), and the multiply-accumulate into 16 fp32 lanes (bf16: exact products, vdpbf16ps).
+struct F32Lanes {
+  using T = float;
+  using V = __m512;
+  static constexpr int kStep = 16;
+  QS_GEMV static V load(const T* p) { return _mm512_loadu_ps(p); }
+  QS_GEMV static V load_tail(const T* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  QS_GEMV static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+struct Bf16Lanes {
+  using T = uint16_t;
+  using V = __m512i;
+  static constexpr int kStep = 32;
+  QS_GEMV static V load(const T* p) { return _mm512_loadu_si512(p); }
+  QS_GEMV static V load_tail(const T* p, int64_t n) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+  }
+  QS_GEMV static __m512 fma(__m512 acc, V x, V w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+};
+
+// y[m, r] = x[m, :] . w[r, :] for R rows of w and MR rows of x, in fp32, rounded once to Out.
+template <class L, int R, int MR, typename Out>
+QS_GEMV void gemv_tile(const typename L::T* x, const typename L::T* w, int64_t K, Out* y,
+                       int64_t ldy) {
   __m512 acc[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[R];
+  for (; k + L::kStep <= K; k += L::kStep) {
+    typename L::V wv[R];
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
-      wv[r] = _mm512_loadu_ps(w + r * K + k);
+      wv[r] = L::load(w + r * K + k);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+      const typename L::V xv = L::load(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = L::fma(acc[m][r], xv, wv[r]);
     }
   }
   if (k < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + r * K + k);
+    typename L::V wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = L::load_tail(w + r * K + k, K - k);
     for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+      const typename L::V xv = L::load_tail(x + m * K + k, K - k);
+      for (int r = 0; r < R; ++r) acc[m][r] = L::fma(acc[m][r], xv, wv[r]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 // All MR rows of x against rows [n0, n1) of w in one pass: R rows of w per tile, R * MR <= 24
 // accumulators (of 32 registers).
-template <int MR>
-__attribute__((target("avx512f"))) void f32_rows(const float* x, int64_t K, const float* w,
-                                                 int64_t n0, int64_t n1, float* y, int64_t N) {
+template <class L, int MR, typename Out>
+QS_GEMV void gemv_rows(const typename L::T* x, int64_t K, const typename L::T* w, int64_t n0,
+                       int64_t n1, Out* y, int64_t N) {
   constexpr int R = MR <= 2 ? 8 : (MR <= 6 ? 4 : 3);
   int64_t n = n0;
-  for (; n + R <= n1; n += R) f32_tile<R, MR>(x, w + n * K, K, y + n, N);
-  for (; n < n1; ++n) f32_tile<1, MR>(x, w + n * K, K, y + n, N);
+  for (; n + R <= n1; n += R) gemv_tile<L, R, MR>(x, w + n * K, K, y + n, N);
+  for (; n < n1; ++n) gemv_tile<L, 1, MR>(x, w + n * K, K, y + n, N);
 }
 
-using F32Rows = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-constexpr F32Rows kF32Rows[8] = {f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>,
-                                 f32_rows<5>, f32_rows<6>, f32_rows<7>, f32_rows<8>};
-#endif
-
-torch::Tensor f32_gemv(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "f32_gemv: x [M, K] and w [N, K] disagree");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
-              "f32_gemv: x and w must be fp32");
-  TORCH_CHECK(w.is_contiguous(), "f32_gemv: w must be contiguous");
-  TORCH_CHECK(cpu_has_avx512f(), "f32_gemv needs AVX-512F; use torch.matmul");
-  const torch::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat));
-#ifdef QS_X86
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // blocks of 48 rows of w (108 KB at K = 576: in L2 while each group of 8 rows of x passes)
+template <class L, typename Out>
+void gemv_blocks(const typename L::T* x, const typename L::T* w, Out* y, int64_t M, int64_t K,
+                 int64_t N) {
+  using Rows = void (*)(const typename L::T*, int64_t, const typename L::T*, int64_t, int64_t,
+                        Out*, int64_t);
+  static constexpr Rows rows[8] = {gemv_rows<L, 1, Out>, gemv_rows<L, 2, Out>, gemv_rows<L, 3, Out>,
+                                   gemv_rows<L, 4, Out>, gemv_rows<L, 5, Out>, gemv_rows<L, 6, Out>,
+                                   gemv_rows<L, 7, Out>, gemv_rows<L, 8, Out>};
+  // blocks of 48 rows of w (108 KB fp32 at K = 576), each read from memory once: it stays in L2
+  // while every group of 8 rows of x passes over it
   at::parallel_for(0, (N + 47) / 48, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)),
                    [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = 48 * b, n1 = std::min<int64_t>(N, n0 + 48);
-      for (int64_t m = 0; m < M; m += 8) {
-        const int64_t mr = std::min<int64_t>(8, M - m);
-        kF32Rows[mr - 1](xp + m * K, K, wp, n0, n1, yp + m * N, N);
-      }
+      for (int64_t m = 0; m < M; m += 8)
+        rows[std::min<int64_t>(8, M - m) - 1](x + m * K, K, w, n0, n1, y + m * N, N);
     }
   });
+}
+#endif
+
+// x [M, K] @ w [N, K].T in x's dtype (bf16_gemv and f32_gemv): checks, output, dispatch.
+torch::Tensor few_row_gemv(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType dtype,
+                           const char* name, bool supported) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name,
+              ": x [M, K] and w [N, K] disagree");
+  TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, name, ": x and w must be ",
+              dtype);
+  TORCH_CHECK(w.is_contiguous(), name, ": w must be contiguous");
+  TORCH_CHECK(supported, name, " needs AVX-512 (with BF16 for bf16) on this CPU; use torch.matmul");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(dtype));
+#ifdef QS_X86
+  if (dtype == torch::kFloat) {
+    gemv_blocks<F32Lanes>(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+  } else {
+    gemv_blocks<Bf16Lanes>(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()),
+                           reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()),
+                           y.data_ptr<c10::BFloat16>(), M, K, N);
+  }
 #endif
   return y;
+}
+
+torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
+  return few_row_gemv(x, w, torch::kBFloat16, "bf16_gemv", cpu_has_bf16());
+}
+
+torch::Tensor f32_gemv(const torch::Tensor& x, const torch::Tensor& w) {
+  return few_row_gemv(x, w, torch::kFloat, "f32_gemv", cpu_has_avx512f());
 }
 
 #ifdef QS_X86
