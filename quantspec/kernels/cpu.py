@@ -27,7 +27,6 @@ per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch

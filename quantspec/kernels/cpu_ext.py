@@ -62,7 +62,8 @@ def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm``
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
-    ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and ``has_avx512f``), or None with one warning."""
+    ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
+    ``has_avx512f``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():

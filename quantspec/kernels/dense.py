@@ -26,7 +26,6 @@ GEMV_MAX_M = 8  # bf16: at 8 rows torch's matmul is as fast (measured 4096x4096,
 GEMV_MIN_M = {torch.bfloat16: 1, torch.float32: 2}
 
 
-
 @functools.cache
 def gemv_op(dtype: torch.dtype):
     """The extension's few-row product for weights of ``dtype`` on this CPU, or None."""

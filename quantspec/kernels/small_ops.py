@@ -82,7 +82,8 @@ def attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> tor
     k_cache[:, :, lo:lo + t] = k.transpose(1, 2)
     v_cache[:, :, lo:lo + t] = v.transpose(1, 2)
     total = lo + t
-    causal = torch.arange(total, device=q.device).unsqueeze(0) <= torch.arange(lo, total, device=q.device).unsqueeze(1)
+    cols, rows = torch.arange(total, device=q.device), torch.arange(lo, total, device=q.device)
+    causal = cols.unsqueeze(0) <= rows.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :total], v_cache[:, :, :total],
                                        attn_mask=causal, enable_gqa=h != k.shape[2])
     return o.transpose(1, 2).reshape(b, t, h * d)

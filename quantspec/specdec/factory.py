@@ -83,7 +83,8 @@ def draft_dtype(target: torch.nn.Module, dtype: torch.dtype | str | None = None)
     if isinstance(dtype, str) and dtype != "auto":
         value = getattr(torch, dtype, None)
         if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise QuantspecError(f"'{dtype}' is not a floating dtype.", "use auto, float32, bfloat16 or float16.")
+            raise QuantspecError(f"'{dtype}' is not a floating dtype.",
+                                 "use auto, float32, bfloat16 or float16.")
         return value
     if isinstance(dtype, torch.dtype):
         return dtype

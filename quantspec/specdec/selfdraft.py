@@ -129,7 +129,7 @@ class QuantizedSelf(DraftModel):
         model = load_quantized(path, dtype=dtype, device=device)
         report = {"backends": dict(getattr(model, "quantspec_backends", {}))}
         head = _head_name(model)
-        if head_scheme is not None and type(model.get_submodule(head)) is nn.Linear:
+        if head_scheme is not None and head is not None and type(model.get_submodule(head)) is nn.Linear:
             _check_head_scheme(model.get_submodule(head), head_scheme)
             report["backends"][head] = _quantize_linear(model, head, head_scheme, "gptq", "auto")
             report["head"] = head_scheme.short_name
