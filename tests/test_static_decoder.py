@@ -144,6 +144,21 @@ def test_fused_siblings_equal_separate_layers():
             assert mod.backend_name == "cpu"
 
 
+def test_quantized_target_verifies_without_losing_its_layouts():
+    """A speculative target's decoder is built per call unfused: its layers keep their layouts."""
+    from quantspec.specdec import NGram, speculative_generate
+
+    model = tiny_model("qwen2")
+    model, _ = quantize_in_memory(model, QuantScheme(bits=4, group_size=32, symmetric=False), backend="cpu")
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    ids = torch.tensor([[5, 9, 17, 33, 5, 9, 17]])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+    out, _ = speculative_generate(model, NGram(), ids, max_new_tokens=10, k=3, fast_verify=True)
+    assert torch.equal(out, ref)
+    assert all(m.backend_name == "cpu" for m in mods)
+    assert not any(blk.qkv.fused for blk in StaticDecoder(model, fuse=False).blocks)
+
+
 def test_siblings_with_different_schemes_run_separately():
     model, _ = quantize_in_memory(tiny_model("llama"), QuantScheme(bits=4, group_size=32), backend="cpu")
     attn = model.model.layers[0].self_attn

@@ -8,7 +8,8 @@ with that backend, the same scheme, input width, compute dtype and column order 
 otherwise it calls the layers one by one. Either way ``siblings(x)`` returns the layers' outputs
 in order, as the layers themselves would compute them. Fused layers release their own prepared
 layouts (``QuantLinear.release_prepared``), so memory holds one copy; called directly, such a
-layer prepares itself again.
+layer prepares itself again. ``fuse=False`` leaves the layers as they are (a model whose own
+forward runs between uses, e.g. a speculative target, would re-prepare them every time).
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ def _fusable(mods: list[nn.Module]) -> bool:
 class Siblings:
     """``mods`` (Linears of one input) as a callable: x [..., K] -> tuple of [..., N_i]."""
 
-    def __init__(self, mods: list[nn.Module]):
+    def __init__(self, mods: list[nn.Module], fuse: bool = True):
         self.mods = list(mods)
         self.sizes = [int(m.out_features) for m in self.mods]
         self._calls = [fast_linear(m) for m in self.mods]
         self._run = None
-        if _fusable(self.mods):
+        if fuse and _fusable(self.mods):
             results = [m.quant_result() for m in self.mods]
             if _same_columns(results):
                 self._fuse(stack_results(results))

@@ -57,7 +57,10 @@ class StaticDecoder:
     ``lengths[b]``: the real tokens row b holds in the cache.
     """
 
-    def __init__(self, model: nn.Module, family: DecoderFamily | None = None):
+    def __init__(self, model: nn.Module, family: DecoderFamily | None = None, fuse: bool = True):
+        """fuse: run q/k/v and gate/up of quantized layers as one product each (``Siblings``;
+        the layers' own layouts are released until they are called directly)."""
+        self.fuse = fuse
         self.family = family or family_of(model)
         arch = self.family.arch
         config = model.config
@@ -83,10 +86,10 @@ class StaticDecoder:
             window = getattr(config, "sliding_window", None)
         return _Block(
             attn_norm=get(fam.attn_norm).weight,
-            qkv=Siblings([get(n) for n in fam.qkv]),
+            qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),
             out=fast_linear(get(fam.out)),
             mlp_norm=get(fam.mlp_norm).weight,
-            gate_up=Siblings([get(n) for n in fam.gate_up]),
+            gate_up=Siblings([get(n) for n in fam.gate_up], fuse=self.fuse),
             down=fast_linear(get(fam.down)),
             q_norm=qn,
             k_norm=kn,
@@ -234,11 +237,11 @@ class StaticDecoder:
         self.mask = self.mask[:, : self.width]
 
 
-def fast_decoder(model: nn.Module):
+def fast_decoder(model: nn.Module, fuse: bool = True):
     """A StaticDecoder for a declared family, else transformers' forward (``specdec.kv.KVDecoder``);
     both take the same calls."""
     try:
-        return StaticDecoder(model)
+        return StaticDecoder(model, fuse=fuse)
     except QuantspecError:
         from ..specdec.kv import KVDecoder
 

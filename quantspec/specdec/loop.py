@@ -125,7 +125,8 @@ def speculative_generate(
     seqs = [p.to(device) for p in prompts]
     new: list[list[int]] = [[] for _ in seqs]
     done = [max_new_tokens <= 0] * len(seqs)
-    decoder = fast_decoder(target) if fast_verify else KVDecoder(target)
+    # built per call, the target's quantized layers unfused: its own forward stays as it was
+    decoder = fast_decoder(target, fuse=False) if fast_verify else KVDecoder(target)
     proposer.reset()
     start = time.perf_counter()
     if fast_verify is None:
