@@ -115,6 +115,8 @@ def test_self_draft_head_and_dtype(target, target_dir, tmp_path):
     target.to(torch.float32)
     with pytest.raises(QuantspecError, match="floating dtype"):
         draft_dtype(target, "int8")
+    with pytest.raises(QuantspecError, match="draft head 'int8' is not a scheme name"):
+        make_proposer("self:w4g32", target, tok, head="int8")
     with pytest.raises(QuantspecError, match="64 inputs do not split into groups of 128"):
         make_proposer("self:w4g32", target, tok, head="w8g128")
 

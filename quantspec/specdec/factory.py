@@ -40,6 +40,16 @@ def parse_scheme(text: str) -> QuantScheme:
     return QuantScheme(bits=int(m.group(1)), group_size=group, symmetric=not m.group(3))
 
 
+def _head_scheme(text: str) -> QuantScheme:
+    try:
+        return parse_scheme(text)
+    except QuantspecError:
+        raise QuantspecError(
+            f"draft head '{text}' is not a scheme name.",
+            "use e.g. w8gpc (the default), w4g32-asym, same (the body's) or dense.",
+        ) from None
+
+
 def _vocab_rows(model: torch.nn.Module) -> int:
     emb = model.get_output_embeddings()
     return int(emb.out_features if hasattr(emb, "out_features") else emb.weight.shape[0])
@@ -123,7 +133,7 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
     dtype = draft_dtype(target, dtype)
     if spec.startswith("self:"):
         rest = spec[len("self:"):]
-        head_scheme = None if head in ("same", "dense") else parse_scheme(head)
+        head_scheme = None if head in ("same", "dense") else _head_scheme(head)
         if Path(rest).expanduser().is_dir():
             prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target, dtype=dtype,
                                                  head_scheme=head_scheme)
