@@ -104,6 +104,13 @@ def load_cpu_ext() -> ModuleType | None:
 
 
 @functools.cache
+def ext_supports(flag: str) -> bool:
+    """Whether the extension is built here and its ``flag`` op (``has_bf16_gemv``,
+    ``has_avx512f``) says this CPU runs the ops behind it (looked up once)."""
+    return load_cpu_ext() is not None and bool(getattr(torch.ops.quantspec_cpu, flag)())
+
+
+@functools.cache
 def _register_fake() -> None:
     """Shapes for torch.compile of the extension's dispatcher op ``quantspec_cpu::qgemm``."""
 

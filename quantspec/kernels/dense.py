@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from .cpu_ext import load_cpu_ext
+from .cpu_ext import ext_supports
 
 GEMV_MAX_M = 8  # bf16: at 8 rows torch's matmul is as fast (measured 4096x4096, 49152x576)
 # fp32: torch's matmul (MKL) is as fast at one row; f32_gemv wins from two rows on
@@ -29,12 +29,11 @@ GEMV_MIN_M = {torch.bfloat16: 1, torch.float32: 2}
 @functools.cache
 def gemv_op(dtype: torch.dtype):
     """The extension's few-row product for weights of ``dtype`` on this CPU, or None."""
-    if dtype not in (torch.bfloat16, torch.float32) or load_cpu_ext() is None:
-        return None
-    ops = torch.ops.quantspec_cpu
     if dtype == torch.bfloat16:
-        return ops.bf16_gemv.default if ops.has_bf16_gemv() else None
-    return ops.f32_gemv.default if ops.has_avx512f() else None
+        return torch.ops.quantspec_cpu.bf16_gemv.default if ext_supports("has_bf16_gemv") else None
+    if dtype == torch.float32:
+        return torch.ops.quantspec_cpu.f32_gemv.default if ext_supports("has_avx512f") else None
+    return None
 
 
 class DenseGemv:

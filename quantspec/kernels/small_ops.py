@@ -19,18 +19,10 @@ against.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from .cpu_ext import load_cpu_ext
-
-
-@functools.cache
-def _avx512() -> bool:
-    """The extension's attend and argmax_rows run here (looked up once)."""
-    return load_cpu_ext() is not None and bool(torch.ops.quantspec_cpu.has_avx512f())
+from .cpu_ext import ext_supports, load_cpu_ext
 
 
 def _ext_ok(*tensors: torch.Tensor) -> bool:
@@ -93,17 +85,17 @@ def attend(q, k, v, cos, sin_signed, k_cache, v_cache, lo: int) -> torch.Tensor:
     """q [B, t, H, D], k and v [B, t, KV, D] (views of a fused product allowed), cos and
     sin_signed [B, t, D], caches [B, KV, cap, D] (written) -> [B, t, H * D]."""
     d = q.shape[-1]
-    if (_avx512() and _ext_ok(q, k, v, cos, sin_signed, k_cache, v_cache) and d % 16 == 0
+    if (ext_supports("has_avx512f") and _ext_ok(q, k, v, cos, sin_signed, k_cache, v_cache) and d % 16 == 0
             and d <= 256 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and all(x.stride(-1) == 1 for x in (q, k, v))):
         return torch.ops.quantspec_cpu.attend.default(q, k, v, cos, sin_signed, k_cache, v_cache, lo,
-                                                      q.shape[-1] ** -0.5)
+                                                      d ** -0.5)
     return attend_reference(q, k, v, cos, sin_signed, k_cache, v_cache, lo)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> int64 [...]: ``x.argmax(-1)``, through the extension for CPU fp32/bf16."""
-    if (x.dtype in (torch.float32, torch.bfloat16) and _avx512() and x.is_cpu
+    if (x.dtype in (torch.float32, torch.bfloat16) and ext_supports("has_avx512f") and x.is_cpu
             and x.numel() > 0):
         lead = x.shape[:-1]
         return torch.ops.quantspec_cpu.argmax_rows.default(x.reshape(-1, x.shape[-1])).reshape(lead)

@@ -165,6 +165,12 @@ def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
     return problems
 
 
+def head_name(model: nn.Module) -> str | None:
+    """The module name of ``model``'s output embeddings (the LM head), or None."""
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
 def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
     """``module.get_submodule(name)``, or None when there is no such submodule."""
     try:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import QuantspecError
+from .arch import head_name
 from .pack import checkpoint_state
 from .scheme import QuantResult
 
@@ -172,7 +173,7 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
     weights = LazyWeights(folder)
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
     inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
-    head = _head_name(model)
+    head = head_name(model)
     # The output head is not needed to calibrate: it is streamed to the checkpoint at the end
     # (unless the recipe quantizes it or it is tied to the embeddings).
     stream_head = head is not None and head not in plan.quantize and not model.config.tie_word_embeddings
@@ -219,16 +220,11 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
         write_manifest(tmp)
 
 
-def _head_name(model: nn.Module) -> str | None:
-    head = model.get_output_embeddings()
-    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-
-
 def _outside_keys(model: nn.Module, inside) -> list[str]:
     """State-dict keys outside the blocks; a tied output head is stored once (as the input)."""
     keys = [k for k in model.state_dict() if not inside(k)]
     if model.config.tie_word_embeddings:
-        head = _head_name(model)
+        head = head_name(model)
         keys = [k for k in keys if head is None or k != f"{head}.weight"]
     return keys
 

@@ -125,13 +125,16 @@ def speculative_generate(
     seqs = [p.to(device) for p in prompts]
     new: list[list[int]] = [[] for _ in seqs]
     done = [max_new_tokens <= 0] * len(seqs)
-    # built per call, the target's quantized layers unfused: its own forward stays as it was
-    decoder = fast_decoder(target, fuse=False) if fast_verify else KVDecoder(target)
-    proposer.reset()
-    start = time.perf_counter()
     if fast_verify is None:
         fast_verify = fast_verify_default(target)
-    fast = few_row_linears(target) if fast_verify else contextlib.nullcontext()
+    # built per call, the target's quantized layers unfused: its own forward stays as it was
+    decoder = fast_decoder(target, fuse=False) if fast_verify else KVDecoder(target)
+    # transformers' forward (an undeclared family) gets the few-row products by patching its
+    # Linears for the call; the StaticDecoder routes its own through them
+    fast = few_row_linears(target) if isinstance(decoder, KVDecoder) and fast_verify \
+        else contextlib.nullcontext()
+    proposer.reset()
+    start = time.perf_counter()
     with torch.inference_mode(), fast:
         if any(s.numel() > 1 for s in seqs):
             decoder.forward([s[:-1] for s in seqs], keep=1)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantspecError
+from ..quant.arch import head_name
 from ..quant.scheme import QuantScheme
 from .proposers import DraftModel
 
@@ -64,7 +65,7 @@ def quantize_in_memory(
     linearize_conv1d(draft)
     ignore = () if include_lm_head else ("lm_head",)
     plan = make_plan(draft, scheme, get_format(fmt), ignore=ignore)
-    head = _head_name(draft)
+    head = head_name(draft)
     if head_scheme is not None and head in plan.quantize:
         _check_head_scheme(draft.get_submodule(head), head_scheme)
         plan.quantize[head] = head_scheme
@@ -86,11 +87,6 @@ def _check_head_scheme(head: nn.Module, scheme: QuantScheme) -> None:
             f"the output head's {k} inputs do not split into groups of {scheme.group_size}.",
             "use a per-channel head scheme (e.g. w8gpc) or a group size that divides it.",
         )
-
-
-def _head_name(model: nn.Module) -> str | None:
-    head = model.get_output_embeddings()
-    return next((n for n, m in model.named_modules() if m is head), None)
 
 
 # The output head of a draft at 8 bits per channel: on SmolLM2-135M as lossless for agreement
@@ -128,7 +124,7 @@ class QuantizedSelf(DraftModel):
         dtype = dtype or next(target.parameters()).dtype
         model = load_quantized(path, dtype=dtype, device=device)
         report = {"backends": dict(getattr(model, "quantspec_backends", {}))}
-        head = _head_name(model)
+        head = head_name(model)
         if head_scheme is not None and head is not None and type(model.get_submodule(head)) is nn.Linear:
             _check_head_scheme(model.get_submodule(head), head_scheme)
             report["backends"][head] = _quantize_linear(model, head, head_scheme, "gptq", "auto")
