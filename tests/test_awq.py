@@ -99,6 +99,8 @@ def test_awq_options_validated():
     with pytest.raises(QuantspecError, match="grid"):
         AWQOptions(grid=1)
     assert Recipe.from_dict({"method": "awq", "awq": {"duo_scaling": False}}).awq.duo_scaling is False
+    with pytest.raises(QuantspecError, match="search_dtype"):
+        AWQSettings(search_dtype="fp8")
 
 
 def test_clip_by_bit_width_unless_set():
@@ -232,8 +234,11 @@ def _block_rel_error(method, block, name, inputs, kwargs, plan, arch, ref) -> fl
     return ((out - ref).pow(2).mean() / ref.pow(2).mean()).item()
 
 
-def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch):
-    """One real block (layer 2), 8 C4 samples x 256 tokens: AWQ's block-output error < RTN's.
+@pytest.mark.parametrize("search_dtype", ["float32", "bfloat16"])
+def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch, search_dtype):
+    """One real block (layer 2), 8 C4 samples x 256 tokens: AWQ's block-output error < RTN's,
+    with the searches' forward passes in fp32 and under bf16 autocast (whose weight-cast cache,
+    kept across candidates, would score every one with the first one's weights: AWQ == RTN).
 
     Measured (1024 search tokens): rel. MSE W4 g128 RTN 3.4e-3 -> AWQ 1.4e-3; W3 g128
     9.7e-3 -> 8.7e-3 (6.8e-3 with the default 2048)."""
@@ -255,7 +260,7 @@ def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch):
         scheme = QuantScheme(bits=bits, group_size=128, symmetric=False)
         plan = {f"{name}.{n}": scheme for n in arch.linear_names()}
         e_rtn = _block_rel_error(RTNMethod(), block, name, inputs, kwargs[bi], plan, arch, ref)
-        awq = AWQMethod(AWQSettings(search_tokens=1024))  # half the default sample: faster
+        awq = AWQMethod(AWQSettings(search_tokens=1024, search_dtype=search_dtype))  # a small sample: faster
         e_awq = _block_rel_error(awq, block, name, inputs, kwargs[bi], plan, arch, ref)
         # measured: W4 0.41x, W3 0.89x of RTN's error (o_proj cannot be smoothed: GQA)
         assert e_awq < (0.7 if bits == 4 else 0.95) * e_rtn, (bits, e_awq, e_rtn)

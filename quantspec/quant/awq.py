@@ -39,6 +39,8 @@ block's parameters}}``. Loading checks both fingerprints and skips the search.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -270,11 +272,37 @@ class AWQSettings:
     # inputs of the next block: the output of this block with its "float" weights (scaled,
     # unquantized, as AutoAWQ and llm-compressor do) or with its "quantized" weights
     propagate: str = "float"
+    # precision of the searches' forward passes over fp32 blocks: "bfloat16" runs their matrix
+    # products under bf16 autocast (the fake-quantized weights and the errors stay fp32), "auto"
+    # does so where the device multiplies bf16 natively (CPUs with AMX, CUDA GPUs with bf16)
+    search_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.propagate not in ("float", "quantized"):
             raise QuantspecError(f"AWQ propagate={self.propagate!r} is not float or quantized.",
                                  "use float (the default) or quantized.")
+        if self.search_dtype not in ("auto", "float32", "bfloat16"):
+            raise QuantspecError(f"AWQ search_dtype={self.search_dtype!r} is not auto, float32 or bfloat16.",
+                                 "use auto (the default), float32 or bfloat16.")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices in hardware (CPU: AMX tiles; CUDA: bf16)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and is_amx is not None and bool(is_amx())
+
+
+def search_precision(block: nn.Module, choice: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of contexts for a search's forward passes over ``block``: bf16 autocast for an
+    fp32 block when ``choice`` is bfloat16, or auto on a device with native bf16 products; else
+    no change. Enter a fresh one per evaluation: autocast caches each weight's bf16 copy until
+    its outermost context exits, and the searches write every candidate into the same weights."""
+    param = next(block.parameters())
+    if param.dtype == torch.float32 and (choice == "bfloat16" or (choice == "auto" and native_bf16(param.device))):
+        return functools.partial(torch.autocast, param.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def _parent_name(linear_names: tuple[str, ...]) -> str:
@@ -363,16 +391,19 @@ class _PairObjective:
     """loss(s) for one pair: MSE of the consuming module's output (the Linears' outputs when
     there is none) with ``Q(W*s)/s`` weights, against the float output. ``in_scale``: the
     pair's folded scale, when its Linears already hold ``W*s`` (the recorded inputs are then
-    divided by it, so the float output is unchanged)."""
+    divided by it, so the float output is unchanged). ``precision``: a factory of the context
+    that each evaluation runs in (``search_precision``)."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor | None,
-                 parent: _ParentCalls | None, in_scale: torch.Tensor | None = None):
-        self.pair, self.planned, self.x, self.parent = pair, planned, x, parent
+                 parent: _ParentCalls | None, in_scale: torch.Tensor | None = None,
+                 precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.pair, self.planned, self.x, self.parent, self.precision = pair, planned, x, parent, precision
         self.parent_inputs = parent.inputs() if parent is not None else None
         if in_scale is not None and self.parent_inputs is not None:
             self.parent_inputs = [x / in_scale.to(x) for x in self.parent_inputs]
         self.dense = {n: lin.weight.detach().clone() for n, lin in zip(pair.linear_names, pair.linears)}
-        self.ref = list(self._outputs())
+        with precision():
+            self.ref = list(self._outputs())
         self.count = sum(r.numel() for r in self.ref)
 
     def _outputs(self) -> Iterator[torch.Tensor]:
@@ -394,10 +425,11 @@ class _PairObjective:
                 if name in weights:
                     lin.weight.copy_(weights[name].to(lin.weight.dtype))
             total = 0.0
-            for out, ref in zip(self._outputs(), self.ref):
-                total += float((out - ref).pow(2).sum())
-                if total > limit:
-                    break
+            with self.precision():
+                for out, ref in zip(self._outputs(), self.ref):
+                    total += float((out - ref).pow(2).sum())
+                    if total > limit:
+                        break
             return total / self.count
         finally:
             for name, lin in zip(self.pair.linear_names, self.pair.linears):
@@ -410,14 +442,16 @@ class _PairObjective:
 
 def _keep_helpful_clips(pair: ResolvedPair, rel: dict[str, QuantScheme], x: torch.Tensor | None,
                         parent: _ParentCalls | None, scale: torch.Tensor | None,
-                        found: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor | None, float]]:
+                        found: dict[str, torch.Tensor],
+                        precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                        ) -> dict[str, tuple[torch.Tensor | None, float]]:
     """Keep a Linear's clip values only where they lower the pair's objective (the consuming
     module's output on whole calibration sequences, or the Linears' outputs on the search
     sample): the clip search minimises each group's partial output error on a smaller sample,
     which on some models (Qwen2.5 at 4 bits) raised perplexity. Greedy, in the pair's order.
     Returns {name: (clip or None, error without / error with)}."""
     planned = {n: rel[n] for n in pair.linear_names if n in rel}
-    objective = _PairObjective(pair, planned, x, parent, in_scale=scale)
+    objective = _PairObjective(pair, planned, x, parent, in_scale=scale, precision=precision)
     weights = {n: fake_quantize(objective.dense[n].float(), sc) for n, sc in planned.items()}
     best = objective.error(weights)
     kept = {}
@@ -574,11 +608,12 @@ class AWQMethod:
         # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
         samples = {n: st.sample for n, st in stats.items()}
         scales = []
+        precision = search_precision(block, opts.search_dtype)
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
             x = _spread(samples[key], opts.search_tokens) if parent is None else None
             planned = {n: rel[n] for n in p.linear_names if n in rel}
-            objective = _PairObjective(p, planned, x, parent)
+            objective = _PairObjective(p, planned, x, parent, precision=precision)
             w_mean = None
             if opts.awq.duo_scaling:
                 scheme = next(iter(planned.values()))
@@ -606,7 +641,7 @@ class AWQMethod:
         clips = {}
         for p, parent, s in self._clip_checks(block, pairs, parents, scales, found):
             x = None if parent is not None else _spread(samples[f"{block_name}.{p.linear_names[0]}"], opts.search_tokens)
-            for n, (clip, gain) in _keep_helpful_clips(p, rel, x, parent, s, found).items():
+            for n, (clip, gain) in _keep_helpful_clips(p, rel, x, parent, s, found, precision).items():
                 full = f"{block_name}.{n}"
                 self.info.setdefault(full, {})["clip_gain"] = gain
                 if clip is not None:
