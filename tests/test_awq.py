@@ -100,7 +100,7 @@ def test_awq_options_validated():
         AWQOptions(grid=1)
     assert Recipe.from_dict({"method": "awq", "awq": {"duo_scaling": False}}).awq.duo_scaling is False
     with pytest.raises(QuantspecError, match="search_dtype"):
-        AWQSettings(search_dtype="fp8")
+        AWQOptions(search_dtype="fp8")
 
 
 def test_clip_by_bit_width_unless_set():
@@ -260,7 +260,7 @@ def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch, sear
         scheme = QuantScheme(bits=bits, group_size=128, symmetric=False)
         plan = {f"{name}.{n}": scheme for n in arch.linear_names()}
         e_rtn = _block_rel_error(RTNMethod(), block, name, inputs, kwargs[bi], plan, arch, ref)
-        awq = AWQMethod(AWQSettings(search_tokens=1024, search_dtype=search_dtype))  # a small sample: faster
+        awq = AWQMethod(AWQSettings(AWQOptions(search_dtype=search_dtype), search_tokens=1024))  # small sample: faster
         e_awq = _block_rel_error(awq, block, name, inputs, kwargs[bi], plan, arch, ref)
         # measured: W4 0.41x, W3 0.89x of RTN's error (o_proj cannot be smoothed: GQA)
         assert e_awq < (0.7 if bits == 4 else 0.95) * e_rtn, (bits, e_awq, e_rtn)

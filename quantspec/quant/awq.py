@@ -275,18 +275,11 @@ class AWQSettings:
     # inputs of the next block: the output of this block with its "float" weights (scaled,
     # unquantized, as AutoAWQ and llm-compressor do) or with its "quantized" weights
     propagate: str = "float"
-    # precision of the searches' forward passes over fp32 blocks: "bfloat16" runs their matrix
-    # products under bf16 autocast (the fake-quantized weights and the errors stay fp32), "auto"
-    # does so where the device multiplies bf16 natively (CPUs with AMX, CUDA GPUs with bf16)
-    search_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.propagate not in ("float", "quantized"):
             raise QuantspecError(f"AWQ propagate={self.propagate!r} is not float or quantized.",
                                  "use float (the default) or quantized.")
-        if self.search_dtype not in ("auto", "float32", "bfloat16"):
-            raise QuantspecError(f"AWQ search_dtype={self.search_dtype!r} is not auto, float32 or bfloat16.",
-                                 "use auto (the default), float32 or bfloat16.")
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -611,7 +604,7 @@ class AWQMethod:
         # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
         samples = {n: st.sample for n, st in stats.items()}
         scales = []
-        precision = search_precision(block, opts.search_dtype)
+        precision = search_precision(block, opts.awq.search_dtype)
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
             x = _spread(samples[key], opts.search_tokens) if parent is None else None
