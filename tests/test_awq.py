@@ -20,6 +20,7 @@ from quantspec.quant.awq import (
     apply_clip,
     fake_quantize,
     method_from_recipe,
+    _block_errors,
     _capture_parents,
     _keep_helpful_clips,
     clip_wanted,
@@ -222,6 +223,27 @@ def test_clip_kept_only_where_it_lowers_the_pair_objective():
     assert kept["heavy"][0] is good and kept["heavy"][1] > 1.0
     assert kept["gauss"][0] is None and kept["gauss"][1] < 1.0
     assert torch.equal(heavy.weight, before[0]) and torch.equal(gauss.weight, before[1])  # restored
+
+
+def test_block_errors_with_and_without_clips():
+    """_block_errors: the block's output MSE with every planned Linear fake-quantized, without
+    and with clips; clips far below the weights' range raise it; the weights are restored."""
+    model = _tiny_llama()
+    arch = get_arch(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        x, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
+    block, kwargs = arch.block_list(model)[0], kwargs[0]
+    scheme = QuantScheme(bits=3, group_size=32, symmetric=False)
+    rel = {n: scheme for n in arch.linear_names()}
+    before = {n: block.get_submodule(n).weight.clone() for n in rel}
+    plain, same = _block_errors(block, rel, {}, x, kwargs)
+    assert plain > 0 and same == plain
+    w = block.mlp.down_proj.weight
+    crushed = 0.2 * w.reshape(w.shape[0], -1, 32).abs().amax(2)
+    plain2, clipped = _block_errors(block, rel, {"mlp.down_proj": crushed}, x, kwargs)
+    assert plain2 == plain and clipped > plain
+    assert all(torch.equal(block.get_submodule(n).weight, before[n]) for n in rel)
 
 
 def _block_rel_error(method, block, name, inputs, kwargs, plan, arch, ref) -> float:

@@ -275,6 +275,9 @@ class AWQSettings:
     # inputs of the next block: the output of this block with its "float" weights (scaled,
     # unquantized, as AutoAWQ and llm-compressor do) or with its "quantized" weights
     propagate: str = "float"
+    # keep a block's clips only if, together, they lower the whole block's output error on
+    # calibration sequences held out from the searches (up to this many; 0: no block check)
+    clip_check_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.propagate not in ("float", "quantized"):
@@ -464,6 +467,27 @@ def _keep_helpful_clips(pair: ResolvedPair, rel: dict[str, QuantScheme], x: torc
     return kept
 
 
+@torch.no_grad()
+def _block_errors(block: nn.Module, rel: dict[str, QuantScheme], clips: dict[str, torch.Tensor],
+                  inputs: torch.Tensor, kwargs: dict[str, Any]) -> tuple[float, float]:
+    """The block's output MSE on ``inputs`` with every planned Linear fake-quantized, without
+    and with ``clips`` (by relative name), against its float output."""
+    mods = {r: block.get_submodule(r) for r in rel}
+    dense = {r: m.weight.detach().clone() for r, m in mods.items()}
+    ref = block_forward(block, inputs, kwargs)
+    errors = []
+    try:
+        for use in ({}, clips):
+            for r, m in mods.items():
+                w = apply_clip(dense[r], use[r], rel[r]) if r in use else dense[r].float()
+                m.weight.copy_(fake_quantize(w, rel[r]).to(m.weight.dtype))
+            errors.append(float((block_forward(block, inputs, kwargs) - ref).float().pow(2).mean()))
+    finally:
+        for r, m in mods.items():
+            m.weight.copy_(dense[r])
+    return errors[0], errors[1]
+
+
 def _spread(x: torch.Tensor, t: int) -> torch.Tensor:
     """At most ``t`` rows of ``x`` [T, K], evenly spaced (the sample spans every sequence)."""
     if x.shape[0] <= t:
@@ -642,7 +666,18 @@ class AWQMethod:
                 self.info.setdefault(full, {})["clip_gain"] = gain
                 if clip is not None:
                     clips[full] = clip
-                    self._saved[f"{full}.clip"] = clip.cpu()
+        if clips and opts.clip_check_seqs:
+            total = inputs.shape[0]
+            held = [j for j in range(total) if j not in set(seqs)] or list(range(total))
+            held = [held[round(i)] for i in torch.linspace(0, len(held) - 1, min(len(held), opts.clip_check_seqs)).tolist()]
+            plain, clipped = _block_errors(block, rel, {f[len(block_name) + 1 :]: c for f, c in clips.items()},
+                                           inputs[held], kwargs)
+            for full in clips:
+                self.info[full]["clip_block_gain"] = plain / clipped if clipped > 0 else float("inf")
+            if clipped >= plain:
+                clips = {}
+        for full, clip in clips.items():
+            self._saved[f"{full}.clip"] = clip.cpu()
         return clips
 
     @staticmethod
