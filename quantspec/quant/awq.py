@@ -24,7 +24,9 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
    feed attention scores (q/k, fused qkv), as in the reference implementation. A Linear's clip
    values are kept only where they lower its pair's step-2 objective (the consuming module's
-   output on whole sequences; ``_keep_helpful_clips``), else it is quantized unclipped.
+   output on whole sequences; ``_keep_helpful_clips``), else it is quantized unclipped; then a
+   block's kept clips are dropped together unless they lower the whole block's output error on
+   held-out calibration sequences (``clip_check_seqs``, ``_block_errors``).
 5. RTN of the (scaled, clipped) weights -> QuantResult.
 
 Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``search_clip``,
@@ -276,8 +278,10 @@ class AWQSettings:
     # unquantized, as AutoAWQ and llm-compressor do) or with its "quantized" weights
     propagate: str = "float"
     # keep a block's clips only if, together, they lower the whole block's output error on
-    # calibration sequences held out from the searches (up to this many; 0: no block check)
-    clip_check_seqs: int = 0
+    # calibration sequences held out from the searches (up to this many; 0: no block check).
+    # W3, bf16 search, 40 windows: SmolLM2-135M g64 64.409 with the check, 64.939 without (fp32
+    # search); Qwen2.5-Coder-0.5B g128 76.997 with, 77.698 without (no clipping: 74.335)
+    clip_check_seqs: int = 8
 
     def __post_init__(self) -> None:
         if self.propagate not in ("float", "quantized"):
