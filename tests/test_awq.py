@@ -102,6 +102,8 @@ def test_awq_options_validated():
     assert Recipe.from_dict({"method": "awq", "awq": {"duo_scaling": False}}).awq.duo_scaling is False
     with pytest.raises(QuantspecError, match="search_dtype"):
         AWQOptions(search_dtype="fp8")
+    with pytest.raises(QuantspecError, match="clip_check_seqs"):
+        AWQSettings(clip_check_seqs=-1)
 
 
 def test_clip_by_bit_width_unless_set():

@@ -287,6 +287,9 @@ class AWQSettings:
         if self.propagate not in ("float", "quantized"):
             raise QuantspecError(f"AWQ propagate={self.propagate!r} is not float or quantized.",
                                  "use float (the default) or quantized.")
+        if self.clip_check_seqs < 0:
+            raise QuantspecError(f"AWQ clip_check_seqs={self.clip_check_seqs} is negative.",
+                                 "use 0 (no block check) or a number of sequences, e.g. 8.")
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -671,8 +674,8 @@ class AWQMethod:
                 if clip is not None:
                     clips[full] = clip
         if clips and opts.clip_check_seqs:
-            total = inputs.shape[0]
-            held = [j for j in range(total) if j not in set(seqs)] or list(range(total))
+            total, used = inputs.shape[0], set(seqs)
+            held = [j for j in range(total) if j not in used] or list(range(total))
             held = [held[round(i)] for i in torch.linspace(0, len(held) - 1, min(len(held), opts.clip_check_seqs)).tolist()]
             plain, clipped = _block_errors(block, rel, {f[len(block_name) + 1 :]: c for f, c in clips.items()},
                                            inputs[held], kwargs)
