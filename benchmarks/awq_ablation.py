@@ -74,9 +74,10 @@ def main() -> None:
         block0 = {n[len(first):]: {"alpha": r.get("awq_alpha"), "rel_mse": r.get("rel_mse"),
                        "clip_gain": r.get("clip_gain")}
                   for n, r in report.items() if n.startswith(first)}
+        check = next((r["clip_model_check"] for r in report.values() if "clip_model_check" in r), None)
         print(json.dumps({"variant": variant, "bits": args.bits, "group": args.group, "blocks": args.blocks,
                           "seconds": round(seconds, 1), "ppl": perplexity(model, data["eval"]),
-                          "block0": block0}), flush=True)
+                          "clip_model_check": check, "block0": block0}), flush=True)
 
 
 if __name__ == "__main__":

@@ -392,3 +392,88 @@ def test_end_to_end_quantize_load(tmp_path, method, fmt, scheme):
     assert torch.isfinite(a).all()
     rel = ((a - b).pow(2).mean() / b.pow(2).mean()).item()
     assert rel < 0.1, rel  # 4-bit g32 of a smoothed tiny model stays near the dense one
+
+
+def _w3_plan(model):
+    return {n: QuantScheme(3, 32, False) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n != "lm_head"}
+
+
+def _held_kl(model, ref_logits, ids):
+    with torch.no_grad():
+        lq = torch.log_softmax(model(ids).logits.float(), -1)
+    lp = torch.log_softmax(ref_logits, -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def test_model_level_clip_check_keeps_the_variant_closer_to_the_float_model():
+    """At 3 bits the clips kept by the block checks face a last, model-wide check: the held-out
+    sequences' next-token KL to the float model with and without them. The KLs it reports are
+    the whole quantized models' (the unclipped one equals a run with clipping off) and the
+    checkpoint holds the closer variant."""
+    torch.set_num_threads(1)
+    dense = _tiny_llama()
+    arch = get_arch(dense)
+    calib = torch.randint(3, 320, (24, 32), generator=torch.Generator().manual_seed(0))
+    plan = _w3_plan(dense)
+    settings = AWQSettings(search_tokens=128, clip_tokens=128, clip_check_seqs=4)
+    runs = {}
+    for tag, clip in (("default", None), ("no-clip", False)):
+        model, report = copy.deepcopy(dense), {}
+        method = AWQMethod(AWQSettings(**{**settings.__dict__, "awq": AWQOptions(clip=clip)}))
+        runs[tag] = (model, run_blockwise(model, arch, calib, method, plan, progress=False, report=report), report)
+    model, results, report = runs["default"]
+    checks = [r["clip_model_check"] for r in report.values() if "clip_model_check" in r]
+    assert checks, "no Linear kept clips through the block checks: the model check never ran"
+    check = checks[0]
+    held = [j for j in range(24) if j not in AWQMethod(settings)._search_seqs(torch.zeros(24, 32, 1))]
+    held = [held[round(i)] for i in torch.linspace(0, len(held) - 1, 4).tolist()]
+    with torch.no_grad():
+        ref = dense(calib[held]).logits.float()
+    kl_unclipped = _held_kl(runs["no-clip"][0], ref, calib[held])
+    kl_chosen = _held_kl(model, ref, calib[held])
+    assert check["kl_unclipped"] == pytest.approx(kl_unclipped, rel=1e-3)
+    assert kl_chosen == pytest.approx(min(check["kl_clipped"], check["kl_unclipped"]), rel=1e-3)
+    clipped = [n for n, r in report.items() if "clip_model_check" in r]
+    same = all(results[n].equal(runs["no-clip"][1][n]) for n in clipped)
+    assert same == (not check["kept"])
+    assert all(report[n]["clipped"] == check["kept"] for n in clipped)
+
+
+def test_model_level_clip_check_survives_resume(tmp_path):
+    """An interrupted AWQ run at 3 bits resumes to the same results: the held-out streams and
+    the unclipped alternatives of the finished blocks come back from the resume folder."""
+    torch.set_num_threads(1)
+    dense = _tiny_llama()
+    arch = get_arch(dense)
+    calib = torch.randint(3, 320, (24, 32), generator=torch.Generator().manual_seed(0))
+    plan = _w3_plan(dense)
+
+    def method():
+        return AWQMethod(AWQSettings(search_tokens=128, clip_tokens=128, clip_check_seqs=4))
+
+    answers = []
+
+    def choose_drop(m):  # the choice must reach the block finished before the interruption
+        real = m.prefer_alternative
+        m.prefer_alternative = lambda logits, n: (answers.append((real(logits, n), m.final_info)), True)[1]
+        return m
+
+    clean = run_blockwise(copy.deepcopy(dense), arch, calib, choose_drop(method()), plan, progress=False)
+    interrupted = copy.deepcopy(dense)
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    interrupted.model.layers[1].register_forward_pre_hook(stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_blockwise(interrupted, arch, calib, method(), plan, progress=False, resume_dir=str(tmp_path))
+    resumed = run_blockwise(copy.deepcopy(dense), arch, calib, choose_drop(method()), plan,
+                            progress=False, resume_dir=str(tmp_path))
+    assert set(resumed) == set(clean)
+    for n in clean:
+        assert clean[n].equal(resumed[n]), n
+    (a, info_a), (b, info_b) = answers  # the streams came back too: the same measured answer
+    assert a is not None and a == b and info_a == info_b
+    kept = run_blockwise(copy.deepcopy(dense), arch, calib, method(), plan, progress=False)
+    assert any(not kept[n].equal(clean[n]) for n in plan if n.startswith("model.layers.0."))

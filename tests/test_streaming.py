@@ -96,3 +96,41 @@ def test_streaming_peak_memory_below_model_size(tmp_path):
     probe = json.loads(r.stdout.strip().splitlines()[-1])
     grown = (probe["peak_kb"] - probe["base_kb"]) * 1024
     assert grown < 0.5 * size, (grown, size)
+
+
+def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):
+    """AWQ at 3 bits ends with a model-wide choice (keep or drop the clips): the streaming
+    path writes the unclipped alternatives aside and applies the choice as the in-memory path
+    does; dropping equals a run with clipping off, and nothing is left aside."""
+    from quantspec.quant.awq import AWQMethod
+    from quantspec.quant.recipe import AWQOptions
+
+    torch.set_num_threads(1)
+    tiny = make_tiny_model(tmp_path, "llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
+    calibration = CalibrationConfig(data=str(text), samples=12, seqlen=32)
+    scheme = QuantScheme(3, 32, symmetric=False)
+    real = AWQMethod.prefer_alternative
+    out = {}
+    for drop in (False, True):
+        def forced(self, logits, n_blocks, drop=drop):
+            assert real(self, logits, n_blocks) is not None  # the check covered every block
+            return drop
+
+        monkeypatch.setattr(AWQMethod, "prefer_alternative", forced)
+        recipe = Recipe(name="t", method="awq", format="compressed-tensors", scheme=scheme, calibration=calibration)
+        for streaming in (False, True):
+            res = quantspec.quantize(str(tiny), recipe, tmp_path / f"{drop}-{streaming}", progress=False,
+                                     streaming=streaming)
+            assert not (res.out / ".alternatives").exists()
+            out[drop, streaming] = tensors(res.out)
+    monkeypatch.setattr(AWQMethod, "prefer_alternative", real)
+    off = Recipe(name="t", method="awq", format="compressed-tensors", scheme=scheme, calibration=calibration,
+                 awq=AWQOptions(clip=False))
+    out["off"] = tensors(quantspec.quantize(str(tiny), off, tmp_path / "off", progress=False, streaming=True).out)
+    for drop in (False, True):
+        assert out[drop, False].keys() == out[drop, True].keys()
+        assert all(torch.equal(out[drop, False][k], out[drop, True][k]) for k in out[drop, False]), drop
+    assert all(torch.equal(out[True, True][k], out["off"][k]) for k in out["off"])
+    assert not all(torch.equal(out[False, True][k], out["off"][k]) for k in out["off"])

@@ -26,7 +26,13 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    values are kept only where they lower its pair's step-2 objective (the consuming module's
    output on whole sequences; ``_keep_helpful_clips``), else it is quantized unclipped; then a
    block's kept clips are dropped together unless they lower the whole block's output error on
-   held-out calibration sequences (``clip_check_seqs``, ``_block_errors``).
+   held-out calibration sequences (``clip_check_seqs``, ``_block_errors``). Last, on the whole
+   model (``clip_model_check``): those held-out sequences run through every block twice more,
+   quantized with and without the kept clips; after the last block the variant whose
+   next-token distribution is closer (KL) to the float model's is kept, model-wide (the
+   calibration engine's ``alternative`` / ``prefer_alternative``). A block-local error can
+   favour clips that raise the model's loss (Qwen2.5-Coder-0.5B W3 g128), and not others
+   (SmolLM2-135M W3 g64): the model-level check tells them apart.
 5. RTN of the (scaled, clipped) weights -> QuantResult.
 
 Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``search_clip``,
@@ -282,6 +288,9 @@ class AWQSettings:
     # W3, bf16 search, 40 windows: SmolLM2-135M g64 64.409 with the check, 64.939 without (fp32
     # search); Qwen2.5-Coder-0.5B g128 76.997 with, 77.698 without (no clipping: 74.335)
     clip_check_seqs: int = 8
+    # then keep the kept clips only if, on the whole model, they bring the next-token
+    # distribution on those held-out sequences closer to the float model's than no clipping
+    clip_model_check: bool = True
 
     def __post_init__(self) -> None:
         if self.propagate not in ("float", "quantized"):
@@ -474,25 +483,59 @@ def _keep_helpful_clips(pair: ResolvedPair, rel: dict[str, QuantScheme], x: torc
     return kept
 
 
+@contextlib.contextmanager
+def _fake_quantized(block: nn.Module, rel: dict[str, QuantScheme]) -> Iterator[Callable[[dict], None]]:
+    """Within: ``use(clips)`` writes every planned Linear (by relative name) fake-quantized
+    into ``block``, clamped first where ``clips`` has its clip values; on exit the float
+    weights are back."""
+    mods = {r: block.get_submodule(r) for r in rel}
+    dense = {r: m.weight.detach().clone() for r, m in mods.items()}
+
+    def use(clips: dict[str, torch.Tensor]) -> None:
+        for r, m in mods.items():
+            w = apply_clip(dense[r], clips[r], rel[r]) if r in clips else dense[r].float()
+            m.weight.copy_(fake_quantize(w, rel[r]).to(m.weight.dtype))
+
+    try:
+        yield use
+    finally:
+        with torch.no_grad():
+            for r, m in mods.items():
+                m.weight.copy_(dense[r])
+
+
 @torch.no_grad()
 def _block_errors(block: nn.Module, rel: dict[str, QuantScheme], clips: dict[str, torch.Tensor],
                   inputs: torch.Tensor, kwargs: dict[str, Any]) -> tuple[float, float]:
     """The block's output MSE on ``inputs`` with every planned Linear fake-quantized, without
     and with ``clips`` (by relative name), against its float output."""
-    mods = {r: block.get_submodule(r) for r in rel}
-    dense = {r: m.weight.detach().clone() for r, m in mods.items()}
     ref = block_forward(block, inputs, kwargs)
     errors = []
-    try:
-        for use in ({}, clips):
-            for r, m in mods.items():
-                w = apply_clip(dense[r], use[r], rel[r]) if r in use else dense[r].float()
-                m.weight.copy_(fake_quantize(w, rel[r]).to(m.weight.dtype))
+    with _fake_quantized(block, rel) as use:
+        for chosen in ({}, clips):
+            use(chosen)
             errors.append(float((block_forward(block, inputs, kwargs) - ref).float().pow(2).mean()))
-    finally:
-        for r, m in mods.items():
-            m.weight.copy_(dense[r])
     return errors[0], errors[1]
+
+
+@torch.no_grad()
+def mean_kl(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over tokens of KL(softmax(logits(ref)) || softmax(logits(other))), hidden states
+    [n, L, H] each, one sequence at a time."""
+    total, count = 0.0, 0
+    for a, b in zip(ref.split(1), other.split(1)):
+        lp = torch.log_softmax(logits(a).float(), dim=-1)
+        lq = torch.log_softmax(logits(b).float(), dim=-1)
+        total += float((lp.exp() * (lp - lq)).sum(-1).sum())
+        count += lp.shape[0] * lp.shape[1]
+    return total / max(count, 1)
+
+
+def _held_out(total: int, used: set[int], k: int) -> list[int]:
+    """Up to ``k`` of the ``total`` calibration sequences, evenly spread, avoiding ``used``
+    (all of them when every sequence is used)."""
+    held = [j for j in range(total) if j not in used] or list(range(total))
+    return [held[round(i)] for i in torch.linspace(0, len(held) - 1, min(len(held), k)).tolist()]
 
 
 def _spread(x: torch.Tensor, t: int) -> torch.Tensor:
@@ -529,6 +572,13 @@ class AWQMethod:
         self._block_fps: dict[str, str] = {}
         self._loaded: tuple[dict[str, torch.Tensor], dict] | None = None
         self.outputs: torch.Tensor | None = None
+        # the model-level clip check: held-out sequences through the float, unclipped and
+        # clipped quantized blocks so far; the clipped Linears; their unclipped results
+        self._streams: dict[str, torch.Tensor] | None = None
+        self._streamed_blocks = 0
+        self._clipped: list[str] = []
+        self.alternative: dict[str, QuantResult] | None = None
+        self.final_info: dict[str, dict] = {}
 
     # -- scales file ------------------------------------------------------------------------
     def _load_file(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -571,7 +621,7 @@ class AWQMethod:
         plan: dict[str, QuantScheme],
         arch: ArchSpec,
     ) -> dict[str, QuantResult]:
-        self.info, self.outputs = {}, None
+        self.info, self.outputs, self.alternative = {}, None, None
         t0 = time.perf_counter()
         rel = {n[len(block_name) + 1 :]: s for n, s in plan.items()}
         pairs, skipped = resolve_pairs(block, arch)
@@ -594,12 +644,89 @@ class AWQMethod:
             mod = block.get_submodule(name[len(block_name) + 1 :])
             results[name] = awq_quantize(mod.weight, scheme, clips.get(name), self.scale_dtype)
             self.info.setdefault(name, {})["clipped"] = name in clips
+        if self._checks_model(rel):
+            self._advance_streams(block, block_name, inputs, kwargs, rel, clips)
+            if clips:
+                self._clipped += list(clips)
+                self.alternative = {n: awq_quantize(block.get_submodule(n[len(block_name) + 1 :]).weight,
+                                                    plan[n], None, self.scale_dtype) for n in clips}
         for name in results:
             self.info[name]["awq_seconds"] = time.perf_counter() - t0
         if skipped:
             for name in results:
                 self.info[name]["smoothing_skipped"] = skipped
         return results
+
+    # -- model-level clip check ---------------------------------------------------------------
+    def may_offer_alternatives(self, plan: dict[str, QuantScheme]) -> bool:
+        """Whether quantizing ``plan`` (names -> schemes) may end with the model-level clip
+        check (it needs the model's head at the end)."""
+        opts = self.options
+        if not (opts.clip_model_check and opts.clip_check_seqs and opts.quantize):
+            return False
+        if opts.awq.load_scales:
+            return any(k.endswith(".clip") for k in self._load_file()[0])
+        return any(clip_wanted(opts.awq.clip, sc) and not n.endswith(tuple(opts.clip_skip)) for n, sc in plan.items())
+
+    def _checks_model(self, rel: dict[str, QuantScheme]) -> bool:
+        """Whether to run the held-out streams through this block: from the first block on,
+        when its Linears may be clipped."""
+        return self._streams is not None or self.may_offer_alternatives(rel)
+
+    @torch.no_grad()
+    def _advance_streams(self, block, block_name, inputs, kwargs, rel, clips) -> None:
+        """Run the held-out sequences through ``block``: float, quantized without clips, and
+        quantized with this block's kept clips (each stream from its own inputs)."""
+        if self._streams is None:
+            held = _held_out(inputs.shape[0], set(self._search_seqs(inputs)), self.options.clip_check_seqs)
+            self._streams = {k: inputs[held] for k in ("float", "plain", "clipped")}
+        precision = search_precision(block, self.options.awq.search_dtype)
+        with precision():
+            new = {"float": block_forward(block, self._streams["float"], kwargs)}
+        with _fake_quantized(block, rel) as use:
+            for tag, chosen in (("plain", {}), ("clipped", {f[len(block_name) + 1 :]: c for f, c in clips.items()})):
+                use(chosen)
+                with precision():
+                    new[tag] = block_forward(block, self._streams[tag], kwargs)
+        self._streams = {k: v.to(self._streams[k].dtype) for k, v in new.items()}
+        self._streamed_blocks += 1
+
+    @torch.no_grad()
+    def prefer_alternative(self, logits: Callable[[torch.Tensor], torch.Tensor], n_blocks: int) -> bool | None:
+        """After the last block: True (drop every clip) when the quantized model without clips
+        is closer to the float model (mean next-token KL on the held-out sequences) than with
+        them; None when the streams did not cover every block (the clips stay)."""
+        self.final_info = {}
+        if self._streams is None or self._streamed_blocks != n_blocks or not self._clipped:
+            return None
+        s = self._streams
+        kl_clip, kl_plain = mean_kl(logits, s["float"], s["clipped"]), mean_kl(logits, s["float"], s["plain"])
+        drop = kl_plain < kl_clip
+        check = {"kl_clipped": kl_clip, "kl_unclipped": kl_plain, "kept": not drop}
+        self.final_info = {n: {"clip_model_check": check, "clipped": not drop} for n in self._clipped}
+        return drop
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What the model-level check carries between blocks (for resumed runs)."""
+        if self._streams is None:
+            return {}
+        names = torch.frombuffer(bytearray(json.dumps(self._clipped).encode()), dtype=torch.uint8)
+        return {**{f"stream.{k}": v for k, v in self._streams.items()},
+                "streamed_blocks": torch.tensor([self._streamed_blocks]), "clipped_names": names}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        streams = {k[len("stream.") :]: v for k, v in state.items() if k.startswith("stream.")}
+        if not streams:
+            return
+        self._streams = streams
+        self._streamed_blocks = int(state["streamed_blocks"][0])
+        self._clipped = json.loads(bytes(state["clipped_names"].tolist()).decode())
+
+    def _search_seqs(self, inputs: torch.Tensor) -> list[int]:
+        """The calibration sequences the searches run on (``search_tokens`` worth, spread)."""
+        n, seqlen = inputs.shape[0], inputs.shape[1]
+        n_seq = min(n, max(1, -(-self.options.search_tokens // seqlen)))
+        return torch.linspace(0, n - 1, n_seq).round().long().unique().tolist()
 
     def _apply_loaded(self, block_name, fp, pairs) -> dict[str, torch.Tensor]:
         tensors, meta = self._load_file()
@@ -623,9 +750,7 @@ class AWQMethod:
 
     def _search(self, block, block_name, inputs, kwargs, rel, pairs) -> dict[str, torch.Tensor]:
         opts = self.options
-        n, seqlen = inputs.shape[0], inputs.shape[1]
-        n_seq = min(n, max(1, -(-opts.search_tokens // seqlen)))
-        seqs = torch.linspace(0, n - 1, n_seq).round().long().unique().tolist()
+        seqs = self._search_seqs(inputs)
         parents = _capture_parents(block, inputs, kwargs, pairs, seqs)
         modules = {f"{block_name}.{p.linear_names[0]}": p.linears[0] for p in pairs}
         clip_mods = {f"{block_name}.{r}": block.get_submodule(r) for r, scheme in rel.items()
@@ -674,9 +799,7 @@ class AWQMethod:
                 if clip is not None:
                     clips[full] = clip
         if clips and opts.clip_check_seqs:
-            total, used = inputs.shape[0], set(seqs)
-            held = [j for j in range(total) if j not in used] or list(range(total))
-            held = [held[round(i)] for i in torch.linspace(0, len(held) - 1, min(len(held), opts.clip_check_seqs)).tolist()]
+            held = _held_out(inputs.shape[0], set(seqs), opts.clip_check_seqs)
             plain, clipped = _block_errors(block, rel, {f[len(block_name) + 1 :]: c for f, c in clips.items()},
                                            inputs[held], kwargs)
             for full in clips:

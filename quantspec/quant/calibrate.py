@@ -52,6 +52,14 @@ class BlockMethod(Protocol):
     the engine's); ``outputs``, when not None, the next block's inputs, which the engine then
     takes instead of replaying the block with the dequantized weights (GPTQ's from its single
     pass; AWQ's, by default, the float block's output).
+
+    A method may also offer a second choice for some layers, made at the end on the whole model:
+    ``alternative`` (after ``process_block``: {name: QuantResult} for some of the block's layers,
+    or None) and ``prefer_alternative(logits, n_blocks) -> bool | None``, called once after the
+    last block with ``logits(h)`` (the model's final norm and head on hidden states [n, L, H]);
+    True swaps every offered alternative in (AWQ: its clipping, kept or dropped model-wide).
+    ``final_info`` (per-layer details of that choice) is merged into the report, and for resumed
+    runs ``state_tensors()`` / ``load_state_tensors(d)`` carry what the choice needs.
     """
 
     def process_block(
@@ -256,6 +264,8 @@ def run_blockwise(
     report: dict | None = None,
     on_block_start: Callable[[int, nn.Module], None] | None = None,
     on_block_end: Callable[[int, nn.Module, dict[str, QuantResult]], None] | None = None,
+    on_block_alternative: Callable[[int, nn.Module, dict[str, QuantResult]], None] | None = None,
+    on_choice: Callable[[bool], None] | None = None,
 ) -> dict[str, QuantResult]:
     """Quantize the planned Linears of ``model`` block by block; returns results by full name.
 
@@ -272,6 +282,9 @@ def run_blockwise(
     (e.g. to read its weights lazily) and ``on_block_end(i, block, results)`` after it is done
     (e.g. to write its packed tensors and release it); with ``on_block_end`` set, results are
     handed over block by block and not accumulated (the return value is empty).
+    A method's alternatives (``BlockMethod``) then go to ``on_block_alternative(i, block,
+    results with the alternatives swapped in)`` before ``on_block_end``, and the final choice
+    to ``on_choice(use_alternatives)``; without ``on_block_alternative`` no choice is made.
     """
     from tqdm.auto import tqdm
 
@@ -285,6 +298,8 @@ def run_blockwise(
     blocks = arch.block_list(model)
     report = {} if report is None else report
     results: dict[str, QuantResult] = {}
+    alternatives: dict[str, QuantResult] = {}
+    offered = False
     state = None
     if resume_dir is not None:
         fp = fingerprint(model, arch, plan, method_description(method), calib_ids)
@@ -295,7 +310,10 @@ def run_blockwise(
         start = 0
         if state is not None and state.done > 0:
             start = state.done
-            inputs = state.restore(blocks, arch, results, report).to(device)
+            inputs = state.restore(blocks, arch, results, report, alternatives).to(device)
+            offered = bool(alternatives)
+            if state.method_state and hasattr(method, "load_state_tensors"):
+                method.load_state_tensors(state.method_state)
         bar = tqdm(total=len(blocks), initial=start, disable=not progress, desc="quantize", unit="block")
         for i in range(start, len(blocks)):
             block, name = blocks[i], arch.block_name(i)
@@ -319,6 +337,14 @@ def run_blockwise(
                     errors = _replay(block, name, inputs[:ERROR_SAMPLES], kwargs[i], need)[1] if need else {}
                     inputs = outputs
                 block_results = {n: _to_device(r, home) for n, r in block_results.items()}
+                alt = getattr(method, "alternative", None) if block_results else None
+                alt = {n: _to_device(r, home) for n, r in alt.items()} if alt else None
+                if alt:
+                    offered = True
+                    if on_block_end is None:
+                        alternatives.update(alt)
+                    elif on_block_alternative is not None:
+                        on_block_alternative(i, block, {**block_results, **alt})
                 for n in block_results:
                     report.setdefault(n, {}).update(
                         {"block": i, "rel_mse": errors.get(n), "block_seconds": seconds, **info.get(n, {})}
@@ -326,14 +352,53 @@ def run_blockwise(
                 if on_block_end is None:
                     results.update(block_results)
                 if state is not None:
-                    state.save_block(i, name, block, before, block_results, inputs, report)
+                    method_state = method.state_tensors() if hasattr(method, "state_tensors") else None
+                    state.save_block(i, name, block, before, block_results, inputs, report, alt, method_state)
             finally:
                 block.to(home)
             if on_block_end is not None:
                 on_block_end(i, block, block_results)
             bar.update(1)
         bar.close()
+        if offered and (on_block_end is None or on_block_alternative is not None):
+            _final_choice(model, arch, method, results, alternatives, len(blocks), report, on_choice)
     return results
+
+
+def final_logits(model: nn.Module, arch: ArchSpec) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``logits(h)``: the model's final norm and head (ArchSpec names) on hidden states
+    [n, L, H] (on the head's device and dtype); None when the model lacks either."""
+    try:
+        norm, head = model.get_submodule(arch.final_norm), model.get_submodule(arch.lm_head)
+    except AttributeError:
+        return None
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.is_meta:
+        return None
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        return head(norm(h.to(weight.device, weight.dtype)))
+
+    return logits
+
+
+def _final_choice(model, arch, method, results, alternatives, n_blocks, report, on_choice) -> None:
+    """Ask the method whether its alternatives win on the whole model; swap them in if so."""
+    prefer = getattr(method, "prefer_alternative", None)
+    logits = final_logits(model, arch)
+    if prefer is None or logits is None:
+        return
+    use = bool(prefer(logits, n_blocks))
+    for name, extra in (getattr(method, "final_info", None) or {}).items():
+        report.setdefault(name, {}).update(extra)
+    if use and alternatives:
+        results.update({n: r for n, r in alternatives.items() if n in results})
+        with torch.no_grad():
+            for name, res in alternatives.items():
+                mod = model.get_submodule(name)
+                mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
+    if on_choice is not None:
+        on_choice(use)
 
 
 def _process(method, block, name, inputs, kwargs, plan, arch) -> dict[str, QuantResult]:

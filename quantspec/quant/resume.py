@@ -103,7 +103,11 @@ class ResumeState:
         results: dict[str, QuantResult],
         next_inputs: torch.Tensor,
         report: dict,
+        alternative: dict[str, QuantResult] | None = None,
+        method_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``alternative``: the method's second choice for some layers (saved as ``alt.*``);
+        ``method_state``: what the method carries from block to block (``method.*``)."""
         quantized = {n[len(block_name) + 1 :] + ".weight" for n in results}
         tensors: dict[str, torch.Tensor] = {}
         for key, value in block.state_dict().items():
@@ -113,8 +117,15 @@ class ResumeState:
             for f in _FIELDS:
                 if getattr(res, f) is not None:
                     tensors[f"{name}.{f}"] = getattr(res, f)
+        for name, res in (alternative or {}).items():
+            for f in _FIELDS:
+                if getattr(res, f) is not None:
+                    tensors[f"alt.{name}.{f}"] = getattr(res, f)
+        tensors.update({f"method.{k}": v for k, v in (method_state or {}).items()})
         schemes = json.dumps({n: r.scheme.to_dict() for n, r in results.items()})
-        _atomic_save(tensors, self.dir / f"block_{index:04d}.safetensors", {"schemes": schemes})
+        alt_schemes = json.dumps({n: r.scheme.to_dict() for n, r in (alternative or {}).items()})
+        _atomic_save(tensors, self.dir / f"block_{index:04d}.safetensors",
+                     {"schemes": schemes, "alt_schemes": alt_schemes})
         inputs_name = f"inputs_{index + 1:04d}.safetensors"
         _atomic_save({"inputs": next_inputs}, self.dir / inputs_name)
         old_inputs = self.manifest["inputs"]
@@ -132,14 +143,24 @@ class ResumeState:
         arch: ArchSpec,
         results: dict[str, QuantResult],
         report: dict,
+        alternatives: dict[str, QuantResult] | None = None,
     ) -> torch.Tensor:
-        """Load finished blocks into ``blocks`` / ``results`` / ``report``; the next inputs."""
+        """Load finished blocks into ``blocks`` / ``results`` / ``report`` (and the methods'
+        second choices into ``alternatives``); the next inputs. The method state saved with
+        the last finished block is left in ``self.method_state``."""
+        self.method_state: dict[str, torch.Tensor] = {}
         for i in range(self.done):
             block, prefix = blocks[i], arch.block_name(i) + "."
             path = self.dir / f"block_{i:04d}.safetensors"
             tensors = load_file(str(path))
             with safe_open(str(path), "pt") as f:
-                schemes = json.loads(f.metadata()["schemes"])
+                meta = f.metadata()
+            schemes = json.loads(meta["schemes"])
+            for name, sd in json.loads(meta.get("alt_schemes", "{}")).items():
+                if alternatives is not None:
+                    alternatives[name] = QuantResult(
+                        **{f: tensors.get(f"alt.{name}.{f}") for f in _FIELDS}, scheme=QuantScheme.from_dict(sd))
+            self.method_state = {k[len("method.") :]: v for k, v in tensors.items() if k.startswith("method.")}
             state = block.state_dict()
             with torch.no_grad():
                 for key, value in tensors.items():

@@ -122,9 +122,32 @@ class BlockShardWriter:
         state = checkpoint_state(module, rel, self.fmt, self.save_dtype)
         self.write_state(index, {(f"{prefix}.{k}" if prefix else k): v for k, v in state.items()})
 
+    def write_alternative(self, index: int, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> None:
+        """Block i's shard with a method's second choice (same tensor names and shapes), kept
+        aside in ``.alternatives/`` until ``choose``."""
+        rel = {n[len(prefix) + 1 :] if prefix else n: r for n, r in results.items()}
+        state = checkpoint_state(module, rel, self.fmt, self.save_dtype)
+        side = self.folder / ".alternatives"
+        side.mkdir(exist_ok=True)
+        state = {(f"{prefix}.{k}" if prefix else k): v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(state, str(side / self.shard_name(index)), metadata={"format": "pt"})
+
+    def choose(self, use_alternatives: bool) -> None:
+        """Move the alternative shards over the first ones (or not), then drop the rest."""
+        import shutil
+
+        side = self.folder / ".alternatives"
+        if use_alternatives and side.is_dir():
+            for f in sorted(side.iterdir()):
+                f.replace(self.folder / f.name)
+        shutil.rmtree(side, ignore_errors=True)
+
+    def shard_name(self, index: int) -> str:
+        return f"model-{index + 1:05d}-of-{self.n_files:05d}.safetensors"
+
     def write_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
         state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        fname = f"model-{index + 1:05d}-of-{self.n_files:05d}.safetensors"
+        fname = self.shard_name(index)
         save_file(state, str(self.folder / fname), metadata={"format": "pt"})
         for k, v in state.items():
             self.weight_map[k] = fname
@@ -174,15 +197,20 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
     inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
     head = head_name(model)
+    method, calib = None, None
+    if recipe.method != "rtn":
+        ids, method, calib = calibrated_setup(tokenizer, recipe, device)
     # The output head is not needed to calibrate: it is streamed to the checkpoint at the end
-    # (unless the recipe quantizes it or it is tied to the embeddings).
-    stream_head = head is not None and head not in plan.quantize and not model.config.tie_word_embeddings
+    # (unless the recipe quantizes it, it is tied to the embeddings, or the method makes a
+    # choice on the whole model's outputs at the end, e.g. AWQ's model-level clip check).
+    final_choice = method is not None and getattr(method, "may_offer_alternatives", lambda _p: False)(plan.quantize)
+    stream_head = (head is not None and head not in plan.quantize and not model.config.tie_word_embeddings
+                   and not final_choice)
     load_outside_blocks(model, weights, arch.blocks, torch.float32, (head,) if stream_head else ())
     save_dtype = save_dtype_for(model.config)
     blocks = arch.block_list(model)
     outside_plan = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if not inside(n)})
     rest_keys = _outside_keys(model, inside)
-    calib = None
     with atomic_folder(out, overwrite) as tmp:
         n_files = len(blocks) + (1 if outside_plan.quantize else len(rest_keys))
         writer = BlockShardWriter(tmp, n_files, fmt, save_dtype)
@@ -195,11 +223,15 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
                 sub = LayerPlan(quantize={n: s for n, s in plan.quantize.items() if n.startswith(prefix)})
                 end(i, block, run_rtn(model, sub, progress=False, report=report))
         else:
-            ids, method, calib = calibrated_setup(tokenizer, recipe, device)
+            def alternative(i: int, block: nn.Module, results: dict[str, QuantResult]) -> None:
+                writer.write_alternative(i, arch.block_name(i), block, results)
+
             run_blockwise(
                 model, arch, ids, method, plan.quantize, device=device, progress=progress,
                 report=report, on_block_start=start, on_block_end=end,
+                on_block_alternative=alternative, on_choice=writer.choose,
             )
+            writer.choose(False)  # no choice made: the first results stay
         results = run_rtn(model, outside_plan, progress=False, report=report)
         seconds = time.perf_counter() - t0
         config = checkpoint_config(model, recipe, plan, fmt, save_dtype)
