@@ -521,13 +521,14 @@ def _block_errors(block: nn.Module, rel: dict[str, QuantScheme], clips: dict[str
 @torch.no_grad()
 def mean_kl(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over tokens of KL(softmax(logits(ref)) || softmax(logits(other))), hidden states
-    [n, L, H] each, one sequence at a time."""
+    [n, L, H] each, 256 tokens at a time (the logits of a large vocabulary are big)."""
     total, count = 0.0, 0
-    for a, b in zip(ref.split(1), other.split(1)):
-        lp = torch.log_softmax(logits(a).float(), dim=-1)
-        lq = torch.log_softmax(logits(b).float(), dim=-1)
-        total += float((lp.exp() * (lp - lq)).sum(-1).sum())
-        count += lp.shape[0] * lp.shape[1]
+    a_all, b_all = ref.reshape(-1, 1, ref.shape[-1]), other.reshape(-1, 1, other.shape[-1])
+    for a, b in zip(a_all.split(256), b_all.split(256)):
+        lp = torch.log_softmax(logits(a.transpose(0, 1)).float(), dim=-1)
+        lq = torch.log_softmax(logits(b.transpose(0, 1)).float(), dim=-1)
+        total += float((lp.exp() * (lp - lq)).sum())
+        count += a.shape[0]
     return total / max(count, 1)
 
 
