@@ -5,10 +5,12 @@ passed its pair check is kept), saving each Linear's scaled float weight and cli
 Phase "study": from that file, per block: the block's output error on held-out calibration
 sequences without / with its clips (raw MSE and per-token relative MSE), the held-out
 calibration NLL of the whole model with only that block's clips, and wikitext2 perplexity of
-the clip subsets that each measure keeps.
+the clip subsets that each measure keeps. Phase "texts": perplexity with all the saved clips and
+with none, on wikitext2 and on C4 text the calibration is unlikely to have drawn (the file's end).
 
     python benchmarks/awq_clip_study.py search --model .../qwen2.5-coder-0.5b --bits 3 --group 128 --out /tmp/q.pt
     python benchmarks/awq_clip_study.py study --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
+    python benchmarks/awq_clip_study.py texts --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
 """
 
 from __future__ import annotations
@@ -190,9 +192,43 @@ def study(args) -> None:
                           "ppl": perplexity(model, data["eval"])}), flush=True)
 
 
+def texts(args) -> None:
+    """Perplexity with every saved clip and with none, on wikitext2 and on C4 text from the end of
+    the C4 file (documents the 64 calibration samples are unlikely to have drawn)."""
+    from quantspec.data import load_text
+    from quantspec.eval.perplexity import window_starts
+    from quantspec.models import load_tokenizer
+    from quantspec.quant.scheme import QuantScheme
+
+    from quant_peers import DATA
+
+    model, data = load(args)
+    arch = get_arch(model)
+    saved = torch.load(args.out)
+    floats, clips = saved["floats"], saved["clips"]
+    schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
+    with torch.no_grad():
+        for i, block in enumerate(arch.block_list(model)):
+            for p in resolve_pairs(block, arch)[0]:
+                name = f"{arch.block_name(i)}.{p.linear_names[0]}"
+                if name in floats:
+                    orig = p.linears[0].weight.detach().float()
+                    fold_scales(p, floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30))
+    lines = (DATA / "c4" / "c4-validation-2k.jsonl").read_text().splitlines()
+    c4_text = "\n\n".join(json.loads(x)["text"] for x in lines[-300:])
+    ids = load_tokenizer(args.model)(c4_text, return_tensors="pt").input_ids[0]
+    c4 = torch.stack([ids[s : s + 512] for s in window_starts(ids.numel(), 512, 512, args.windows)])
+    for tag in ("none", "all"):
+        for n, w in floats.items():
+            w = apply_clip(w, clips[n], schemes[n]) if tag == "all" and n in clips else w
+            model.get_submodule(n).weight.data.copy_(fake_quantize(w, schemes[n]))
+        print(json.dumps({"clips": tag, "wikitext2": perplexity(model, data["eval"]),
+                          "c4_tail": perplexity(model, c4)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=["search", "study"])
+    ap.add_argument("phase", choices=["search", "study", "texts"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--group", type=int, default=128)
@@ -200,7 +236,7 @@ def main() -> None:
     ap.add_argument("--variant", default='{"awq": {"search_dtype": "bfloat16"}}')
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    search(args) if args.phase == "search" else study(args)
+    {"search": search, "study": study, "texts": texts}[args.phase](args)
 
 
 if __name__ == "__main__":
