@@ -682,12 +682,15 @@ class AWQMethod:
         """Run the held-out sequences through ``block``: float, quantized without clips, and
         quantized with this block's kept clips (each stream from its own inputs)."""
         t0 = time.perf_counter()
+        held = _held_out(inputs.shape[0], set(self._search_seqs(inputs)), self.options.clip_check_seqs)
         if self._streams is None:
-            held = _held_out(inputs.shape[0], set(self._search_seqs(inputs)), self.options.clip_check_seqs)
             self._streams = {k: inputs[held] for k in ("float", "plain", "clipped")}
         precision = search_precision(block, self.options.awq.search_dtype)
-        with precision():
-            new = {"float": block_forward(block, self._streams["float"], kwargs)}
+        if self.outputs is not None:  # propagate=float: the float stream is the held-out rows
+            new = {"float": self.outputs[held]}
+        else:
+            with precision():
+                new = {"float": block_forward(block, self._streams["float"], kwargs)}
         with _fake_quantized(block, rel) as use:
             for tag, chosen in (("plain", {}), ("clipped", {f[len(block_name) + 1 :]: c for f, c in clips.items()})):
                 use(chosen)

@@ -219,10 +219,11 @@ def _replay(
 
 
 def _apply_results(block: nn.Module, block_name: str, results: dict[str, QuantResult]) -> dict:
-    """Swap dequantized weights in; returns {name: (module, dense weight)}."""
+    """Swap dequantized weights in (``block_name`` '' when ``block`` is the model); returns
+    {name: (module, dense weight)}."""
     refs = {}
     for name, res in results.items():
-        mod = block.get_submodule(name[len(block_name) + 1 :])
+        mod = block.get_submodule(name[len(block_name) + 1 :] if block_name else name)
         dense = mod.weight.detach().clone()
         with torch.no_grad():
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
@@ -392,11 +393,8 @@ def _final_choice(model, arch, method, results, alternatives, n_blocks, report, 
     for name, extra in (getattr(method, "final_info", None) or {}).items():
         report.setdefault(name, {}).update(extra)
     if use and alternatives:
-        results.update({n: r for n, r in alternatives.items() if n in results})
-        with torch.no_grad():
-            for name, res in alternatives.items():
-                mod = model.get_submodule(name)
-                mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
+        results.update(alternatives)
+        _apply_results(model, "", alternatives)
     if on_choice is not None:
         on_choice(use)
 

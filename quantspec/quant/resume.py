@@ -107,27 +107,22 @@ class ResumeState:
         method_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """``alternative``: the method's second choice for some layers (saved as ``alt.*``);
-        ``method_state``: what the method carries from block to block (``method.*``)."""
+        ``method_state``: what the method carries to the next block (``method.*``, saved with
+        the next inputs, which replace the previous ones)."""
         quantized = {n[len(block_name) + 1 :] + ".weight" for n in results}
         tensors: dict[str, torch.Tensor] = {}
         for key, value in block.state_dict().items():
             if key not in quantized and not torch.equal(value, before[key]):
                 tensors[f"state.{key}"] = value
-        for name, res in results.items():
-            for f in _FIELDS:
-                if getattr(res, f) is not None:
-                    tensors[f"{name}.{f}"] = getattr(res, f)
-        for name, res in (alternative or {}).items():
-            for f in _FIELDS:
-                if getattr(res, f) is not None:
-                    tensors[f"alt.{name}.{f}"] = getattr(res, f)
-        tensors.update({f"method.{k}": v for k, v in (method_state or {}).items()})
+        tensors.update(_result_tensors(results, ""))
+        tensors.update(_result_tensors(alternative or {}, "alt."))
         schemes = json.dumps({n: r.scheme.to_dict() for n, r in results.items()})
         alt_schemes = json.dumps({n: r.scheme.to_dict() for n, r in (alternative or {}).items()})
         _atomic_save(tensors, self.dir / f"block_{index:04d}.safetensors",
                      {"schemes": schemes, "alt_schemes": alt_schemes})
         inputs_name = f"inputs_{index + 1:04d}.safetensors"
-        _atomic_save({"inputs": next_inputs}, self.dir / inputs_name)
+        _atomic_save({"inputs": next_inputs, **{f"method.{k}": v for k, v in (method_state or {}).items()}},
+                     self.dir / inputs_name)
         old_inputs = self.manifest["inputs"]
         self.manifest["report"].update({n: report[n] for n in results})
         self.manifest.update(done=index + 1, inputs=inputs_name)
@@ -148,32 +143,37 @@ class ResumeState:
         """Load finished blocks into ``blocks`` / ``results`` / ``report`` (and the methods'
         second choices into ``alternatives``); the next inputs. The method state saved with
         the last finished block is left in ``self.method_state``."""
-        self.method_state: dict[str, torch.Tensor] = {}
         for i in range(self.done):
             block, prefix = blocks[i], arch.block_name(i) + "."
             path = self.dir / f"block_{i:04d}.safetensors"
             tensors = load_file(str(path))
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
-            schemes = json.loads(meta["schemes"])
-            for name, sd in json.loads(meta.get("alt_schemes", "{}")).items():
-                if alternatives is not None:
-                    alternatives[name] = QuantResult(
-                        **{f: tensors.get(f"alt.{name}.{f}") for f in _FIELDS}, scheme=QuantScheme.from_dict(sd))
-            self.method_state = {k[len("method.") :]: v for k, v in tensors.items() if k.startswith("method.")}
+            if alternatives is not None:
+                alternatives.update(_load_results(tensors, json.loads(meta.get("alt_schemes", "{}")), "alt."))
             state = block.state_dict()
             with torch.no_grad():
                 for key, value in tensors.items():
                     if key.startswith("state."):
                         target = state[key[len("state.") :]]
                         target.copy_(value.to(target.device))
-                for name, sd in schemes.items():
-                    res = QuantResult(
-                        **{f: tensors.get(f"{name}.{f}") for f in _FIELDS},
-                        scheme=QuantScheme.from_dict(sd),
-                    )
+                for name, res in _load_results(tensors, json.loads(meta["schemes"]), "").items():
                     mod = block.get_submodule(name[len(prefix) :])
                     mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
                     results[name] = res
         report.update(self.manifest["report"])
-        return load_file(str(self.dir / self.manifest["inputs"]))["inputs"]
+        saved = load_file(str(self.dir / self.manifest["inputs"]))
+        self.method_state = {k[len("method.") :]: v for k, v in saved.items() if k.startswith("method.")}
+        return saved["inputs"]
+
+
+def _result_tensors(results: dict[str, QuantResult], prefix: str) -> dict[str, torch.Tensor]:
+    """``{prefix}{name}.{field}`` -> tensor for every result's stored fields."""
+    return {f"{prefix}{name}.{f}": getattr(res, f) for name, res in results.items()
+            for f in _FIELDS if getattr(res, f) is not None}
+
+
+def _load_results(tensors: dict[str, torch.Tensor], schemes: dict[str, dict], prefix: str) -> dict[str, QuantResult]:
+    """The QuantResults ``_result_tensors`` stored under ``prefix``, by name."""
+    return {name: QuantResult(**{f: tensors.get(f"{prefix}{name}.{f}") for f in _FIELDS},
+                              scheme=QuantScheme.from_dict(sd)) for name, sd in schemes.items()}

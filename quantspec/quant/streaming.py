@@ -117,20 +117,20 @@ class BlockShardWriter:
         self.weight_map: dict[str, str] = {}
         self.total = 0
 
-    def write(self, index: int, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> None:
+    def _block_state(self, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> dict[str, torch.Tensor]:
         rel = {n[len(prefix) + 1 :] if prefix else n: r for n, r in results.items()}
         state = checkpoint_state(module, rel, self.fmt, self.save_dtype)
-        self.write_state(index, {(f"{prefix}.{k}" if prefix else k): v for k, v in state.items()})
+        return {(f"{prefix}.{k}" if prefix else k): v for k, v in state.items()}
+
+    def write(self, index: int, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> None:
+        self.write_state(index, self._block_state(prefix, module, results))
 
     def write_alternative(self, index: int, prefix: str, module: nn.Module, results: dict[str, QuantResult]) -> None:
         """Block i's shard with a method's second choice (same tensor names and shapes), kept
         aside in ``.alternatives/`` until ``choose``."""
-        rel = {n[len(prefix) + 1 :] if prefix else n: r for n, r in results.items()}
-        state = checkpoint_state(module, rel, self.fmt, self.save_dtype)
         side = self.folder / ".alternatives"
         side.mkdir(exist_ok=True)
-        state = {(f"{prefix}.{k}" if prefix else k): v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(state, str(side / self.shard_name(index)), metadata={"format": "pt"})
+        self._save(side, index, self._block_state(prefix, module, results))
 
     def choose(self, use_alternatives: bool) -> None:
         """Move the alternative shards over the first ones (or not), then drop the rest."""
@@ -145,10 +145,14 @@ class BlockShardWriter:
     def shard_name(self, index: int) -> str:
         return f"model-{index + 1:05d}-of-{self.n_files:05d}.safetensors"
 
-    def write_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
+    def _save(self, folder: Path, index: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(state, str(folder / self.shard_name(index)), metadata={"format": "pt"})
+        return state
+
+    def write_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
+        state = self._save(self.folder, index, state)
         fname = self.shard_name(index)
-        save_file(state, str(self.folder / fname), metadata={"format": "pt"})
         for k, v in state.items():
             self.weight_map[k] = fname
             self.total += v.numel() * v.element_size()
