@@ -7,10 +7,16 @@ sequences without / with its clips (raw MSE and per-token relative MSE), the hel
 calibration NLL of the whole model with only that block's clips, and wikitext2 perplexity of
 the clip subsets that each measure keeps. Phase "texts": perplexity with all the saved clips and
 with none, on wikitext2 and on C4 text the calibration is unlikely to have drawn (the file's end).
+Phase "policies": the search phase also records each clip search's error curve (per row and
+group, the output error at every shrink step); this phase re-chooses the clips from those curves
+by other rules (a smaller largest shrink, a least relative gain, Linear types left out; see
+``choose``) and reports the perplexity of each on wikitext2 and on the C4 tail.
 
     python benchmarks/awq_clip_study.py search --model .../qwen2.5-coder-0.5b --bits 3 --group 128 --out /tmp/q.pt
     python benchmarks/awq_clip_study.py study --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
     python benchmarks/awq_clip_study.py texts --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
+    python benchmarks/awq_clip_study.py policies --model .../qwen2.5-coder-0.5b --out /tmp/q.pt \
+        --policies '[{"src": "checked"}, {"src": "all", "cap": 5}, {"src": "all", "gain": 0.2}]'
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from quant_peers import prepare  # noqa: E402
 from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense  # noqa: E402
 from quantspec.quant.arch import get_arch  # noqa: E402
-from quantspec.quant.awq import AWQMethod, AWQSettings, apply_clip, fake_quantize  # noqa: E402
+from quantspec.quant import awq as awq_module  # noqa: E402
+from quantspec.quant.awq import AWQMethod, AWQSettings, _fake_quantize_rows, _grouped, apply_clip, fake_quantize  # noqa: E402
 from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
 from quantspec.quant.recipe import AWQOptions, Recipe  # noqa: E402
@@ -57,8 +64,18 @@ def search(args) -> None:
     recipe = Recipe.from_dict({"method": "awq", "format": "compressed-tensors", "scheme": scheme})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore).quantize
     fields = json.loads(args.variant)
-    inner = AWQMethod(AWQSettings(awq=AWQOptions(clip=True, **fields.pop("awq", {})), clip_check_seqs=0, **fields))
+    inner = AWQMethod(AWQSettings(awq=AWQOptions(clip=True, **fields.pop("awq", {})), clip_check_seqs=0,
+                                  clip_model_check=False, **fields))
     floats: dict[str, torch.Tensor] = {}
+    curves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    names = {id(p): n[: -len(".weight")] for n, p in model.named_parameters()}
+    original = awq_module.search_clip
+
+    def recording(weight, x, scheme, *a, **k):
+        curves[names[id(weight)]] = clip_curves(weight, x, scheme)
+        return original(weight, x, scheme, *a, **k)
+
+    awq_module.search_clip = recording
 
     class Snap:
         options = inner.options
@@ -75,10 +92,44 @@ def search(args) -> None:
     t0 = time.perf_counter()
     run_blockwise(model, arch, data["calib"], Snap(), plan, progress=False, report=report)
     clips = {k[: -len(".clip")]: v for k, v in inner._saved.items() if k.endswith(".clip")}
-    torch.save({"floats": floats, "clips": clips, "plan": {n: s.to_dict() for n, s in plan.items()},
+    torch.save({"floats": floats, "clips": clips, "curves": curves, "plan": {n: s.to_dict() for n, s in plan.items()},
                 "report": report, "seconds": time.perf_counter() - t0}, args.out)
     print(json.dumps({"seconds": round(time.perf_counter() - t0, 1), "clipped": len(clips),
                       "ppl_all_clips": perplexity(model, data["eval"])}), flush=True)
+
+
+def fold_saved(model, arch, floats: dict[str, torch.Tensor]) -> None:
+    """The saved Linears hold W * s; fold the same s into the fresh model (norms included)."""
+    with torch.no_grad():
+        for i, block in enumerate(arch.block_list(model)):
+            for p in resolve_pairs(block, arch)[0]:
+                name = f"{arch.block_name(i)}.{p.linear_names[0]}"
+                if name in floats:
+                    orig = p.linears[0].weight.detach().float()
+                    fold_scales(p, floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30))
+
+
+def clip_curves(weight: torch.Tensor, x: torch.Tensor, scheme, grid: int = 20, steps: int = 10):
+    """(errors [steps, N, G], amax [N, G]): search_clip's per-group output error at each shrink."""
+    xg = _grouped(x.detach(), scheme).permute(1, 0, 2)
+    w = _grouped(weight.detach(), scheme)
+    amax = w.abs().amax(dim=2).clamp(min=1e-8)
+    errs = []
+    for i in range(steps):
+        m = (amax * (1 - i / grid)).unsqueeze(2)
+        q = _fake_quantize_rows(torch.maximum(torch.minimum(w, m), -m).reshape(-1, w.shape[2]), scheme)
+        errs.append(torch.bmm(xg, (w - q.reshape(w.shape)).permute(1, 2, 0)).pow(2).mean(dim=1).T)
+    return torch.stack(errs), amax
+
+
+def choose(errs: torch.Tensor, amax: torch.Tensor, cap: int = 10, gain: float = 0.0,
+           grid: int = 20) -> torch.Tensor:
+    """Clip values from an error curve: the best shrink step below ``cap``, kept only where it
+    lowers the group's error by more than the fraction ``gain`` (else no clip)."""
+    e = errs[:cap]
+    best, step = e.min(dim=0)
+    step = torch.where(best < (1 - gain) * e[0], step, torch.zeros_like(step))
+    return amax * (1 - step.float() / grid)
 
 
 def nll(model, ids: torch.Tensor) -> float:
@@ -100,16 +151,7 @@ def study(args) -> None:
     floats, clips = saved["floats"], saved["clips"]
     schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
     mods = {n: model.get_submodule(n) for n in floats}
-    # the saved Linears hold W * s; fold the same s into the fresh model (norms included)
-    with torch.no_grad():
-        for i, block in enumerate(arch.block_list(model)):
-            for p in resolve_pairs(block, arch)[0]:
-                name = f"{arch.block_name(i)}.{p.linear_names[0]}"
-                if name not in floats:
-                    continue
-                orig = p.linears[0].weight.detach().float()
-                s = floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30)
-                fold_scales(p, s)
+    fold_saved(model, arch, floats)
     quant = {n: fake_quantize(w, schemes[n]) for n, w in floats.items()}
     clipped = {n: fake_quantize(apply_clip(floats[n], c, schemes[n]), schemes[n]) for n, c in clips.items()}
 
@@ -195,29 +237,15 @@ def study(args) -> None:
 def texts(args) -> None:
     """Perplexity with every saved clip and with none, on wikitext2 and on C4 text from the end of
     the C4 file (documents the 64 calibration samples are unlikely to have drawn)."""
-    from quantspec.data import load_text
-    from quantspec.eval.perplexity import window_starts
-    from quantspec.models import load_tokenizer
     from quantspec.quant.scheme import QuantScheme
-
-    from quant_peers import DATA
 
     model, data = load(args)
     arch = get_arch(model)
     saved = torch.load(args.out)
     floats, clips = saved["floats"], saved["clips"]
     schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
-    with torch.no_grad():
-        for i, block in enumerate(arch.block_list(model)):
-            for p in resolve_pairs(block, arch)[0]:
-                name = f"{arch.block_name(i)}.{p.linear_names[0]}"
-                if name in floats:
-                    orig = p.linears[0].weight.detach().float()
-                    fold_scales(p, floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30))
-    lines = (DATA / "c4" / "c4-validation-2k.jsonl").read_text().splitlines()
-    c4_text = "\n\n".join(json.loads(x)["text"] for x in lines[-300:])
-    ids = load_tokenizer(args.model)(c4_text, return_tensors="pt").input_ids[0]
-    c4 = torch.stack([ids[s : s + 512] for s in window_starts(ids.numel(), 512, 512, args.windows)])
+    fold_saved(model, arch, floats)
+    c4 = c4_tail(args)
     for tag in ("none", "all"):
         for n, w in floats.items():
             w = apply_clip(w, clips[n], schemes[n]) if tag == "all" and n in clips else w
@@ -226,17 +254,63 @@ def texts(args) -> None:
                           "c4_tail": perplexity(model, c4)}), flush=True)
 
 
+def policies(args) -> None:
+    """Perplexity (wikitext2, C4 tail) of clip choices re-made from the recorded curves."""
+    from quantspec.quant.scheme import QuantScheme
+
+    model, data = load(args)
+    arch = get_arch(model)
+    saved = torch.load(args.out)
+    floats, clips, curves = saved["floats"], saved["clips"], saved["curves"]
+    schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
+    fold_saved(model, arch, floats)
+    c4 = c4_tail(args)
+    for pol in json.loads(args.policies):
+        skip = tuple(pol.get("skip", ()))
+        chosen = {}
+        for n, (errs, amax) in curves.items():
+            if pol.get("src") == "none" or (skip and n.endswith(skip)):
+                continue
+            if pol.get("src", "all") == "checked" and n not in clips:
+                continue
+            if pol.get("src") == "checked" and "cap" not in pol and "gain" not in pol:
+                chosen[n] = clips[n]
+            else:
+                chosen[n] = choose(errs, amax, pol.get("cap", 10), pol.get("gain", 0.0))
+        shrink = [float((c / curves[n][1]).mean()) for n, c in chosen.items()]
+        for n, w in floats.items():
+            w = apply_clip(w, chosen[n], schemes[n]) if n in chosen else w
+            model.get_submodule(n).weight.data.copy_(fake_quantize(w, schemes[n]))
+        print(json.dumps({"policy": pol, "clipped": len(chosen),
+                          "mean_clip_ratio": sum(shrink) / max(1, len(shrink)),
+                          "wikitext2": perplexity(model, data["eval"]), "c4_tail": perplexity(model, c4)}),
+              flush=True)
+
+
+def c4_tail(args) -> torch.Tensor:
+    from quantspec.eval.perplexity import window_starts
+    from quantspec.models import load_tokenizer
+
+    from quant_peers import DATA
+
+    lines = (DATA / "c4" / "c4-validation-2k.jsonl").read_text().splitlines()
+    c4_text = "\n\n".join(json.loads(x)["text"] for x in lines[-300:])
+    ids = load_tokenizer(args.model)(c4_text, return_tensors="pt").input_ids[0]
+    return torch.stack([ids[s : s + 512] for s in window_starts(ids.numel(), 512, 512, args.windows)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=["search", "study", "texts"])
+    ap.add_argument("phase", choices=["search", "study", "texts", "policies"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--variant", default='{"awq": {"search_dtype": "bfloat16"}}')
     ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", default='[{"src": "checked"}, {"src": "all"}]')
     args = ap.parse_args()
-    {"search": search, "study": study, "texts": texts}[args.phase](args)
+    {"search": search, "study": study, "texts": texts, "policies": policies}[args.phase](args)
 
 
 if __name__ == "__main__":

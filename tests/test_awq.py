@@ -208,6 +208,31 @@ def test_search_clip_lowers_group_output_error():
     assert err(fake_quantize(apply_clip(w, clip, scheme), scheme)) < err(fake_quantize(w, scheme))
 
 
+def test_search_clip_min_gain_keeps_only_clips_that_pay_enough():
+    """With ``min_gain`` a group is clipped only where its best clip lowers the group's output
+    error by more than that fraction; where it is clipped, the value is the unrestricted best."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 96, generator=g) / torch.rand(64, 96, generator=g).clamp(min=0.05).sqrt()  # heavy tails
+    x = torch.randn(256, 96, generator=torch.Generator().manual_seed(1))
+    scheme = QuantScheme(bits=3, group_size=32, symmetric=False)
+    free, strict = search_clip(w, x, scheme), search_clip(w, x, scheme, min_gain=0.3)
+    amax = w.reshape(64, 3, 32).abs().amax(2)
+    wg, xg = w.reshape(64, 3, 32), x.reshape(256, 3, 32)
+
+    def group_err(clip):
+        q = fake_quantize(apply_clip(w, clip, scheme), scheme).reshape(64, 3, 32)
+        return torch.einsum("tgl,ngl->tng", xg, wg - q).pow(2).mean(0)  # [N, G]
+
+    full, best = group_err(amax), group_err(free)
+    clipped = strict < amax - 1e-6
+    assert clipped.any() and (~clipped & (free < amax - 1e-6)).any()  # both kinds of groups occur
+    assert torch.equal(strict[clipped], free[clipped])
+    assert (best[clipped] < 0.7 * full[clipped]).all()
+    assert (best[~clipped] >= 0.7 * full[~clipped] - 1e-6).all()
+    assert torch.equal(search_clip(w, x, scheme, min_gain=0.999), amax)
+    with pytest.raises(QuantspecError, match="clip_min_gain"):
+        AWQOptions(clip_min_gain=1.0)
+
 def test_clip_kept_only_where_it_lowers_the_pair_objective():
     g = torch.Generator().manual_seed(0)
     scheme = QuantScheme(bits=3, group_size=32, symmetric=False)

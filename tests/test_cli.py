@@ -116,8 +116,10 @@ def test_awq_flags_reach_the_recipe():
     parse = build_parser().parse_args
     base = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128"]))
     assert base.awq.clip is None and base.awq.duo_scaling == "both" and base.awq.search_dtype == "float32"
+    assert base.awq.clip_min_gain == 0.3
     r = recipe_from_args(parse(["quantize", "--recipe", "awq-w4g128", "--clip", "--duo-scaling", "off",
-                                "--save-scales", "s.safetensors", "--awq-search-dtype", "bfloat16"]))
+                                "--save-scales", "s.safetensors", "--awq-search-dtype", "bfloat16",
+                                "--clip-min-gain", "0"]))
     assert r.awq.clip is True and r.awq.duo_scaling is False and r.awq.save_scales == "s.safetensors"
-    assert r.awq.search_dtype == "bfloat16"
+    assert r.awq.search_dtype == "bfloat16" and r.awq.clip_min_gain == 0.0
     assert r.scheme == base.scheme and r.awq.grid == base.awq.grid

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
     p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
                    help="AWQ: search per-group weight clipping (default: at 3 bits and below)")
+    p.add_argument("--clip-min-gain", type=float,
+                   help="AWQ: clip a group only where it lowers the group's output error by more than this "
+                        "fraction (default 0.3; 0 keeps every clip that helps at all)")
     p.add_argument("--duo-scaling", choices=["both", "on", "off"],
                    help="AWQ candidate scales: the paper's x^a (off), AutoAWQ's x^a / w^(1-a) (on), or both (default)")
     p.add_argument("--awq-search-dtype", choices=["float32", "bfloat16", "auto"],
@@ -90,7 +93,7 @@ def recipe_from_args(args):
         if v is not None
     }
     awq = {k: v for k, v in {"save_scales": args.save_scales, "load_scales": args.load_scales,
-                             "clip": args.clip, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling),
+                             "clip": args.clip, "clip_min_gain": args.clip_min_gain, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling),
                              "search_dtype": args.awq_search_dtype}.items()
            if v is not None}
     if changes or top or calib or args.alpha is not None or awq:

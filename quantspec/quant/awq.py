@@ -21,7 +21,9 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
 4. Optional clipping search (the paper's auto_clip; by default only at 3 bits and below,
    ``clip_wanted``): per output row and group, the max |w|
    shrinks by ``1 - i/20`` for i < 10; pick the one minimising the group's output error
-   ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample. Skipped for Linears whose outputs
+   ``||x_g w_g^T - x_g Q(clip(w_g))^T||^2`` on a token sample, and clip the group only where
+   that lowers its error by more than ``awq.clip_min_gain`` (30% by default; marginal clips
+   fitted to a 512-token sample did not carry over to other text: see ``AWQOptions``). Skipped for Linears whose outputs
    feed attention scores (q/k, fused qkv), as in the reference implementation. A Linear's clip
    values are kept only where they lower its pair's step-2 objective (the consuming module's
    output on whole sequences; ``_keep_helpful_clips``), else it is quantized unclipped; then a
@@ -156,12 +158,15 @@ def search_clip(
     grid: int = 20,
     max_shrink: float = 0.5,
     row_chunk: int = 1024,
+    min_gain: float = 0.0,
 ) -> torch.Tensor:
     """Per-(row, group) clip value (max |w|) minimising the group's output error.
 
     weight [N, K], x [T, K] sample of its inputs. Candidates ``amax * (1 - i/grid)`` for
-    ``i < max_shrink * grid``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2``. Returns fp32
-    [N, G] (G = number of groups, a partial last group included).
+    ``i < max_shrink * grid``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2``. A group keeps
+    its full range unless the best clip lowers that error by more than the fraction
+    ``min_gain`` (0: any improvement). Returns fp32 [N, G] (G = number of groups, a partial last
+    group included).
     """
     n, k = weight.shape
     xg = _grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
@@ -178,10 +183,12 @@ def search_clip(
             q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme).reshape(w.shape)
             diff = (w - q).permute(1, 2, 0)  # [G, L, n']
             err = torch.bmm(xg, diff).pow(2).mean(dim=1).T  # [n', G]
+            if i == 0:
+                full_err = err
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_val = torch.where(better, m.squeeze(2), best_val)
-        best.append(best_val)
+        best.append(torch.where(best_err < (1 - min_gain) * full_err, best_val, amax))
     return torch.cat(best, dim=0)
 
 
@@ -799,7 +806,8 @@ class AWQMethod:
         found = {}
         for full, mod in clip_mods.items():
             r = full[len(block_name) + 1 :]
-            found[r] = search_clip(mod.weight, _spread(samples[full], opts.clip_tokens), rel[r])
+            found[r] = search_clip(mod.weight, _spread(samples[full], opts.clip_tokens), rel[r],
+                                   min_gain=opts.awq.clip_min_gain)
         clips = {}
         for p, parent, s in self._clip_checks(block, pairs, parents, scales, found):
             x = None if parent is not None else _spread(samples[f"{block_name}.{p.linear_names[0]}"], opts.search_tokens)
@@ -836,7 +844,8 @@ class AWQMethod:
 
 def _recipe_fingerprint(recipe: Recipe, with_clip: bool) -> dict:
     return {"method": recipe.method, "scheme": recipe.scheme.to_dict(),
-            "grid": recipe.awq.grid, "duo_scaling": recipe.awq.duo_scaling, "clip": with_clip, "ignore": list(recipe.ignore),
+            "grid": recipe.awq.grid, "duo_scaling": recipe.awq.duo_scaling, "clip": with_clip,
+            "clip_min_gain": recipe.awq.clip_min_gain if with_clip is not False else None, "ignore": list(recipe.ignore),
             "targets": list(recipe.targets)}
 
 

@@ -105,8 +105,18 @@ class AWQOptions:
     # errors stay fp32), or auto (bfloat16 where the device multiplies bf16 natively: CPUs with
     # AMX, CUDA GPUs with bf16). About half the search time on a 2-core AMX Xeon.
     search_dtype: str = "float32"
+    # a group's clip is kept only where it lowers the group's output error on the clip sample
+    # by more than this fraction (0: any improvement, as the AWQ paper). W3, whole models,
+    # perplexity on wikitext2 / on C4 text outside the calibration (the same scales, clips
+    # re-chosen; benchmarks/results/awq-sq-peers.md, session 16): Qwen2.5-Coder-0.5B g128
+    # 79.50 / 50.14 at 0, 77.01 / 48.62 at 0.1, 69.58 / 45.96 at 0.3 (no clipping 74.34 / 52.43);
+    # SmolLM2-135M g64 64.57 / 46.09, 63.94 / 45.71, 65.29 / 46.84 (no clipping 74.42 / 54.75)
+    clip_min_gain: float = 0.3
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_min_gain < 1.0:
+            raise QuantspecError(f"awq.clip_min_gain={self.clip_min_gain} is not in [0, 1).",
+                                 "use e.g. 0.3 (the default) or 0 to keep every clip that helps at all.")
         if self.search_dtype not in ("float32", "bfloat16", "auto"):
             raise QuantspecError(f"awq.search_dtype={self.search_dtype!r} is not float32, bfloat16 or auto.",
                                  "use float32 (the default), bfloat16 or auto.")
