@@ -42,7 +42,14 @@ from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense  # noqa: E402
 from quantspec.quant.arch import get_arch  # noqa: E402
 from quantspec.quant import awq as awq_module  # noqa: E402
-from quantspec.quant.awq import AWQMethod, AWQSettings, _fake_quantize_rows, _grouped, apply_clip, fake_quantize  # noqa: E402
+from quantspec.quant.awq import (  # noqa: E402
+    AWQMethod,
+    AWQSettings,
+    apply_clip,
+    clip_error_curve,
+    fake_quantize,
+    pick_clip,
+)
 from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
 from quantspec.quant.recipe import AWQOptions, Recipe  # noqa: E402
@@ -72,7 +79,7 @@ def search(args) -> None:
     original = awq_module.search_clip
 
     def recording(weight, x, scheme, *a, **k):
-        curves[names[id(weight)]] = clip_curves(weight, x, scheme)
+        curves[names[id(weight)]] = clip_error_curve(weight, x, scheme)
         return original(weight, x, scheme, *a, **k)
 
     awq_module.search_clip = recording
@@ -109,27 +116,10 @@ def fold_saved(model, arch, floats: dict[str, torch.Tensor]) -> None:
                     fold_scales(p, floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30))
 
 
-def clip_curves(weight: torch.Tensor, x: torch.Tensor, scheme, grid: int = 20, steps: int = 10):
-    """(errors [steps, N, G], amax [N, G]): search_clip's per-group output error at each shrink."""
-    xg = _grouped(x.detach(), scheme).permute(1, 0, 2)
-    w = _grouped(weight.detach(), scheme)
-    amax = w.abs().amax(dim=2).clamp(min=1e-8)
-    errs = []
-    for i in range(steps):
-        m = (amax * (1 - i / grid)).unsqueeze(2)
-        q = _fake_quantize_rows(torch.maximum(torch.minimum(w, m), -m).reshape(-1, w.shape[2]), scheme)
-        errs.append(torch.bmm(xg, (w - q.reshape(w.shape)).permute(1, 2, 0)).pow(2).mean(dim=1).T)
-    return torch.stack(errs), amax
-
-
-def choose(errs: torch.Tensor, amax: torch.Tensor, cap: int = 10, gain: float = 0.0,
-           grid: int = 20) -> torch.Tensor:
-    """Clip values from an error curve: the best shrink step below ``cap``, kept only where it
-    lowers the group's error by more than the fraction ``gain`` (else no clip)."""
-    e = errs[:cap]
-    best, step = e.min(dim=0)
-    step = torch.where(best < (1 - gain) * e[0], step, torch.zeros_like(step))
-    return amax * (1 - step.float() / grid)
+def choose(errs: torch.Tensor, amax: torch.Tensor, cap: int = 10, gain: float = 0.0) -> torch.Tensor:
+    """Clip values from a recorded error curve: the best of the first ``cap`` shrink steps, kept
+    only where it lowers the group's error by more than the fraction ``gain``."""
+    return pick_clip(errs[:cap], amax, min_gain=gain)
 
 
 def nll(model, ids: torch.Tensor) -> float:

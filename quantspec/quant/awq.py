@@ -40,7 +40,8 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, see ``smoothin
    74.34 without); with the 30% least gain it keeps clips that lower it (69.36).
 5. RTN of the (scaled, clipped) weights -> QuantResult.
 
-Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``search_clip``,
+Pure tensor functions: ``scale_from_alpha``, ``fake_quantize``, ``clip_error_curve``,
+``pick_clip``, ``search_clip``,
 ``apply_clip``, ``awq_quantize``. The block glue is ``AWQMethod`` (a calibration-engine
 BlockMethod); ``awq_gptq_from_recipe`` chains AWQ scaling with GPTQ.
 
@@ -152,6 +153,46 @@ def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return q.reshape(n, -1)[:, :k]
 
 
+def clip_error_curve(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    row_chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (row, group)'s output error at every clip candidate: (errors [S, N, G], amax [N, G]).
+
+    weight [N, K], x [T, K] sample of its inputs. Candidate ``i < S = max_shrink * grid`` clips
+    the group to ``amax * (1 - i/grid)``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2`` (fp32;
+    G = number of groups, a partial last group included). Step 0 is the unclipped group.
+    """
+    xg = _grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
+    steps = max(1, int(max_shrink * grid))
+    errs, amaxes = [], []
+    for r0 in range(0, weight.shape[0], row_chunk):
+        w = _grouped(weight.detach()[r0 : r0 + row_chunk], scheme)  # [n', G, L]
+        amax = w.abs().amax(dim=2).clamp(min=1e-8)  # [n', G]
+        rows = []
+        for i in range(steps):
+            m = (amax * (1 - i / grid)).unsqueeze(2)
+            wc = torch.maximum(torch.minimum(w, m), -m)
+            q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme).reshape(w.shape)
+            rows.append(torch.bmm(xg, (w - q).permute(1, 2, 0)).pow(2).mean(dim=1).T)  # [n', G]
+        errs.append(torch.stack(rows))
+        amaxes.append(amax)
+    return torch.cat(errs, dim=1), torch.cat(amaxes, dim=0)
+
+
+def pick_clip(errs: torch.Tensor, amax: torch.Tensor, grid: int = 20, min_gain: float = 0.0) -> torch.Tensor:
+    """Clip values [N, G] from ``clip_error_curve``'s output: the candidate with the least error
+    (the smaller shrink on ties), where it lowers the unclipped error by more than the fraction
+    ``min_gain``; elsewhere the full range ``amax``."""
+    best, step = errs.min(dim=0)
+    factor = torch.tensor([1 - i / grid for i in range(errs.shape[0])], dtype=amax.dtype, device=amax.device)
+    return torch.where(best < (1 - min_gain) * errs[0], amax * factor[step], amax)
+
+
 def search_clip(
     weight: torch.Tensor,
     x: torch.Tensor,
@@ -161,36 +202,11 @@ def search_clip(
     row_chunk: int = 1024,
     min_gain: float = 0.0,
 ) -> torch.Tensor:
-    """Per-(row, group) clip value (max |w|) minimising the group's output error.
-
-    weight [N, K], x [T, K] sample of its inputs. Candidates ``amax * (1 - i/grid)`` for
-    ``i < max_shrink * grid``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2``. A group keeps
-    its full range unless the best clip lowers that error by more than the fraction
-    ``min_gain`` (0: any improvement). Returns fp32 [N, G] (G = number of groups, a partial last
-    group included).
-    """
-    n, k = weight.shape
-    xg = _grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
-    steps = max(1, int(max_shrink * grid))
-    best = []
-    for r0 in range(0, n, row_chunk):
-        w = _grouped(weight.detach()[r0 : r0 + row_chunk], scheme)  # [n', G, L]
-        amax = w.abs().amax(dim=2).clamp(min=1e-8)  # [n', G]
-        best_err = torch.full_like(amax, float("inf"))
-        best_val = amax.clone()
-        for i in range(steps):
-            m = (amax * (1 - i / grid)).unsqueeze(2)
-            wc = torch.maximum(torch.minimum(w, m), -m)
-            q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme).reshape(w.shape)
-            diff = (w - q).permute(1, 2, 0)  # [G, L, n']
-            err = torch.bmm(xg, diff).pow(2).mean(dim=1).T  # [n', G]
-            if i == 0:
-                full_err = err
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_val = torch.where(better, m.squeeze(2), best_val)
-        best.append(torch.where(best_err < (1 - min_gain) * full_err, best_val, amax))
-    return torch.cat(best, dim=0)
+    """Per-(row, group) clip value (max |w|) minimising the group's output error on ``x``
+    (``clip_error_curve``); a group keeps its full range unless the best clip lowers that error
+    by more than the fraction ``min_gain`` (0: any improvement). Returns fp32 [N, G]."""
+    errs, amax = clip_error_curve(weight, x, scheme, grid, max_shrink, row_chunk)
+    return pick_clip(errs, amax, grid, min_gain)
 
 
 def apply_clip(weight: torch.Tensor, clip: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -890,5 +906,5 @@ def awq_gptq_from_recipe(recipe: Recipe) -> AWQGPTQMethod:
 
 __all__ = [
     "AWQMethod", "AWQSettings", "AWQGPTQMethod", "apply_clip", "awq_quantize", "fake_quantize",
-    "method_from_recipe", "awq_gptq_from_recipe", "scale_from_alpha", "search_clip", "search_scale",
+    "method_from_recipe", "awq_gptq_from_recipe", "scale_from_alpha", "clip_error_curve", "pick_clip", "search_clip", "search_scale",
 ]
