@@ -193,20 +193,13 @@ def pick_clip(errs: torch.Tensor, amax: torch.Tensor, grid: int = 20, min_gain: 
     return torch.where(best < (1 - min_gain) * errs[0], amax * factor[step], amax)
 
 
-def search_clip(
-    weight: torch.Tensor,
-    x: torch.Tensor,
-    scheme: QuantScheme,
-    grid: int = 20,
-    max_shrink: float = 0.5,
-    row_chunk: int = 1024,
-    min_gain: float = 0.0,
-) -> torch.Tensor:
+def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int = 20,
+                min_gain: float = 0.0, **curve: Any) -> torch.Tensor:
     """Per-(row, group) clip value (max |w|) minimising the group's output error on ``x``
-    (``clip_error_curve``); a group keeps its full range unless the best clip lowers that error
-    by more than the fraction ``min_gain`` (0: any improvement). Returns fp32 [N, G]."""
-    errs, amax = clip_error_curve(weight, x, scheme, grid, max_shrink, row_chunk)
-    return pick_clip(errs, amax, grid, min_gain)
+    (``clip_error_curve``, which takes ``curve``: max_shrink, row_chunk); a group keeps its full
+    range unless the best clip lowers that error by more than the fraction ``min_gain`` (0: any
+    improvement). Returns fp32 [N, G]."""
+    return pick_clip(*clip_error_curve(weight, x, scheme, grid, **curve), grid=grid, min_gain=min_gain)
 
 
 def apply_clip(weight: torch.Tensor, clip: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
