@@ -4,14 +4,26 @@ One W4 g128 (symmetric, RTN) linear per shape; for each M every kernel is timed 
 after round (so machine noise hits all of them alike); the median of the rounds is reported,
 warm-up excluded. Effective GB/s counts the bytes of the weight tensors each kernel reads.
 
+``read`` is the floor for a memory-bound product: one plain pass over a buffer as large as the
+``ours`` weights (a small C++ loop, built on first use), timed in the same rotation, so it sees
+the same cache state. ``ours vs read`` = read time / ours time (1.0 = at the machine's read
+bandwidth). With ``--cold`` every kernel cycles through copies of its weights twice the size of
+the last-level cache, so each call streams its weights from DRAM while the code and small data
+stay cached (the state of decoding a model larger than the cache); without it, the weights of
+this one layer partly stay in a large L3 between rounds.
+
     python benchmarks/kernels_cpu.py                 # full table, writes benchmarks/results/
     python benchmarks/kernels_cpu.py --quick         # M = 1, 16 on 4096x4096 only
+    python benchmarks/kernels_cpu.py --quick --cold  # the same from DRAM
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -22,11 +34,36 @@ from typing import Callable
 import torch
 
 from quantspec.kernels.cpu import CpuBackend, panels_supported, prepare_ext
+from quantspec.kernels.cpu_ext import cache_root
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
 
-KERNELS = ("ours", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
+KERNELS = ("ours", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
+
+READ_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+// Every byte of t read once, the threads taking contiguous shares as the kernels do; 16 KB
+// prefetched ahead into L2. Returns a checksum so that the loop is kept.
+int64_t stream_read(const torch::Tensor& t) {
+  const uint64_t* p = reinterpret_cast<const uint64_t*>(t.data_ptr());
+  const int64_t lines = t.numel() * t.element_size() / 64;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, lines, 512, [&](int64_t a, int64_t b) {
+    uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = a; i < b; ++i) {
+      __builtin_prefetch(p + 8 * (i + 256), 0, 2);
+      for (int k = 0; k < 8; ++k) s[k] += p[8 * i + k];
+    }
+    uint64_t sum = 0;
+    for (int k = 0; k < 8; ++k) sum += s[k];
+    total += sum;
+  });
+  return static_cast<int64_t>(total.load());
+}
+"""
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -45,8 +82,48 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_kernels(n: int, k: int, group: int = 128) -> dict[str, tuple[Callable, int]]:
-    """name -> (fn(x_bf16) -> y, weight bytes read per call), all for one random W4 layer."""
+@functools.cache
+def stream_read() -> Callable[[torch.Tensor], int]:
+    """The plain read loop of READ_SOURCE, built once (cached beside the cpu extension)."""
+    from torch.utils import cpp_extension
+
+    build = cache_root() / "ext" / "bench_stream_read"
+    build.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() == "x86_64" else [])
+    module = cpp_extension.load_inline(
+        "quantspec_bench_stream_read", cpp_sources=READ_SOURCE, functions=["stream_read"],
+        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build))
+    return module.stream_read
+
+
+def llc_bytes() -> int:
+    """The last-level cache size from sysfs (64 MiB when it cannot be read)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=64 << 20)
+
+
+def _clone(weights):
+    if isinstance(weights, dict):
+        return {name: t.clone() for name, t in weights.items()}
+    return tuple(t.clone() for t in weights)
+
+
+def rotating(fn: Callable, weights, wbytes: int, cold_bytes: int) -> tuple[Callable, int]:
+    """(x -> fn(x, weights), wbytes); with ``cold_bytes``, enough copies of the weights to fill
+    that many bytes, used in turn, so that each call reads weights no recent call has touched."""
+    copies = [weights] + [_clone(weights) for _ in range(math.ceil(cold_bytes / wbytes) - 1)]
+    turn = itertools.cycle(copies)
+    return (lambda x: fn(x, next(turn))), wbytes
+
+
+def build_kernels(n: int, k: int, group: int = 128,
+                  cold_bytes: int = 0) -> dict[str, tuple[Callable, int]]:
+    """name -> (fn(x_bf16) -> y, weight bytes read per call), all for one random W4 layer;
+    ``cold_bytes``: see ``rotating`` (the reference keeps one copy)."""
     torch.manual_seed(0)
     scheme = QuantScheme(bits=4, group_size=group)
     result = rtn(torch.randn(n, k) * 0.02, scheme)
@@ -59,22 +136,30 @@ def build_kernels(n: int, k: int, group: int = 128) -> dict[str, tuple[Callable,
     w_bf16 = result.dequantize(torch.bfloat16)
     w_fp32 = result.dequantize(torch.float32)
     bound = cpu.bind(ours, scheme, n, k)  # what QuantLinear calls (None: torch's fallback)
+    ours_fn = ((lambda x, p: bound(x, p, None)) if bound is not None
+               else (lambda x, p: cpu.linear(x, p, scheme, n, k, None)))
+    ours_bytes = nbytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))
+    read = stream_read()
     kernels = {
-        "ours": ((lambda x: bound(x, ours, None)) if bound is not None
-                 else (lambda x: cpu.linear(x, ours, scheme, n, k, None)),
-                 nbytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))),
-        "torch_int4": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
-                       nbytes([packed, sz])),
-        "dense_bf16": (lambda x: x @ w_bf16.T, nbytes([w_bf16])),
-        "dense_fp32": (lambda x: (x.float() @ w_fp32.T).to(x.dtype), nbytes([w_fp32])),
+        "ours": rotating(ours_fn, ours, ours_bytes, cold_bytes),
+        # its own buffer of the same size: the same cache state as ours
+        "read": rotating(lambda x, b: read(b[0]), (torch.ones(ours_bytes, dtype=torch.uint8),),
+                         ours_bytes, cold_bytes),
+        "torch_int4": rotating(
+            lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], group, w[1]),
+            (packed, sz), nbytes([packed, sz]), cold_bytes),
+        "dense_bf16": rotating(lambda x, w: x @ w[0].T, (w_bf16,), nbytes([w_bf16]), cold_bytes),
+        "dense_fp32": rotating(lambda x, w: (x.float() @ w[0].T).to(x.dtype), (w_fp32,),
+                               nbytes([w_fp32]), cold_bytes),
         "reference": (lambda x: ref.linear(x, refp, scheme, n, k, None),
                       nbytes([refp["codes"], refp["scales"]])),
     }
     if panels_supported():  # ours is the panel layout here: time the rows layout beside it
         rows = prepare_ext(result, "rows")
         bound_rows = cpu.bind(rows, scheme, n, k)
-        kernels["ours_rows"] = (lambda x: bound_rows(x, rows, None),
-                                nbytes(rows[name] for name in ("w", "scales", "zeros")))
+        kernels["ours_rows"] = rotating(lambda x, p: bound_rows(x, p, None), rows,
+                                        nbytes(rows[name] for name in ("w", "scales", "zeros")),
+                                        cold_bytes)
     return kernels
 
 
@@ -98,11 +183,12 @@ def time_side_by_side(kernels: dict, x: torch.Tensor, rounds: int, warmup: int =
 
 
 def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int = 15,
-                      include_reference: bool = True) -> list[dict]:
-    """One row per (N, K, M, kernel): us, effective GB/s, speed-up vs dense bf16."""
+                      include_reference: bool = True, cold: bool = False) -> list[dict]:
+    """One row per (N, K, M, kernel): us, effective GB/s, speed-up vs dense bf16; ``cold``:
+    each kernel cycles through copies of its weights twice the size of the last-level cache."""
     rows = []
     for n, k, ms in shapes_ms:
-        kernels = build_kernels(n, k)
+        kernels = build_kernels(n, k, cold_bytes=2 * llc_bytes() if cold else 0)
         if not include_reference:
             kernels.pop("reference")
         for m in ms:
@@ -113,6 +199,7 @@ def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int =
                     "N": n, "K": k, "M": m, "kernel": name, "us": round(us[name], 1),
                     "GB/s": round(wbytes / us[name] / 1e3, 1),
                     "speedup_vs_bf16": round(us["dense_bf16"] / us[name], 2),
+                    "vs_read": round(us["read"] / us[name], 2),
                 })
             print(f"N={n} K={k} M={m}: " + ", ".join(f"{a} {us[a]:.0f}us" for a in kernels),
                   flush=True)
@@ -122,13 +209,15 @@ def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int =
 def markdown(rows: list[dict], header: str) -> str:
     names = [k for k in KERNELS if any(r["kernel"] == k for r in rows)]
     lines = [header, "",
-             "| N x K | M | " + " | ".join(f"{k} us (GB/s)" for k in names) + " | ours vs bf16 |",
-             "|---|---|" + "---|" * (len(names) + 1)]
+             "| N x K | M | " + " | ".join(f"{k} us (GB/s)" for k in names)
+             + " | ours vs bf16 | ours vs read |",
+             "|---|---|" + "---|" * (len(names) + 2)]
     keyed = {(r["N"], r["K"], r["M"], r["kernel"]): r for r in rows}
     for n, k, m in dict.fromkeys((r["N"], r["K"], r["M"]) for r in rows):
         cells = [f"{keyed[(n, k, m, c)]['us']:.0f} ({keyed[(n, k, m, c)]['GB/s']})" for c in names]
         lines.append(f"| {n}x{k} | {m} | " + " | ".join(cells)
-                     + f" | {keyed[(n, k, m, 'ours')]['speedup_vs_bf16']}x |")
+                     + f" | {keyed[(n, k, m, 'ours')]['speedup_vs_bf16']}x"
+                     + f" | {keyed[(n, k, m, 'ours')]['vs_read']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -138,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cold", action="store_true",
+                        help="weights from DRAM: each kernel cycles through copies of its "
+                        "weights twice the size of the last-level cache")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args(argv)
@@ -148,15 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plan = [(4096, 4096, [1, 2, 4, 8, 16, 32, 128]), (14336, 4096, [1, 2, 4]),
                 (4096, 14336, [1, 2, 4])]
-    rows = run_cpu_benchmark(plan, args.rounds, args.reference)
+    rows = run_cpu_benchmark(plan, args.rounds, args.reference, args.cold)
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "scheme": "w4g128 sym (RTN)", "activations": "bf16", "rounds": args.rounds,
-            "statistic": "median us, warm-up excluded", "date": time.strftime("%Y-%m-%d %H:%M")}
+            "statistic": "median us, warm-up excluded", "date": time.strftime("%Y-%m-%d %H:%M"),
+            "caches": f"cold (weights cycled through {2 * llc_bytes() >> 20} MiB of copies)"
+            if args.cold else "as left by the previous round"}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "cpu-kernels" + (f"-{args.tag}" if args.tag else "")
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     header = (f"# CPU kernels: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
-              f"{meta['scheme']}, bf16 activations, median of {args.rounds} ({meta['date']})")
+              f"{meta['scheme']}, bf16 activations, median of {args.rounds}, caches "
+              f"{meta['caches']} ({meta['date']})")
     text = markdown(rows, header)
     (args.out / f"{stem}.md").write_text(text)
     print(text)

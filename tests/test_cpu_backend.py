@@ -306,3 +306,25 @@ def test_bound_layer_survives_pickle_and_deepcopy():
     buf.seek(0)
     for other in (torch.load(buf, weights_only=False), copy.deepcopy(q)):
         assert torch.equal(other(x), q(x))
+
+
+def test_cpu_benchmark_rotation_and_read_floor():
+    """benchmarks/kernels_cpu.py: --cold rotates distinct weight copies; the read floor reads
+    every byte (its checksum is the sum of the buffer's 64-bit words)."""
+    import runpy
+    from pathlib import Path
+
+    mod = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_cpu.py"))
+    seen = []
+    fn, wbytes = mod["rotating"](lambda x, w: seen.append(w[0].data_ptr()),
+                                 (torch.zeros(256, dtype=torch.uint8),), 256, cold_bytes=1000)
+    for _ in range(8):
+        fn(None)
+    assert wbytes == 256 and len(set(seen)) == 4 and seen[:4] == seen[4:]  # ceil(1000/256) copies
+    assert mod["llc_bytes"]() > 0
+    if load_cpu_ext() is None:
+        pytest.skip("no C++ compiler: the read floor is not built")
+    words = torch.randint(0, 1 << 40, (4096,), dtype=torch.int64)
+    expected = int(words.sum()) & ((1 << 64) - 1)
+    got = mod["stream_read"]()(words.view(torch.uint8)) & ((1 << 64) - 1)
+    assert got == expected
