@@ -143,6 +143,60 @@ def test_w8a8_matches_per_token_reference(layout):
             assert rel_err(y, reference(result, x)) < EXACT_TOL, (n, k, m)
 
 
+def _amx_or_skip():
+    ext = load_cpu_ext()
+    if ext is None or not panels_supported() or not ext.has_amx():
+        pytest.skip("needs a CPU and OS with AMX-INT8 (the panel layout's tile path)")
+    return ext
+
+
+@pytest.mark.parametrize("bits,gs,sym,act", [
+    (4, 128, True, False), (4, 32, False, True), (4, -1, False, False), (8, 64, True, True),
+    (8, -1, False, False), (2, 64, False, False)])
+def test_amx_tiles_equal_the_vnni_loop(bits, gs, sym, act):
+    """The AMX path forms the same exact int32 block sums as the VNNI loop and scales them in the
+    same order: bit-identical outputs, for full and partial 16-row tiles and panel triples."""
+    ext = _amx_or_skip()
+    for n, k in ((200, 256), (48, 512), (16, 64)):
+        result = make_result(bits, gs, sym, act, n, k)
+        p = prepare_ext(result, "panels")
+        _, ext_bits, block, _ = p["meta"].tolist()
+        for m in (16, 17, 40):
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            args = (x, p["w"], p["scales"], p["zeros"], p["src"], None, 4 if ext_bits <= 4 else 8,
+                    block, n)
+            assert torch.equal(ext.qgemm_panel_path(*args, 1), ext.qgemm_panel_path(*args, 0))
+
+
+def test_amx_w8a8_whole_row_blocks_equal_the_vnni_loop():
+    ext = _amx_or_skip()
+    scheme = QuantScheme(bits=8, group_size=-1, activations="int8-token-dynamic")
+    for n, k in ((200, 256), (64, 1024), (40, 200)):
+        p = prepare_ext(rtn(torch.randn(n, k), scheme), "panels")
+        block = int(p["meta"][2])
+        x = torch.randn(24, k)
+        args = (x, p["w"], p["scales"], p["zeros"], p["src"], None, 8, block, n)
+        vnni = ext.qgemm_panel_path(*args, 0)
+        assert torch.equal(ext.qgemm_panel_path(*args, -1), vnni)  # auto: tiles where they fit
+        if block % 64 == 0:
+            assert torch.equal(ext.qgemm_panel_path(*args, 1), vnni)
+        else:  # a row of 200 columns is no whole number of 64-byte tile rows
+            with pytest.raises(RuntimeError, match="does not tile"):
+                ext.qgemm_panel_path(*args, 1)
+
+
+def test_amx_request_is_refused_where_tiles_cannot_run():
+    ext = load_cpu_ext()
+    if ext is None or not panels_supported():
+        pytest.skip("needs the panel layout (AVX-512 VNNI)")
+    if ext.has_amx():
+        pytest.skip("this CPU runs AMX: the refusal is for CPUs without it")
+    p = prepare_ext(make_result(4, 128, True, False, 32, 256), "panels")
+    with pytest.raises(RuntimeError, match="AMX"):
+        ext.qgemm_panel_path(torch.randn(16, 256), p["w"], p["scales"], p["zeros"], p["src"],
+                             None, 4, int(p["meta"][2]), 32, 1)
+
+
 @needs_ext
 def test_bf16_and_leading_dims():
     result = make_result(4, 128, True, False, 48, 256)

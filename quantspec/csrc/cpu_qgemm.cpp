@@ -25,8 +25,13 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define QS_X86 1
+#endif
+#if defined(QS_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -35,11 +40,14 @@ struct Geometry {
   int64_t M, N, K, Kp, G, B;
   int64_t nblk() const { return Kp / B; }
   int64_t bpg() const { return (Kp / G) / B; }
+  // Row stride of the int8 activations: a cache line more than a row, so that the rows of x
+  // do not all fall into one L1 set when Kp is a multiple of 4 KB (AMX loads 16 rows at once).
+  int64_t xld() const { return Kp + 64; }
 };
 
 // Per-block activation operands for one matmul call.
 struct Acts {
-  const int8_t* xq;  // [M, Kp]
+  const int8_t* xq;  // [M, Kp], rows Geometry::xld() apart
   const float* sx;   // [M, nblk]
   const float* xg;   // [M, G]
 };
@@ -103,32 +111,35 @@ __attribute__((target("avx2,fma"))) int32_t quantize_block_avx2(const float* v, 
 void quantize_activations(const float* x, const int32_t* src, const Geometry& g, bool simd,
                           int8_t* xq, float* sx, float* xg) {
   const int64_t nblk = g.nblk(), bpg = g.bpg();
-  std::vector<float> buf(g.B);
-  for (int64_t m = 0; m < g.M; ++m) {
-    const float* xm = x + m * g.K;
-    for (int64_t gi = 0; gi < g.G; ++gi) xg[m * g.G + gi] = 0.f;
-    for (int64_t b = 0; b < nblk; ++b) {
-      const int64_t k0 = b * g.B;
-      const float* v = xm + k0;
-      if (src || k0 + g.B > g.K) {
-        for (int64_t i = 0; i < g.B; ++i) {
-          const int64_t s = src ? src[k0 + i] : k0 + i;
-          buf[i] = s < g.K ? xm[s] : 0.f;
+  // rows are independent: in parallel from a few rows on (one row costs ~2 us per 4096 columns)
+  at::parallel_for(0, g.M, 2, [&](int64_t m0, int64_t m1) {
+    std::vector<float> buf(g.B);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = x + m * g.K;
+      for (int64_t gi = 0; gi < g.G; ++gi) xg[m * g.G + gi] = 0.f;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t k0 = b * g.B;
+        const float* v = xm + k0;
+        if (src || k0 + g.B > g.K) {
+          for (int64_t i = 0; i < g.B; ++i) {
+            const int64_t s = src ? src[k0 + i] : k0 + i;
+            buf[i] = s < g.K ? xm[s] : 0.f;
+          }
+          v = buf.data();
         }
-        v = buf.data();
-      }
-      float scale;
-      int8_t* q = xq + m * g.Kp + k0;
-      int32_t sum;
+        float scale;
+        int8_t* q = xq + m * g.xld() + k0;
+        int32_t sum;
 #if defined(__x86_64__) || defined(_M_X64)
-      if (simd) sum = quantize_block_avx2(v, g.B, q, &scale);
-      else
+        if (simd) sum = quantize_block_avx2(v, g.B, q, &scale);
+        else
 #endif
-        sum = quantize_block_scalar(v, g.B, q, &scale);
-      sx[m * nblk + b] = scale;
-      xg[m * g.G + b / bpg] += scale * static_cast<float>(sum);
+          sum = quantize_block_scalar(v, g.B, q, &scale);
+        sx[m * nblk + b] = scale;
+        xg[m * g.G + b / bpg] += scale * static_cast<float>(sum);
+      }
     }
-  }
+  });
 }
 
 // One output row n: fp16 scales and int8 zeros -> fp32 scales and scale * zero.
@@ -169,7 +180,7 @@ QS_NO_VECTORIZE void row_scalar(const uint8_t* w, const float* swf, const float*
                 const Geometry& g, int64_t m0, int64_t mt, float* y) {
   const int64_t nblk = g.nblk(), bpg = g.bpg();
   for (int64_t m = m0; m < m0 + mt; ++m) {
-    const int8_t* xm = a.xq + m * g.Kp;
+    const int8_t* xm = a.xq + m * g.xld();
     float acc = 0.f;
     for (int64_t b = 0; b < nblk; ++b) {
       int32_t isum = 0;
@@ -230,7 +241,7 @@ QS_AVX2 void row4_avx2(const uint8_t* w, const float* swf, const float* szf, con
   const float* sx[MT];
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) {
-    x[m] = a.xq + (m0 + m) * g.Kp;
+    x[m] = a.xq + (m0 + m) * g.xld();
     sx[m] = a.sx + (m0 + m) * nblk;
     acc[m] = _mm256_setzero_ps();
   }
@@ -309,7 +320,7 @@ QS_AVX2 void row8_avx2(const uint8_t* w, const float* swf, const float* szf, con
   const float* sx[MT];
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) {
-    x[m] = a.xq + (m0 + m) * g.Kp;
+    x[m] = a.xq + (m0 + m) * g.xld();
     sx[m] = a.sx + (m0 + m) * nblk;
     acc[m] = _mm256_setzero_ps();
   }
@@ -396,6 +407,24 @@ void row_all_m(const uint8_t* w, const float* swf, const float* szf, const Acts&
 // One vpdpbusd multiplies 16 rows' 4 codes by the same 4 activation bytes (a broadcast), so
 // each lane is one output: the block's float scaling is one multiply per 16 outputs.
 #ifdef QS_X86
+// The end of a panel: rows [mt, 16] (its outputs for x rows m0..) minus the zero points'
+// sum_g s[g] z[g] X[m, g], stored into the first `valid` outputs of y's rows from n0.
+QS_VNNI void panel_finish(const c10::Half* sc, const uint8_t* zr, const Acts& a, const Geometry& g,
+                          int64_t m0, int mt, int64_t n0, int64_t valid, float* rows, float* y) {
+  for (int64_t gq = 0; gq < g.G; ++gq) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * gq)));
+    const __m128i z8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr + 16 * gq));
+    const __m512 sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8)));
+    for (int m = 0; m < mt; ++m)
+      _mm512_store_ps(rows + 16 * m, _mm512_fnmadd_ps(sz, _mm512_set1_ps(a.xg[(m0 + m) * g.G + gq]),
+                                                     _mm512_load_ps(rows + 16 * m)));
+  }
+  const __mmask16 keep = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>((1u << valid) - 1u);
+  for (int m = 0; m < mt; ++m)
+    _mm512_mask_storeu_ps(y + (m0 + m) * g.N + n0, keep, _mm512_load_ps(rows + 16 * m));
+}
+
 template <int BITS, int MT>
 QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr, const Acts& a,
                         const Geometry& g, int64_t m0, int64_t n0, int64_t valid, float* y) {
@@ -407,7 +436,7 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
   __m512 acc[MT];
   __m512i isum[MT];
   for (int m = 0; m < MT; ++m) {
-    x[m] = a.xq + (m0 + m) * g.Kp;
+    x[m] = a.xq + (m0 + m) * g.xld();
     sx[m] = a.sx + (m0 + m) * nblk;
     acc[m] = _mm512_setzero_ps();
   }
@@ -460,17 +489,9 @@ QS_VNNI void panel_vnni(const uint8_t* w, const c10::Half* sc, const uint8_t* zr
       ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * gi)));
     }
   }
-  // zero points: y -= sum_g s[g] z[g] X[m, g]
-  for (int64_t gq = 0; gq < g.G; ++gq) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * gq)));
-    const __m128i z8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr + 16 * gq));
-    const __m512 sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8)));
-    for (int m = 0; m < MT; ++m)
-      acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(a.xg[(m0 + m) * g.G + gq]), acc[m]);
-  }
-  const __mmask16 keep = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                     : static_cast<__mmask16>((1u << valid) - 1u);
-  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * g.N + n0, keep, acc[m]);
+  alignas(64) float rows[MT * 16];
+  for (int m = 0; m < MT; ++m) _mm512_store_ps(rows + 16 * m, acc[m]);
+  panel_finish(sc, zr, a, g, m0, MT, n0, valid, rows, y);
 }
 
 template <int BITS>
@@ -488,6 +509,180 @@ QS_VNNI void panel_all_m(const uint8_t* w, const c10::Half* sc, const uint8_t* z
     case 1: panel_vnni<BITS, 1>(w, sc, zr, a, g, m0, n0, valid, y); break;
     default: break;
   }
+}
+
+// ---- AMX (Intel Sapphire Rapids and later): the same panels through int8 tile products ----
+// For several rows of x the VNNI loop is bound by vpdpbusd (2 per 64 weight bytes per row);
+// one tdpbsud multiplies x rows [mt, kc] (signed) by a panel's [kc, 16] codes (unsigned) into
+// [mt, 16] int32 sums, the exact block sums the VNNI loop forms, so the results are identical.
+// The panel layout is already the tile's B operand: row r of B holds 16 outputs x 4 columns
+// (4-bit: an octet's low nibbles are quad 2j, its high nibbles quad 2j + 1; 8-bit: quad j).
+#define QS_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#ifndef QS_AMX_MIN_M
+#define QS_AMX_MIN_M 16
+#endif
+
+// Palette 1: tile 0 = A (x rows [mt, kc] int8), tiles 1-3 = C (three panels' [mt, 16] int32
+// sums), tiles 4-6 = B (the three panels' [kc / 4, 16 x 4] codes). Three panels at a time share
+// each load of x and keep three independent tile products in flight.
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!cpu_has_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
+#if defined(__linux__)
+    // Linux hands out the tile data state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+// GCC 12's _tile_loadd and _tile_loadconfig tell the compiler they read no memory (tileloadd)
+// or 8 bytes (ldtilecfg), so the stores that fill their sources may be dropped or moved past
+// them: these two say what they read.
+#define QS_TILE_LOAD(t, base, stride)                                                \
+  __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
+                   ::"r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride))   \
+                   : "memory")
+#define QS_TILE_CONFIG(cfg) \
+  __asm__ volatile("ldtilecfg\t%X0" ::"m"(*reinterpret_cast<const unsigned char(*)[64]>(cfg)))
+
+QS_AMX void configure_tiles(int64_t mt, int64_t kc) {
+  // palette 1: byte 0 palette, bytes 16 + 2t colsb of tile t (uint16), byte 48 + t its rows
+  alignas(64) unsigned char cfg[64] = {};
+  auto tile = [&](int t, int64_t rows, int64_t colsb) {
+    cfg[16 + 2 * t] = static_cast<unsigned char>(colsb);  // colsb: uint16 little-endian, <= 64
+    cfg[48 + t] = static_cast<unsigned char>(rows);
+  };
+  cfg[0] = 1;
+  tile(0, mt, kc);
+  for (int q = 0; q < 3; ++q) tile(1 + q, mt, 64), tile(4 + q, kc / 4, 64);
+  QS_TILE_CONFIG(cfg);
+}
+
+// The tile intrinsics take literal tile numbers: panel Q's C and B tiles, picked at compile time.
+template <int Q> QS_AMX inline void tile_zero_c() {
+  if constexpr (Q == 0) _tile_zero(1); else if constexpr (Q == 1) _tile_zero(2); else _tile_zero(3);
+}
+template <int Q> QS_AMX inline void tile_load_b(const void* p) {
+  if constexpr (Q == 0) QS_TILE_LOAD(4, p, 64);
+  else if constexpr (Q == 1) QS_TILE_LOAD(5, p, 64);
+  else QS_TILE_LOAD(6, p, 64);
+}
+template <int Q> QS_AMX inline void tile_dot() {  // C_Q += A . B_Q (signed x, unsigned codes)
+  if constexpr (Q == 0) _tile_dpbsud(1, 0, 4);
+  else if constexpr (Q == 1) _tile_dpbsud(2, 0, 5);
+  else _tile_dpbsud(3, 0, 6);
+}
+template <int Q> QS_AMX inline void tile_store_c(void* p) {
+  if constexpr (Q == 0) _tile_stored(1, p, 64);
+  else if constexpr (Q == 1) _tile_stored(2, p, 64);
+  else _tile_stored(3, p, 64);
+}
+
+// Panel Q's B tile for one chunk (lines of 64 weight bytes from wl; 4-bit: the octets' low and
+// high nibbles unpacked into bt first) times the x tile in tile 0.
+template <int BITS, int Q>
+QS_AMX inline void chunk_dot(const uint8_t* wl, int64_t lines, uint8_t* bt) {
+  for (int64_t l = 0; l < lines; ++l) {
+    _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * l + QS_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * l + 4 * QS_PREFETCH), _MM_HINT_T1);
+  }
+  if constexpr (BITS == 4) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int64_t l = 0; l < lines; ++l) {
+      const __m512i v = load64(wl + 64 * l);
+      _mm512_store_si512(bt + 128 * l, _mm512_and_si512(v, mask));
+      _mm512_store_si512(bt + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+    tile_load_b<Q>(bt);
+  } else {
+    tile_load_b<Q>(wl);
+  }
+  tile_dot<Q>();
+}
+
+// Panel Q's block sums (tile C_Q) scaled into its float rows: rows[m] += C[m] * ws * sx[m, b].
+template <int Q>
+QS_AMX inline void block_scale(__m512 ws, const float* sx, int64_t nblk, int mt, int32_t* ct,
+                               float* rows) {
+  tile_store_c<Q>(ct);
+  for (int m = 0; m < mt; ++m) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(ct + 16 * m));
+    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(sx[m * nblk]));
+    _mm512_store_ps(rows + 16 * m, _mm512_fmadd_ps(f, s, _mm512_load_ps(rows + 16 * m)));
+  }
+}
+
+// NP (1-3) adjacent panels from panel p against every row of x, 16 rows at a time. *configured
+// is the row count the tiles are set up for (0: none yet).
+template <int BITS, int NP>
+QS_AMX void panels_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* sc,
+                       const uint8_t* zr, const Acts& a, const Geometry& g, int64_t p, int64_t kc,
+                       int* configured, float* y) {
+  const int64_t nblk = g.nblk(), bpg = g.bpg(), chunks = g.B / kc, ps = g.G * 16;
+  const uint8_t* wp = w + p * panel_bytes;
+  const c10::Half* sp = sc + p * ps;
+  const int64_t lines = kc / (BITS == 4 ? 8 : 4);  // 64-byte weight lines per chunk
+  alignas(64) uint8_t bt[NP][16 * 64];
+  alignas(64) int32_t ct[16 * 16];
+  alignas(64) float rows[NP][16 * 16];
+  for (int64_t m0 = 0; m0 < g.M; m0 += 16) {
+    const int mt = static_cast<int>(std::min<int64_t>(16, g.M - m0));
+    if (mt != *configured) configure_tiles(mt, kc), *configured = mt;
+    __m512 ws[NP];
+    for (int q = 0; q < NP; ++q) {
+      for (int m = 0; m < mt; ++m) _mm512_store_ps(rows[q] + 16 * m, _mm512_setzero_ps());
+      ws[q] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + q * ps)));
+    }
+    const int8_t* xa = a.xq + m0 * g.xld();
+    const float* sx = a.sx + m0 * nblk;
+    int64_t gi = 0, in_group = 0;
+    for (int64_t b = 0; b < nblk; ++b) {
+      tile_zero_c<0>();
+      if (NP > 1) tile_zero_c<1>();
+      if (NP > 2) tile_zero_c<2>();
+      for (int64_t c = b * chunks; c < (b + 1) * chunks; ++c) {
+        QS_TILE_LOAD(0, xa + c * kc, g.xld());
+        const uint8_t* wl = wp + 64 * lines * c;
+        chunk_dot<BITS, 0>(wl, lines, bt[0]);
+        if (NP > 1) chunk_dot<BITS, 1>(wl + panel_bytes, lines, bt[NP > 1 ? 1 : 0]);
+        if (NP > 2) chunk_dot<BITS, 2>(wl + 2 * panel_bytes, lines, bt[NP > 2 ? 2 : 0]);
+      }
+      block_scale<0>(ws[0], sx + b, nblk, mt, ct, rows[0]);
+      if (NP > 1) block_scale<1>(ws[NP > 1 ? 1 : 0], sx + b, nblk, mt, ct, rows[NP > 1 ? 1 : 0]);
+      if (NP > 2) block_scale<2>(ws[NP > 2 ? 2 : 0], sx + b, nblk, mt, ct, rows[NP > 2 ? 2 : 0]);
+      if (++in_group == bpg && b + 1 < nblk) {
+        in_group = 0, ++gi;
+        for (int q = 0; q < NP; ++q)
+          ws[q] = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + q * ps + 16 * gi)));
+      }
+    }
+    for (int q = 0; q < NP; ++q)
+      panel_finish(sp + q * ps, zr + (p + q) * ps, a, g, m0, mt, 16 * (p + q),
+                   std::min<int64_t>(16, g.N - 16 * (p + q)), rows[q], y);
+  }
+}
+
+// Panels [p0, p1) against every row of x, three panels at a time; tiles released at the end.
+template <int BITS>
+QS_AMX void panel_range_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* sc,
+                            const uint8_t* zr, const Acts& a, const Geometry& g, int64_t p0,
+                            int64_t p1, float* y) {
+  const int64_t kc = std::min<int64_t>(g.B, 64);
+  int configured = 0;
+  for (int64_t p = p0; p < p1;) {
+    const int64_t np = std::min<int64_t>(3, p1 - p);
+    if (np == 3) panels_amx<BITS, 3>(w, panel_bytes, sc, zr, a, g, p, kc, &configured, y);
+    else if (np == 2) panels_amx<BITS, 2>(w, panel_bytes, sc, zr, a, g, p, kc, &configured, y);
+    else panels_amx<BITS, 1>(w, panel_bytes, sc, zr, a, g, p, kc, &configured, y);
+    p += np;
+  }
+  _tile_release();
 }
 #endif
 
@@ -530,10 +725,14 @@ const float* as_floats(const torch::Tensor& t, std::vector<float>& buf) {
   buf.resize(n);
   if (c.scalar_type() == torch::kBFloat16) {
     const c10::BFloat16* p = c.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+    at::parallel_for(0, n, 16384, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) buf[i] = static_cast<float>(p[i]);
+    });
   } else if (c.scalar_type() == torch::kHalf) {
     const c10::Half* p = c.data_ptr<c10::Half>();
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+    at::parallel_for(0, n, 16384, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) buf[i] = static_cast<float>(p[i]);
+    });
   } else {
     const torch::Tensor f = c.to(torch::kFloat);
     std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n, buf.begin());
@@ -548,7 +747,7 @@ Acts quantize_acts(const torch::Tensor& x, const torch::Tensor& src, const Geome
   TORCH_CHECK(has_src || g.K <= g.Kp, "x has more columns than the layout");
   Scratch& s = scratch();
   const float* xf = as_floats(x, s.xf);
-  s.xq.resize(g.M * g.Kp);
+  s.xq.resize(g.M * g.xld());
   s.sx.resize(g.M * g.nblk());
   s.xg.resize(g.M * g.G);
   quantize_activations(xf, has_src ? src.data_ptr<int32_t>() : nullptr, g, simd, s.xq.data(),
@@ -650,10 +849,12 @@ torch::Tensor dequant_rows(const torch::Tensor& w, const torch::Tensor& scales,
 }
 
 // The same product on the panel layout (AVX-512 VNNI CPUs only; see panel_vnni): y [M, n].
-torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
-                          const torch::Tensor& scales, const torch::Tensor& zeros,
-                          const torch::Tensor& src, const c10::optional<torch::Tensor>& bias,
-                          int64_t bits, int64_t block, int64_t n) {
+// amx: 1 = AMX tiles (an error where the CPU or OS has none), 0 = VNNI, -1 = AMX where it runs
+// and x has at least QS_AMX_MIN_M rows.
+torch::Tensor qgemm_panel_path(const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& scales, const torch::Tensor& zeros,
+                               const torch::Tensor& src, const c10::optional<torch::Tensor>& bias,
+                               int64_t bits, int64_t block, int64_t n, int64_t amx) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == torch::kUInt8 &&
@@ -681,6 +882,18 @@ torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
   const int64_t panel_bytes = w.size(1) * 64;
   // at least 32 KB of weights per thread: smaller shares cost more in waking a thread
   const int64_t grain = std::max<int64_t>(1, 32768 / panel_bytes);
+  const int64_t kc = std::min<int64_t>(block, 64);
+  const bool tiles_fit = block % kc == 0 && kc % (bits == 4 ? 8 : 4) == 0;
+  TORCH_CHECK(amx != 1 || (tiles_fit && cpu_has_amx()),
+              "AMX was asked for, but this CPU/OS has no AMX-INT8 or the block does not tile");
+  const bool use_amx = amx == 1 || (amx == -1 && g.M >= QS_AMX_MIN_M && tiles_fit && cpu_has_amx());
+  if (use_amx) {
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      if (bits == 4) panel_range_amx<4>(wp, panel_bytes, sp, zp, acts, g, p0, p1, yp);
+      else panel_range_amx<8>(wp, panel_bytes, sp, zp, acts, g, p0, p1, yp);
+    });
+    return finish(y.data(), g.M, n, bias, x.scalar_type());
+  }
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t valid = std::min<int64_t>(16, n - 16 * p);
@@ -696,6 +909,13 @@ torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
 #else
   TORCH_CHECK(false, "the panel layout needs an x86 CPU with AVX-512 VNNI");
 #endif
+}
+
+torch::Tensor qgemm_panel(const torch::Tensor& x, const torch::Tensor& w,
+                          const torch::Tensor& scales, const torch::Tensor& zeros,
+                          const torch::Tensor& src, const c10::optional<torch::Tensor>& bias,
+                          int64_t bits, int64_t block, int64_t n) {
+  return qgemm_panel_path(x, w, scales, zeros, src, bias, bits, block, n, -1);
 }
 
 // Dense rows [n0, n1) of a panel layout, in layout column order: float [n1 - n0, Kp].
@@ -749,6 +969,14 @@ bool has_vnni() {
 #endif
 }
 
+bool has_amx() {
+#ifdef QS_X86
+  return cpu_has_amx();
+#else
+  return false;
+#endif
+}
+
 // The same qgemm as a dispatcher op, so that compiled graphs (torch.compile) call it without a
 // Python frame; its fake (meta) kernel is registered from Python (quantspec/kernels/cpu_ext.py).
 TORCH_LIBRARY(quantspec_cpu, m) {
@@ -767,7 +995,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "int8-activation x 4/8-bit weight matmul (see cpu_qgemm.cpp)");
   m.def("dequant_rows", &dequant_rows, "dense fp32 rows of a prepared layout");
   m.def("qgemm_panel", &qgemm_panel, "the same product on the panel layout (AVX-512 VNNI)");
+  m.def("qgemm_panel_path", &qgemm_panel_path,
+        "qgemm_panel with the path chosen: amx 1 (AMX tiles), 0 (VNNI), -1 (auto)");
   m.def("dequant_panel_rows", &dequant_panel_rows, "dense fp32 rows of a panel layout");
   m.def("has_avx2", &has_avx2, "whether qgemm's AVX2 path runs on this CPU");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the panel layout (AVX-512 VNNI)");
+  m.def("has_amx", &has_amx, "whether qgemm_panel may use AMX tiles here (CPU and OS)");
 }
