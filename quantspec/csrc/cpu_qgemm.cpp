@@ -522,9 +522,6 @@ QS_VNNI void panel_all_m(const uint8_t* w, const c10::Half* sc, const uint8_t* z
 #define QS_AMX_MIN_M 16
 #endif
 
-// Palette 1: tile 0 = A (x rows [mt, kc] int8), tiles 1-3 = C (three panels' [mt, 16] int32
-// sums), tiles 4-6 = B (the three panels' [kc / 4, 16 x 4] codes). Three panels at a time share
-// each load of x and keep three independent tile products in flight.
 bool cpu_has_amx() {
   static const bool ok = [] {
     unsigned eax, ebx, ecx, edx;
@@ -550,6 +547,9 @@ bool cpu_has_amx() {
 #define QS_TILE_CONFIG(cfg) \
   __asm__ volatile("ldtilecfg\t%X0" ::"m"(*reinterpret_cast<const unsigned char(*)[64]>(cfg)))
 
+// Palette 1: tile 0 = A (x rows [mt, kc] int8), tiles 1-3 = C (three panels' [mt, 16] int32
+// sums), tiles 4-6 = B (the three panels' [kc / 4, 16 x 4] codes). Three panels at a time share
+// each load of x and keep three independent tile products in flight.
 QS_AMX void configure_tiles(int64_t mt, int64_t kc) {
   // palette 1: byte 0 palette, bytes 16 + 2t colsb of tile t (uint16), byte 48 + t its rows
   alignas(64) unsigned char cfg[64] = {};
