@@ -583,10 +583,10 @@ template <int Q> QS_AMX inline void tile_store_c(void* p) {
   else _tile_stored(3, p, 64);
 }
 
-// Panel Q's B tile for one chunk (lines of 64 weight bytes from wl; 4-bit: the octets' low and
-// high nibbles unpacked into bt first) times the x tile in tile 0.
-template <int BITS, int Q>
-QS_AMX inline void chunk_dot(const uint8_t* wl, int64_t lines, uint8_t* bt) {
+// One chunk of a panel (lines of 64 weight bytes from wl) prefetched ahead and, for 4 bits,
+// its octets' low and high nibbles unpacked into bt: the rows of the chunk's B tile.
+template <int BITS>
+QS_AMX inline void stage_chunk(const uint8_t* wl, int64_t lines, uint8_t* bt) {
   for (int64_t l = 0; l < lines; ++l) {
     _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * l + QS_PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wl + 64 * l + 4 * QS_PREFETCH), _MM_HINT_T1);
@@ -598,10 +598,13 @@ QS_AMX inline void chunk_dot(const uint8_t* wl, int64_t lines, uint8_t* bt) {
       _mm512_store_si512(bt + 128 * l, _mm512_and_si512(v, mask));
       _mm512_store_si512(bt + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
     }
-    tile_load_b<Q>(bt);
-  } else {
-    tile_load_b<Q>(wl);
   }
+}
+
+// Panel Q's B tile (its rows at bt) times the x tile in tile 0, into C_Q.
+template <int Q>
+QS_AMX inline void chunk_dot(const uint8_t* bt) {
+  tile_load_b<Q>(bt);
   tile_dot<Q>();
 }
 
@@ -627,9 +630,15 @@ QS_AMX void panels_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* s
   const uint8_t* wp = w + p * panel_bytes;
   const c10::Half* sp = sc + p * ps;
   const int64_t lines = kc / (BITS == 4 ? 8 : 4);  // 64-byte weight lines per chunk
-  alignas(64) uint8_t bt[NP][16 * 64];
+  const int64_t total = nblk * chunks;
+  // 4-bit: chunk c + 1 is unpacked while chunk c's tiles load (a tile load right behind the
+  // stores it reads would wait for them)
+  alignas(64) uint8_t bt[2][NP][16 * 64];
   alignas(64) int32_t ct[16 * 16];
   alignas(64) float rows[NP][16 * 16];
+  auto b_rows = [&](int64_t c, int q) -> const uint8_t* {
+    return BITS == 4 ? bt[c & 1][q] : wp + q * panel_bytes + 64 * lines * c;
+  };
   for (int64_t m0 = 0; m0 < g.M; m0 += 16) {
     const int mt = static_cast<int>(std::min<int64_t>(16, g.M - m0));
     if (mt != *configured) configure_tiles(mt, kc), *configured = mt;
@@ -637,21 +646,26 @@ QS_AMX void panels_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* s
     for (int q = 0; q < NP; ++q) {
       for (int m = 0; m < mt; ++m) _mm512_store_ps(rows[q] + 16 * m, _mm512_setzero_ps());
       ws[q] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + q * ps)));
+      stage_chunk<BITS>(wp + q * panel_bytes, lines, bt[0][q]);
     }
     const int8_t* xa = a.xq + m0 * g.xld();
     const float* sx = a.sx + m0 * nblk;
     int64_t gi = 0, in_group = 0;
-    for (int64_t b = 0; b < nblk; ++b) {
-      tile_zero_c<0>();
-      if (NP > 1) tile_zero_c<1>();
-      if (NP > 2) tile_zero_c<2>();
-      for (int64_t c = b * chunks; c < (b + 1) * chunks; ++c) {
-        QS_TILE_LOAD(0, xa + c * kc, g.xld());
-        const uint8_t* wl = wp + 64 * lines * c;
-        chunk_dot<BITS, 0>(wl, lines, bt[0]);
-        if (NP > 1) chunk_dot<BITS, 1>(wl + panel_bytes, lines, bt[NP > 1 ? 1 : 0]);
-        if (NP > 2) chunk_dot<BITS, 2>(wl + 2 * panel_bytes, lines, bt[NP > 2 ? 2 : 0]);
+    for (int64_t c = 0; c < total; ++c) {
+      if (c % chunks == 0) {
+        tile_zero_c<0>();
+        if (NP > 1) tile_zero_c<1>();
+        if (NP > 2) tile_zero_c<2>();
       }
+      if (c + 1 < total)
+        for (int q = 0; q < NP; ++q)
+          stage_chunk<BITS>(wp + q * panel_bytes + 64 * lines * (c + 1), lines, bt[(c + 1) & 1][q]);
+      QS_TILE_LOAD(0, xa + c * kc, g.xld());
+      chunk_dot<0>(b_rows(c, 0));
+      if (NP > 1) chunk_dot<1>(b_rows(c, NP > 1 ? 1 : 0));
+      if (NP > 2) chunk_dot<2>(b_rows(c, NP > 2 ? 2 : 0));
+      if ((c + 1) % chunks) continue;
+      const int64_t b = c / chunks;
       block_scale<0>(ws[0], sx + b, nblk, mt, ct, rows[0]);
       if (NP > 1) block_scale<1>(ws[NP > 1 ? 1 : 0], sx + b, nblk, mt, ct, rows[NP > 1 ? 1 : 0]);
       if (NP > 2) block_scale<2>(ws[NP > 2 ? 2 : 0], sx + b, nblk, mt, ct, rows[NP > 2 ? 2 : 0]);
