@@ -161,7 +161,7 @@ def test_amx_tiles_equal_the_vnni_loop(bits, gs, sym, act):
         result = make_result(bits, gs, sym, act, n, k)
         p = prepare_ext(result, "panels")
         _, ext_bits, block, _ = p["meta"].tolist()
-        for m in (16, 17, 40):
+        for m in (8, 16, 17, 40):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             args = (x, p["w"], p["scales"], p["zeros"], p["src"], None, 4 if ext_bits <= 4 else 8,
                     block, n)

@@ -519,7 +519,7 @@ QS_VNNI void panel_all_m(const uint8_t* w, const c10::Half* sc, const uint8_t* z
 // (4-bit: an octet's low nibbles are quad 2j, its high nibbles quad 2j + 1; 8-bit: quad j).
 #define QS_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #ifndef QS_AMX_MIN_M
-#define QS_AMX_MIN_M 16
+#define QS_AMX_MIN_M 8
 #endif
 
 bool cpu_has_amx() {

@@ -19,10 +19,10 @@ Two layouts (``prepare``; ``prepare_ext(result, layout)``). Both sort columns by
   vpdpbusd yields 16 outputs' partial sums and the per-block scaling is one multiply per 16
   outputs (~3x faster than rows at M = 16 on a 2-core AVX-512 Xeon). w uint8 [P, Kp/8 or Kp/4,
   64], scales fp16 [P, G, 16], zeros uint8 [P, G, 16] (see ``pack_panels``). On CPUs with
-  AMX-INT8 (and an OS that grants the tile state), 16 or more rows of x go through tile
+  AMX-INT8 (and an OS that grants the tile state), 8 or more rows of x go through tile
   products instead: the panel rows are the tiles' B operand as stored (4-bit: nibbles split
   per chunk), the int32 block sums are the same, so the outputs are bit-identical to the VNNI
-  loop (~1.5x faster at M = 16-512 on a 2-core Sapphire-Rapids-class Xeon).
+  loop (on a 2-core Sapphire-Rapids-class Xeon: 1.1x at M = 8, ~1.6x at M = 16-128).
 Without the extension (no compiler) it falls back to torch's packed ops: 4-bit through
 ``_weight_int4pack_mm_for_cpu`` (bf16 activations and bf16 scales: zero_float = (8 - z) * s),
 per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul otherwise.
