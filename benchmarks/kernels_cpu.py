@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from quantspec.kernels.cpu import CpuBackend, panels_supported, prepare_ext
-from quantspec.kernels.cpu_ext import cache_root
+from quantspec.kernels.cpu_ext import cache_root, compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
@@ -90,11 +90,10 @@ def stream_read() -> Callable[[torch.Tensor], int] | None:
 
     build = cache_root() / "ext" / "bench_stream_read"
     build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() == "x86_64" else [])
     try:
         module = cpp_extension.load_inline(
             "quantspec_bench_stream_read", cpp_sources=READ_SOURCE, functions=["stream_read"],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build))
+            extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(build))
     except Exception as exc:  # noqa: BLE001 - any build failure only drops the column
         print(f"no read floor: building its loop failed ({type(exc).__name__}: {exc})")
         return None

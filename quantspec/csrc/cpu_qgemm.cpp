@@ -686,8 +686,7 @@ QS_AMX void panels_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* s
 template <int BITS>
 QS_AMX void panel_range_amx(const uint8_t* w, int64_t panel_bytes, const c10::Half* sc,
                             const uint8_t* zr, const Acts& a, const Geometry& g, int64_t p0,
-                            int64_t p1, float* y) {
-  const int64_t kc = std::min<int64_t>(g.B, 64);
+                            int64_t p1, int64_t kc, float* y) {
   int configured = 0;
   for (int64_t p = p0; p < p1;) {
     const int64_t np = std::min<int64_t>(3, p1 - p);
@@ -886,6 +885,11 @@ torch::Tensor qgemm_panel_path(const torch::Tensor& x, const torch::Tensor& w,
 #ifdef QS_X86
   TORCH_CHECK(cpu_has_vnni(), "the panel layout needs AVX-512 VNNI; prepare the rows layout");
   Geometry g{x.size(0), n, x.size(1), Kp, G, block};
+  const int64_t kc = std::min<int64_t>(block, 64);  // AMX: columns of x per tile product
+  const bool tiles_fit = block % kc == 0 && kc % (bits == 4 ? 8 : 4) == 0;
+  TORCH_CHECK(amx != 1 || (tiles_fit && cpu_has_amx()),
+              "AMX was asked for, but this CPU/OS has no AMX-INT8 or the block does not tile");
+  const bool use_amx = amx == 1 || (amx == -1 && g.M >= QS_AMX_MIN_M && tiles_fit && cpu_has_amx());
   const Acts acts = quantize_acts(x, src, g, true);
   std::vector<float>& y = scratch().y;
   y.resize(g.M * n);
@@ -896,19 +900,12 @@ torch::Tensor qgemm_panel_path(const torch::Tensor& x, const torch::Tensor& w,
   const int64_t panel_bytes = w.size(1) * 64;
   // at least 32 KB of weights per thread: smaller shares cost more in waking a thread
   const int64_t grain = std::max<int64_t>(1, 32768 / panel_bytes);
-  const int64_t kc = std::min<int64_t>(block, 64);
-  const bool tiles_fit = block % kc == 0 && kc % (bits == 4 ? 8 : 4) == 0;
-  TORCH_CHECK(amx != 1 || (tiles_fit && cpu_has_amx()),
-              "AMX was asked for, but this CPU/OS has no AMX-INT8 or the block does not tile");
-  const bool use_amx = amx == 1 || (amx == -1 && g.M >= QS_AMX_MIN_M && tiles_fit && cpu_has_amx());
-  if (use_amx) {
-    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-      if (bits == 4) panel_range_amx<4>(wp, panel_bytes, sp, zp, acts, g, p0, p1, yp);
-      else panel_range_amx<8>(wp, panel_bytes, sp, zp, acts, g, p0, p1, yp);
-    });
-    return finish(y.data(), g.M, n, bias, x.scalar_type());
-  }
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    if (use_amx) {
+      if (bits == 4) panel_range_amx<4>(wp, panel_bytes, sp, zp, acts, g, p0, p1, kc, yp);
+      else panel_range_amx<8>(wp, panel_bytes, sp, zp, acts, g, p0, p1, kc, yp);
+      return;
+    }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t valid = std::min<int64_t>(16, n - 16 * p);
       if (bits == 4)

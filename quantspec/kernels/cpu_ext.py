@@ -49,6 +49,14 @@ def build_name() -> str:
     return f"quantspec_cpu_qgemm_{digest.hexdigest()[:12]}"
 
 
+def compile_flags() -> list[str]:
+    """The C++ flags of the extension (and of any kernel built beside it): this CPU's ISA."""
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    return flags
+
+
 def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
@@ -79,14 +87,11 @@ def load_cpu_ext() -> ModuleType | None:
     name = build_name()
     build_dir = cache_root() / "ext" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
     try:
         module = cpp_extension.load(
             name=name,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=flags,
+            extra_cflags=compile_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
