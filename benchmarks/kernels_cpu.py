@@ -27,6 +27,7 @@ import math
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -189,7 +190,8 @@ def time_side_by_side(kernels: dict, x: torch.Tensor, rounds: int, warmup: int =
 
 def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int = 15,
                       include_reference: bool = True, cold: bool = False) -> list[dict]:
-    """One row per (N, K, M, kernel): us, effective GB/s, speed-up vs dense bf16; ``cold``:
+    """One row per (N, K, M, kernel): us, effective GB/s, speed-up vs dense bf16 and vs the faster
+    of dense bf16 and dense fp32 on this machine (measured in the same rotation); ``cold``:
     each kernel cycles through copies of its weights twice the size of the last-level cache."""
     rows = []
     for n, k, ms in shapes_ms:
@@ -204,6 +206,7 @@ def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int =
                     "N": n, "K": k, "M": m, "kernel": name, "us": round(us[name], 1),
                     "GB/s": round(wbytes / us[name] / 1e3, 1),
                     "speedup_vs_bf16": round(us["dense_bf16"] / us[name], 2),
+                    "speedup_vs_best_dense": round(min(us["dense_bf16"], us["dense_fp32"]) / us[name], 2),
                     "vs_read": round(us["read"] / us[name], 2) if "read" in us else None,
                 })
             print(f"N={n} K={k} M={m}: " + ", ".join(f"{a} {us[a]:.0f}us" for a in kernels),
@@ -212,18 +215,31 @@ def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int =
 
 
 def markdown(rows: list[dict], header: str) -> str:
+    """The table of one run; the speed-ups are derived from that run's own rows (so a table
+    re-rendered from an older JSON gains the same columns, from the same measurements)."""
     names = [k for k in KERNELS if any(r["kernel"] == k for r in rows)]
     lines = [header, "",
              "| N x K | M | " + " | ".join(f"{k} us (GB/s)" for k in names)
-             + " | ours vs bf16 | ours vs read |",
-             "|---|---|" + "---|" * (len(names) + 2)]
+             + " | ours vs bf16 | ours vs best dense | ours vs read |",
+             "|---|---|" + "---|" * (len(names) + 3)]
     keyed = {(r["N"], r["K"], r["M"], r["kernel"]): r for r in rows}
     for n, k, m in dict.fromkeys((r["N"], r["K"], r["M"]) for r in rows):
-        cells = [f"{keyed[(n, k, m, c)]['us']:.0f} ({keyed[(n, k, m, c)]['GB/s']})" for c in names]
+        us = {c: keyed[(n, k, m, c)]["us"] for c in names}
+        cells = [f"{us[c]:.0f} ({keyed[(n, k, m, c)]['GB/s']})" for c in names]
+        best_dense = min(us[c] for c in ("dense_bf16", "dense_fp32") if c in us)
+        read = f"{us['read'] / us['ours']:.2f}" if "read" in us else "-"
         lines.append(f"| {n}x{k} | {m} | " + " | ".join(cells)
-                     + f" | {keyed[(n, k, m, 'ours')]['speedup_vs_bf16']}x"
-                     + f" | {keyed[(n, k, m, 'ours')]['vs_read'] or '-'} |")
+                     + f" | {us['dense_bf16'] / us['ours']:.2f}x | {best_dense / us['ours']:.2f}x | {read} |")
     return "\n".join(lines) + "\n"
+
+
+def header_of(meta: dict) -> str:
+    return (f"# CPU kernels: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
+            f"{meta['scheme']}, bf16 activations, median of {meta['rounds']}, caches "
+            f"{meta['caches']} ({meta['date']})\n\n"
+            f"Command: `{meta.get('command', 'python benchmarks/kernels_cpu.py (flags not recorded)')}`; "
+            "raw data: the JSON of the same name. \"best dense\" is the faster of dense bf16 and "
+            "dense fp32 for that shape, timed in the same rotation.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                         "weights twice the size of the last-level cache")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="measure nothing: re-render the Markdown table of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        text = markdown(data["rows"], header_of(data["meta"]))
+        args.from_json.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -249,14 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "scheme": "w4g128 sym (RTN)", "activations": "bf16", "rounds": args.rounds,
             "statistic": "median us, warm-up excluded", "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python benchmarks/kernels_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "caches": f"cold (weights cycled through {2 * llc_bytes() >> 20} MiB of copies)"
             if args.cold else "as left by the previous round"}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "cpu-kernels" + (f"-{args.tag}" if args.tag else "")
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    header = (f"# CPU kernels: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
-              f"{meta['scheme']}, bf16 activations, median of {args.rounds}, caches "
-              f"{meta['caches']} ({meta['date']})")
+    header = header_of(meta)
     text = markdown(rows, header)
     (args.out / f"{stem}.md").write_text(text)
     print(text)
