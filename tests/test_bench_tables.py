@@ -20,3 +20,33 @@ def test_cpu_kernel_table_compares_with_the_faster_dense():
     # M=1: fp32 is the faster dense (400 us), so ours is 4x it while 10x bf16; M=2: bf16 is.
     assert lines[0].endswith("| 10.00x | 4.00x | - |"), lines[0]
     assert lines[1].endswith("| 3.00x | 3.00x | - |"), lines[1]
+
+
+def test_quant_cost_schedule_rotates_and_medians_skip_failures():
+    mod = runpy.run_path(str(BENCH / "quant_cost.py"))
+    order = mod["schedule"](["a", "b", "c"], 3)
+    assert [lab for _, lab in order] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    runs = [{"seconds": 10.0, "peak_rss_mb": 100.0, "exit": 0}, {"seconds": 99.0, "peak_rss_mb": 900.0, "exit": 1},
+            {"seconds": 14.0, "peak_rss_mb": 120.0, "exit": 0}]
+    s = mod["summarize"](runs)
+    assert s == {"ok": True, "median_s": 12.0, "median_peak_rss_mb": 110.0, "max_peak_rss_mb": 120.0, "runs": 2}
+    assert mod["summarize"](runs[1:2]) == {"ok": False}
+
+
+def test_quant_cost_measures_the_quantize_process_peak(tmp_path, monkeypatch):
+    """The peak is the child's own (a 200 MB allocation shows), not the parent's pages."""
+    import sys
+
+    mod = runpy.run_path(str(BENCH / "quant_cost.py"))
+    fake = tmp_path / "quantspec"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(
+        "import sys\nif sys.argv[1:] == ['big']:\n    b = bytearray(200 * 2**20)\n    b[::4096] = b'x' * len(b[::4096])\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    monkeypatch.chdir(tmp_path)  # `python -c` puts the working folder first on sys.path
+    small = mod["run_measured"](sys.executable, ["small"], env)
+    big = mod["run_measured"](sys.executable, ["big"], env)
+    assert small["exit"] == 0 and big["exit"] == 0
+    assert small["peak_rss_mb"] < 100, small  # a bare interpreter, not this pytest process
+    assert big["peak_rss_mb"] - small["peak_rss_mb"] > 150, (small, big)
