@@ -47,15 +47,15 @@ BlockMethod); ``awq_gptq_from_recipe`` chains AWQ scaling with GPTQ.
 
 Scales file (``save_scales`` / ``load_scales``): safetensors; tensors
 ``<block>.<prev>.scales`` fp32 [K] and ``<block>.<linear>.clip`` fp32 [N, G]; metadata
-``quantspec_awq`` = JSON ``{"version", "recipe": {...}, "blocks": {block: sha256 of the float
-block's parameters}}``. Loading checks both fingerprints and skips the search.
+``quantspec_awq`` = JSON ``{"version", "recipe": {...}, "blocks": {block: sha256 of every byte
+of the float block's parameters (``digest.module_digest``)}}``. Loading checks both
+fingerprints and skips the search.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import time
@@ -69,6 +69,7 @@ from torch import nn
 from ..errors import QuantspecError
 from .arch import ArchSpec
 from .calibrate import block_forward, check_finite
+from .digest import module_digest
 from .recipe import AWQOptions, Recipe
 from .rtn import dequantize_codes, qparams, quantize_codes, rtn
 from .scheme import QuantResult, QuantScheme
@@ -88,7 +89,7 @@ CLIP_AUTO_MAX_BITS = 3
 # tokens per part of a Linear-output objective: a candidate scale's error is summed part by part
 # and the search drops it once the sum passes the best candidate's (search_scale's ``bounded``)
 PART_TOKENS = 512
-SCALES_VERSION = 1
+SCALES_VERSION = 2  # 2: block fingerprints over every byte (1 sampled rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,15 +567,6 @@ def _spread(x: torch.Tensor, t: int) -> torch.Tensor:
     return x[torch.linspace(0, x.shape[0] - 1, t, device=x.device).round().long()]
 
 
-def _block_fingerprint(block: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(block.state_dict().items()):
-        t = p.detach().to("cpu", torch.float32).reshape(-1)
-        h.update(name.encode() + str(tuple(p.shape)).encode())
-        h.update(t[:: max(1, t.numel() // 4096)].numpy().tobytes())
-    return h.hexdigest()
-
-
 class AWQMethod:
     """AWQ as a calibration-engine BlockMethod. ``info``: per-layer details of the last block.
 
@@ -612,7 +604,13 @@ class AWQMethod:
             with safe_open(str(path), "pt") as f:
                 meta = json.loads((f.metadata() or {}).get("quantspec_awq", "{}"))
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-            if meta.get("version") != SCALES_VERSION or meta.get("recipe") != self.recipe_fingerprint:
+            if meta.get("version") != SCALES_VERSION:
+                raise QuantspecError(
+                    f"AWQ scales file {path} was written by another version of quantspec "
+                    f"(format {meta.get('version')}, not {SCALES_VERSION}).",
+                    "drop --load-scales to search again, and --save-scales to write a new file.",
+                )
+            if meta.get("recipe") != self.recipe_fingerprint:
                 raise QuantspecError(
                     f"AWQ scales file {path} was made with another recipe "
                     f"({meta.get('recipe')}, not {self.recipe_fingerprint}).",
@@ -647,7 +645,7 @@ class AWQMethod:
         rel = {n[len(block_name) + 1 :]: s for n, s in plan.items()}
         pairs, skipped = resolve_pairs(block, arch)
         pairs = [p for p in pairs if any(n in rel for n in p.linear_names)]
-        fp = _block_fingerprint(block)
+        fp = module_digest(block) if self.options.awq.load_scales or self.options.awq.save_scales else ""
         if self.options.awq.load_scales:
             clips = self._apply_loaded(block_name, fp, pairs)
         else:
