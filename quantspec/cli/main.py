@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "bench_specdec",
     "profile",
     "sweep",
+    "report",
 ]
 
 

@@ -4,6 +4,8 @@ report.png, and all of it in one self-contained report.html.
 Table columns: method, bits, group, format, size MB, ppl (first ppl data set), delta vs dense,
 task accuracy (mean of the tasks' ``acc``), decode tokens/s (batch = first bench batch size)
 and speed-up (tokens/s over the dense model's, both measured in the same bench run).
+:func:`render_report` redraws report.md/.png/.html from a saved report.json without measuring
+anything (``quantspec report DIR``); a plot with no point is left out and the text says why.
 """
 
 from __future__ import annotations
@@ -127,10 +129,18 @@ def build_report(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def report_markdown(report: dict[str, Any]) -> str:
+def plot_why(report: dict[str, Any]) -> dict[str, str]:
+    """The cause of a panel's missing data, where the sweep's settings tell it."""
+    ev = (report.get("sweep") or {}).get("eval") or {}
+    return {"tokens_per_s": "speed was not measured: the sweep ran with eval.speed = false"} if ev.get("speed") is False else {}
+
+
+def report_markdown(report: dict[str, Any], png: str | Path | None = "report.png", notes: list[str] = ()) -> str:
+    """report.md: the table, the machine, the protocol, the plot (when drawn) and ``notes`` on it."""
     ok = sum(r["status"] == "ok" for r in report["rows"])
     pr = report["protocol"]
     v = report.get("versions") or {}
+    timed = any(r.get("tokens_per_s") is not None for r in report["rows"])
     lines = [
         f"# quantspec sweep: {report['model']}",
         "",
@@ -140,23 +150,53 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"torch {v.get('torch')}, transformers {v.get('transformers')}, quantspec {v.get('quantspec')}.",
         "",
         f"- Perplexity: {pr['perplexity']}.",
-        f"- Speed: {pr['speed']['speedup']}; settings {pr['speed']['settings']}.",
+        f"- Speed: {pr['speed']['speedup']}; settings {pr['speed']['settings']}." if timed else "- Speed: not measured.",
         f"- Size: {pr['size']}.",
         "",
-        "![accuracy vs speed and size](report.png)",
     ]
-    return "\n".join(lines) + "\n"
+    if png is not None:
+        lines += [f"![quality vs speed and size]({Path(png).name})", ""]
+    lines += [f"- {n}" for n in notes]
+    lines += ["", "report.md, report.png and report.html are drawn from report.json: `quantspec report DIR` redraws them."]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def render_report(report: dict[str, Any], out: str | Path) -> Path | None:
+    """Write report.md, report.png and report.html into ``out`` from a report (as saved in
+    report.json: nothing is measured); return the PNG path, None when no plot has a point."""
+    from .report_html import report_html
+    from .report_plot import plot_notes, plot_report
+
+    out = Path(out)
+    notes = plot_notes(report["rows"], plot_why(report))
+    png = plot_report(report["rows"], out / "report.png", title=f"{report['model']} on {machine_line(report['machine'])}")
+    (out / "report.md").write_text(report_markdown(report, png, notes))
+    (out / "report.html").write_text(report_html(report, png, notes))
+    return png
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """A saved report.json (or the folder holding one), checked to have what rendering reads."""
+    from ..errors import QuantspecError
+
+    p = Path(path)
+    p = p / "report.json" if p.is_dir() else p
+    try:
+        report = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise QuantspecError(f"cannot read a report from {p}: {exc}.", "pass a sweep's report.json or its folder.")
+    lacks = [k for k in ("model", "machine", "protocol", "rows", "created") if k not in report]
+    if lacks:
+        raise QuantspecError(f"{p} is not a sweep report: it has no {', '.join(lacks)}.",
+                             "pass the report.json that quantspec sweep wrote.")
+    return report
 
 
 def write_report(cfg, records: list[dict[str, Any]], out: str | Path) -> dict[str, Any]:
     """Write report.json, report.md, report.png and report.html into ``out``; return the report."""
-    from .report_html import report_html
-    from .report_plot import plot_report
-
     out = Path(out)
-    report = build_report(cfg, records)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
-    png = plot_report(report["rows"], out / "report.png", title=f"{report['model']} on {machine_line(report['machine'])}")
-    (out / "report.html").write_text(report_html(report, png))
+    text = json.dumps(build_report(cfg, records), indent=2, default=str) + "\n"
+    (out / "report.json").write_text(text)
+    report = json.loads(text)  # drawn from what was saved, as `quantspec report` redraws it
+    render_report(report, out)
     return report

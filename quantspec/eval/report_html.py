@@ -41,11 +41,15 @@ def table_html(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out + ["</table>"])
 
 
-def report_html(report: dict[str, Any], png: str | Path | None) -> str:
+def report_html(report: dict[str, Any], png: str | Path | None, notes: list[str] = ()) -> str:
+    """The page; ``notes`` (plots left out, points a plot leaves off) follow the plot."""
     img = ""
     if png is not None and Path(png).is_file():
         data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-        img = f'<img alt="quality vs speed and size" style="max-width:100%" src="data:image/png;base64,{data}">'
+        img = (f'<img id="report-plot" alt="quality vs speed and size" style="max-width:100%" '
+               f'src="data:image/png;base64,{data}">')
+    if notes:
+        img += "<ul class=notes>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
     meta = {k: report[k] for k in ("machine", "versions", "protocol")}
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
