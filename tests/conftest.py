@@ -1,7 +1,7 @@
 """Session fixtures for real assets: a dense SmolLM2-135M folder and the shared data folder.
 
 When an asset is absent the test is skipped with the reason, or failed when the environment
-sets QUANTSPEC_REQUIRE_ASSETS=1 (CI that must exercise the real model).
+sets QUANTSPEC_REQUIRE_ASSETS=1 (CI that must exercise the real model): ``helpers.missing_asset``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can `import helpers`
 
-
-def _missing(reason: str):
-    if os.environ.get("QUANTSPEC_REQUIRE_ASSETS", "").strip() in {"1", "true", "yes"}:
-        pytest.fail(f"required asset missing (QUANTSPEC_REQUIRE_ASSETS=1): {reason}", pytrace=False)
-    pytest.skip(reason)
+from helpers import missing_asset  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +27,7 @@ def smollm2_dir() -> Path:
     try:
         return dense_folder("smollm2-135m")
     except QuantspecError as exc:
-        _missing(f"SmolLM2-135M not available: {exc}")
+        missing_asset(f"SmolLM2-135M not available: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +36,7 @@ def data_dir() -> Path:
     env = os.environ.get("QUANTSPEC_DATA")
     path = Path(env).expanduser() if env else REPO.parent / "shared" / "data"
     if not (path / "wikitext2" / "wikitext-2-raw-v1.test.txt").is_file():
-        _missing(f"data folder {path} has no wikitext2/wikitext-2-raw-v1.test.txt (set QUANTSPEC_DATA)")
+        missing_asset(f"data folder {path} has no wikitext2/wikitext-2-raw-v1.test.txt (set QUANTSPEC_DATA)")
     return path
 
 

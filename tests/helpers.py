@@ -3,11 +3,14 @@
 ``make_tiny_tokenizer()`` trains a byte-level BPE (any text encodes, no unknown tokens) on a
 few sentences; ``make_tiny_model(tmp_path, arch)`` saves a 2-layer random model of that
 family with the tokenizer, in a folder ``load_dense``/``from_pretrained`` can read.
+``missing_asset(reason)`` is what a test does when something it needs is absent.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -22,6 +25,17 @@ _CORPUS = [
     "Once upon a time there was a little model that wanted to be fast and small.",
     "def forward(self, x):\n    return self.linear(x) + 1\n",
 ] * 4
+
+
+def missing_asset(reason: str) -> NoReturn:
+    """Skip the calling test with ``reason`` (a real model, data, an engine venv, a compiler is
+    absent), or fail it when the environment sets QUANTSPEC_REQUIRE_ASSETS=1 (CI that must
+    exercise them)."""
+    import pytest  # here: benchmarks import this module without pytest
+
+    if os.environ.get("QUANTSPEC_REQUIRE_ASSETS", "").strip() in {"1", "true", "yes"}:
+        pytest.fail(f"required asset missing (QUANTSPEC_REQUIRE_ASSETS=1): {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB):

@@ -5,6 +5,11 @@ Engine venvs are built on first use under ``$QUANTSPEC_INTEROP_VENVS`` (default
 per session under pytest's tmp dir, or reused from ``$QUANTSPEC_INTEROP_EXPORTS`` when set
 (a folder of ``<export name>/`` checkpoints, e.g. the one benchmarks/interop.py fills).
 Set ``QUANTSPEC_INTEROP_NO_BUILD=1`` to skip (not build) a missing engine venv.
+
+An engine venv that cannot be built (or whose engine does not import after the build), an
+unbuilt one under NO_BUILD, or a quantspec method that cannot run skips the test with the
+reason, and fails it under ``QUANTSPEC_REQUIRE_ASSETS=1`` (``helpers.missing_asset``): a run
+that must exercise the engines never passes by skipping them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import missing_asset
 from interop import exports, venvs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; a hub probe can hang here
@@ -25,18 +31,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.interop)
 
 
+def engine_venv(name: str, *, build: bool, ensure=venvs.ensure) -> Path:
+    """The python of engine venv ``name`` (``ensure``: ``venvs.ensure``); when it cannot be had,
+    the test is skipped, or failed under QUANTSPEC_REQUIRE_ASSETS=1."""
+    try:
+        return ensure(name, build=build)
+    except venvs.VenvError as exc:
+        missing_asset(f"engine venv {name!r} unavailable: {exc}")
+
+
 @pytest.fixture(scope="session")
 def engine_python():
-    """engine_python("vllm") -> the engine venv's python (built if needed, else skipped)."""
+    """engine_python("vllm") -> the engine venv's python (built if needed; see ``engine_venv``)."""
     no_build = os.environ.get("QUANTSPEC_INTEROP_NO_BUILD", "") in ("1", "true", "yes")
-
-    def get(name: str) -> Path:
-        try:
-            return venvs.ensure(name, build=not no_build)
-        except venvs.VenvError as exc:
-            pytest.skip(f"engine venv {name!r} unavailable: {exc}")
-
-    return get
+    return lambda name: engine_venv(name, build=not no_build)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +68,7 @@ def smollm2_export(smollm2_dir, exports_root):
             rk, _ = exports.EXPORTS[name]
             why = exports.method_available(rk["method"])
             if why:
-                pytest.skip(why)
+                missing_asset(why)
             made[name] = exports.make_export(name, smollm2_dir, exports_root / name)
         return made[name]
 
