@@ -30,7 +30,7 @@ def saved_figures(monkeypatch):
     return saved
 
 
-def _record(name: str, method: str | None, bits: int, ppl: float | None, size_mb: float | None) -> dict:
+def point_record(name: str, method: str | None, bits: int, ppl: float | None, size_mb: float | None) -> dict:
     return {"name": name, "status": "ok", "seconds": 1.0, "quantize": None, "bench": None, "tasks": None,
             "point": {"method": method, "bits": bits, "group_size": 128, "format": None if method is None else "gptq",
                       "extra_args": []},
@@ -38,7 +38,8 @@ def _record(name: str, method: str | None, bits: int, ppl: float | None, size_mb
             "size_mb": size_mb}
 
 
-def _cfg(speed: bool) -> SweepConfig:
+def sweep_cfg(speed: bool) -> SweepConfig:
+    """A sweep config as the report reads it (also used by the browser test)."""
     return SweepConfig.from_dict({"model": "tiny", "grid": {"methods": ["rtn"], "bits": [4], "group_sizes": [128],
                                                             "formats": ["gptq"]},
                                   "eval": {"ppl": ["wikitext2"], "seqlen": 512, "windows": 20, "speed": speed}})
@@ -58,10 +59,12 @@ def _label_boxes(fig) -> dict:
 def _assert_readable(fig, rows: list[dict]) -> None:
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    for ax, labels in _label_boxes(fig).items():
-        frame = ax.get_window_extent(renderer)
+    boxes = _label_boxes(fig)
+    for labels in boxes.values():
         for (ta, a), (tb, b) in itertools.combinations(labels, 2):
             assert not a.overlaps(b), f"labels {ta!r} and {tb!r} overlap: {a} / {b}"
+    for ax, labels in boxes.items():
+        frame = ax.get_window_extent(renderer)
         for text, box in labels:
             assert frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1), f"{text!r} leaves its axes"
             for (x, y) in ax.transData.transform([(c.get_offsets()[0]) for c in ax.collections]):
@@ -73,9 +76,9 @@ def _assert_readable(fig, rows: list[dict]) -> None:
 
 
 def test_no_speed_data_draws_no_empty_panel_and_says_why(tmp_path, saved_figures):
-    records = [_record("dense", None, 16, 20.0, 270.0), _record("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0),
-               _record("rtn-w3g128-gptq", "rtn", 3, 40.0, 80.0)]
-    write_report(_cfg(speed=False), records, tmp_path)
+    records = [point_record("dense", None, 16, 20.0, 270.0), point_record("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0),
+               point_record("rtn-w3g128-gptq", "rtn", 3, 40.0, 80.0)]
+    write_report(sweep_cfg(speed=False), records, tmp_path)
     assert len(saved_figures) == 1
     fig = saved_figures[0]
     assert len(fig.axes) == 1, [ax.get_xlabel() for ax in fig.axes]
@@ -94,6 +97,16 @@ def test_crowded_points_get_labels_that_do_not_overlap(tmp_path, saved_figures):
     rows += [_row(n, 44.1 + 0.1 * i, 61.0 + 0.2 * i, 108.8 + 0.05 * i) for i, n in enumerate(names)]
     plot_report(rows, tmp_path / "report.png")
     assert len(saved_figures) == 1 and len(saved_figures[0].axes) == 2
+    _assert_readable(saved_figures[0], rows)
+
+
+def test_labels_of_the_quality_sweep_points_do_not_overlap(tmp_path, saved_figures):
+    """The points of benchmarks/results/quality-smollm2 (size MB, ppl), where two pairs nearly coincide."""
+    points = {"rtn-w8gpc-gptq": (156.4, 29.380), "rtn-w4g128-gptq": (108.8, 44.408), "rtn-w3g128-gptq": (96.0, 213.196),
+              "gptq-w4g128-gptq": (108.8, 44.106), "gptq-w3g128-gptq": (96.0, 121.621),
+              "smoothquant-w8gpc-compressed-tensors": (155.7, 29.616)}
+    rows = [_row(n, ppl, None, size) for n, (size, ppl) in points.items()]
+    plot_report(rows, tmp_path / "report.png")
     _assert_readable(saved_figures[0], rows)
 
 
@@ -126,10 +139,10 @@ def test_points_a_panel_leaves_off_are_named():
 
 
 def test_report_is_redrawn_from_its_json_alone(tmp_path, capsys):
-    records = [_record("dense", None, 16, 20.0, 270.0), _record("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0)]
+    records = [point_record("dense", None, 16, 20.0, 270.0), point_record("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0)]
     first = tmp_path / "first"
     first.mkdir()
-    write_report(_cfg(speed=False), records, first)
+    write_report(sweep_cfg(speed=False), records, first)
     again = tmp_path / "again"
     again.mkdir()
     (again / "report.json").write_text((first / "report.json").read_text())

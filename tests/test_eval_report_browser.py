@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from test_eval_report import point_record, sweep_cfg
+
 from quantspec.eval.report import write_report
-from quantspec.eval.sweep import SweepConfig
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 MIN_PLOT_STDDEV = 10.0  # grey levels; a blank (one-colour) picture has 0, report.png about 50
@@ -169,15 +170,9 @@ def plot_stddev(png: bytes) -> float:
 
 
 def _report_page(folder: Path) -> Path:
-    cfg = SweepConfig.from_dict({"model": "tiny", "grid": {"methods": ["rtn"], "bits": [4], "group_sizes": [128],
-                                                           "formats": ["gptq"]},
-                                 "eval": {"ppl": ["wikitext2"], "seqlen": 512, "windows": 20, "speed": False}})
-    records = [{"name": n, "status": "ok", "seconds": 1.0, "quantize": None, "bench": None, "tasks": None,
-                "point": {"method": m, "bits": b, "group_size": 128, "format": m and "gptq", "extra_args": []},
-                "eval": {"ppl": {"wikitext2": ppl}, "seqlen": 512, "windows": 20, "tokens": 10240}, "size_mb": size}
-               for n, m, b, ppl, size in (("dense", None, 16, 20.0, 270.0), ("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0),
-                                          ("gptq-w4g128-gptq", "gptq", 4, 22.0, 95.2))]
-    write_report(cfg, records, folder)
+    records = [point_record("dense", None, 16, 20.0, 270.0), point_record("rtn-w4g128-gptq", "rtn", 4, 23.0, 95.0),
+               point_record("gptq-w4g128-gptq", "gptq", 4, 22.0, 95.2)]
+    write_report(sweep_cfg(speed=False), records, folder)
     return folder / "report.html"
 
 
