@@ -158,10 +158,13 @@ def test_bench_specdec_command(target_dir, tmp_path):
     ]))
     out = tmp_path / "r.json"
     rc = main(["bench-specdec", str(target_dir), "--draft", "self:w4g64", "--prompts", str(prompts),
-               "--max-new-tokens", "8", "--k", "3", "--json", str(out), "--threads", "1"])
+               "--max-new-tokens", "8", "--k", "3", "--json", str(out), "--threads", "1",
+               "--repeats", "2"])
     assert rc == 0
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"target", "ours", "target_fast", "hf_assisted"}
+    assert result["repeats"] == 2 and "agreement" not in result
+    assert all(len(m["tokens_per_s_repeats"]) == 2 for m in result["modes"].values())
     for mode in result["modes"].values():
         assert mode["greedy_matches_target"], mode
     assert result["modes"]["ours"]["tokens"] == result["modes"]["target"]["tokens"] > 0

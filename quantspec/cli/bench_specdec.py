@@ -1,5 +1,7 @@
 """``quantspec bench-specdec``: the target alone vs our speculative decoding vs transformers'
-assisted generation, greedy, on the same prompts; prints one table and writes JSON.
+assisted generation, greedy, on the same prompts, repeated and interleaved (medians over
+``--repeats``); prints one table and writes JSON. ``--agreement`` adds the draft's
+teacher-forced greedy agreement with the target (``--no-timing``: that alone).
 
 ``add_specdec_args`` is shared with ``quantspec generate`` (--draft, --k, --adaptive,
 --fast-verify, --temperature, --top-k, --top-p); ``sampling_from_args`` turns them into a SamplingConfig.
@@ -8,9 +10,10 @@ assisted generation, greedy, on the same prompts; prints one table and writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from ._common import write_json
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "specdec_prompts.jsonl"
 
@@ -60,6 +63,13 @@ def add_parser(subparsers) -> None:
                    help="wrap prompts in the tokenizer's chat template when it has one")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' assisted generation")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of every mode on every prompt, interleaved; speeds are medians")
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the modes (--no-timing: only what --agreement measures)")
+    p.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure the draft's teacher-forced greedy agreement with the target "
+                        "(deterministic; a model draft only)")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=run)
 
@@ -69,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import QuantspecError
     from ..models import load_dense
+    from ..specdec.agreement import greedy_agreement
     from ..specdec.bench import format_table, load_prompts, run_bench
     from ..specdec.factory import make_proposer
+    from ..specdec.proposers import DraftModel
 
     if not sampling_from_args(args).greedy:
         raise QuantspecError("bench-specdec measures greedy decoding.", "drop --temperature.")
+    _check_plan(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
@@ -82,13 +95,35 @@ def run(args: argparse.Namespace) -> int:
     proposer = make_proposer(args.draft, target, tokenizer, dtype=args.draft_dtype,
                              head=args.draft_head)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    result = run_bench(target, tokenizer, proposer, prompts, max_new_tokens=args.max_new_tokens,
-                       k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf, progress=log,
-                       fast_verify=args.fast_verify)
-    result["target"] = args.target
+    result = {"target": args.target, "draft": proposer.name,
+              "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
+    if isinstance(proposer, DraftModel):
+        result["draft_dtype"] = str(next(proposer.model.parameters()).dtype).removeprefix("torch.")
+    if args.timing:
+        result.update(run_bench(target, tokenizer, proposer, prompts, max_new_tokens=args.max_new_tokens,
+                                k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf,
+                                progress=log, fast_verify=args.fast_verify, repeats=args.repeats))
+        print(format_table(result))
+    if args.agreement:
+        result["agreement"] = greedy_agreement(target, proposer, tokenizer, prompts,
+                                               max_new_tokens=args.max_new_tokens, chat=args.chat)
+        a = result["agreement"]
+        print(f"teacher-forced greedy agreement: {a['agreement']} ({a['matches']} of {a['positions']})")
     result["draft_report"] = getattr(proposer, "report", None)
-    print(format_table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        write_json(args.json, result)
     return 0
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything, a run that would measure nothing or the impossible."""
+    from ..errors import QuantspecError
+
+    if not args.timing and not args.agreement:
+        raise QuantspecError("--no-timing without --agreement measures nothing.",
+                             "add --agreement, or drop --no-timing.")
+    if args.timing and args.repeats < 1:
+        raise QuantspecError(f"--repeats {args.repeats} times nothing.", "use --repeats 1 or more.")
+    if args.agreement and args.draft.strip().startswith("ngram"):
+        raise QuantspecError("an n-gram draft has no logits to agree with the target.",
+                             "use --agreement with a model or self: draft.")

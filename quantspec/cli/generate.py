@@ -33,24 +33,38 @@ def _encode(tok, prompt: str, chat: bool):
     return tok(prompt, return_tensors="pt").input_ids
 
 
+def timing(new_tokens: int, setup_s: float, generate_s: float) -> dict:
+    """The JSON timing fields of every mode: building the proposer (``setup_seconds``: loading
+    a draft model or quantizing the self-draft; 0 for the target alone) apart from generating,
+    and ``tokens_per_s`` over generation only (``load_seconds``, the target's, is apart too)."""
+    return {"new_tokens": new_tokens, "setup_seconds": round(setup_s, 3),
+            "generate_seconds": round(generate_s, 3),
+            "tokens_per_s": round(new_tokens / generate_s, 2) if generate_s > 0 else None}
+
+
 def run(args) -> int:
     import torch
 
+    t_load = time.perf_counter()
     model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
     input_ids = _encode(tok, args.prompt, args.chat).to(args.device)
-    out: dict = {"model": label, "prompt": args.prompt}
+    out: dict = {"model": label, "prompt": args.prompt, "mode": "speculative" if args.draft else "target"}
     t0 = time.perf_counter()
+    out["load_seconds"] = round(t0 - t_load, 3)
     if args.draft:
-        from ..specdec import make_proposer, speculative_generate
+        from .. import specdec
 
-        proposer = make_proposer(args.draft, model, tok, dtype=args.draft_dtype, head=args.draft_head)
-        ids, stats = speculative_generate(
+        proposer = specdec.make_proposer(args.draft, model, tok, dtype=args.draft_dtype,
+                                         head=args.draft_head)
+        t1 = time.perf_counter()
+        ids, stats = specdec.speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
             adaptive=args.adaptive, sampling=sampling_from_args(args), eos_token_id=tok.eos_token_id,
             seed=args.seed, fast_verify=args.fast_verify,
         )
         out["specdec"] = stats.to_dict()
     else:
+        t1 = time.perf_counter()  # the target alone builds nothing before generating
         kw = {"do_sample": args.temperature > 0}
         if args.temperature > 0:
             if args.seed is not None:
@@ -61,12 +75,11 @@ def run(args) -> int:
                 input_ids, attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id, **kw,
             )
-    seconds = time.perf_counter() - t0
+    t2 = time.perf_counter()
     new = ids[0, input_ids.shape[1]:]
     text = tok.decode(new, skip_special_tokens=True)
     print(text)
-    out.update({"text": text, "new_tokens": int(new.numel()), "seconds": round(seconds, 3),
-                "tokens_per_s": round(new.numel() / seconds, 2) if seconds > 0 else None})
+    out.update(text=text, **timing(int(new.numel()), setup_s=t1 - t0, generate_s=t2 - t1))
     if args.json:
         write_json(args.json, out)
     return 0

@@ -2,15 +2,17 @@
 speculative decoding, and transformers' assisted generation with the same draft
 (``assistant_model=`` for a model draft, ``prompt_lookup_num_tokens=`` for n-gram lookup).
 
-Modes run one after the other on each prompt (interleaved, so that load on a shared machine
-hits all alike). Every greedy output is compared with the target's own.
+Every mode runs several times on every prompt, interleaved (``schedule.py``: for each repeat,
+for each prompt, every mode, their order rotated), so that load on a shared machine hits all
+alike; speeds are medians over the repeats. Every greedy output is compared with the target's
+own.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,21 +20,12 @@ import torch
 from ..errors import QuantspecError
 from .loop import fast_verify_default, speculative_generate
 from .proposers import DraftModel, NGram, Proposer
+from .schedule import mode_medians, run_interleaved
 from .stats import SpecStats
 
-
-@dataclass
-class ModeResult:
-    """Totals of one mode over all prompts."""
-
-    tokens: int = 0
-    wall_s: float = 0.0
-    mismatches: list[str] = field(default_factory=list)
-    stats: SpecStats | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
+SCHEDULE = ("for each repeat, for each prompt, every mode once, rotated by (repeat * prompts + "
+            "prompt) mod modes; tokens/s: median over repeats of tokens / seconds summed over "
+            "prompts; speedup: median over repeats of the ratio to target in the same repeat")
 
 
 def load_prompts(path: str | Path, kinds: list[str] | None = None) -> list[dict]:
@@ -58,10 +51,13 @@ def encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+@dataclass
+class Run:
+    """One generation of one mode: ids int64 [1, P + n], n new tokens, our stats (ours only)."""
+
+    ids: torch.Tensor
+    new_tokens: int
+    stats: SpecStats | None = None
 
 
 def _hf_kwargs(proposer: Proposer, k: int, adaptive: bool) -> dict | None:
@@ -77,6 +73,29 @@ def _hf_kwargs(proposer: Proposer, k: int, adaptive: bool) -> dict | None:
     return None
 
 
+def _modes(target, proposer, inputs: list[torch.Tensor], max_new_tokens: int, k: int,
+           adaptive: bool, fast_verify: bool, hf_kwargs: dict | None, pad: int) -> dict:
+    """mode name -> callable(prompt index) -> Run, greedy, each on ``inputs[p]`` [1, P]."""
+    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad)
+
+    def hf_generate(p: int, extra: dict) -> Run:
+        ids = inputs[p]
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), **common, **extra)
+        return Run(out, out.shape[1] - ids.shape[1])
+
+    def spec(p: int, kk: int, adapt: bool) -> Run:
+        out, st = speculative_generate(target, proposer, inputs[p], max_new_tokens=max_new_tokens,
+                                       k=kk, adaptive=adapt, fast_verify=fast_verify)
+        return Run(out, st.new_tokens, st)
+
+    modes = {"target": lambda p: hf_generate(p, {}), "ours": lambda p: spec(p, k, adaptive)}
+    if fast_verify:
+        modes["target_fast"] = lambda p: spec(p, 0, False)
+    if hf_kwargs is not None:
+        modes["hf_assisted"] = lambda p: hf_generate(p, hf_kwargs)
+    return modes
+
+
 def run_bench(
     target: torch.nn.Module,
     tokenizer,
@@ -89,62 +108,52 @@ def run_bench(
     hf: bool = True,
     progress=None,
     fast_verify: bool | None = None,
+    repeats: int = 3,
+    timer=time.perf_counter,
 ) -> dict:
     """Greedy benchmark; returns a JSON-ready dict (per mode and per prompt).
 
-    progress: optional callable(str) for one line per prompt. fast_verify: passed to
+    Every mode runs ``repeats`` times on every prompt, interleaved (``schedule.schedule``);
+    tokens/s and speed-ups are medians over the repeats (``schedule.mode_medians``). Each mode
+    is first warmed up once on the first prompt (8 tokens, untimed). progress: optional
+    callable(str), one line per repeat and prompt. fast_verify: passed to
     ``speculative_generate``; when on, the mode ``target_fast`` also times the target alone
     through the same runtime (k = 0: one token per step), to show what the runtime gives
     without speculation.
     """
+    if repeats < 1:
+        raise QuantspecError(f"repeats={repeats} times nothing.", "use --repeats 1 or more.")
     device = next(target.parameters()).device
     if fast_verify is None:
         fast_verify = fast_verify_default(target)
     hf_kwargs = _hf_kwargs(proposer, k, adaptive) if hf else None
-    modes = {"target": ModeResult(), "ours": ModeResult(stats=SpecStats())}
-    if fast_verify:
-        modes["target_fast"] = ModeResult()
-    if hf_kwargs is not None:
-        modes["hf_assisted"] = ModeResult()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad)
-    per_prompt = []
+    inputs = [encode(tokenizer, row["prompt"], chat).to(device) for row in prompts]
+    setup = (target, proposer, inputs)
+    modes = _modes(*setup, max_new_tokens, k, adaptive, fast_verify, hf_kwargs, pad)
+
+    def report(r: int, p: int, seconds: dict[str, float]) -> None:
+        if progress:
+            progress(f"repeat {r + 1}/{repeats} {prompts[p].get('id')}: "
+                     + ", ".join(f"{m} {s:.2f}s" for m, s in seconds.items()))
+
     with torch.inference_mode():
-        warm = encode(tokenizer, prompts[0]["prompt"], chat).to(device)
-        target.generate(warm, attention_mask=torch.ones_like(warm), **{**common, "max_new_tokens": 8})
-        speculative_generate(target, proposer, warm, max_new_tokens=8, k=k, adaptive=adaptive,
-                             fast_verify=fast_verify)
-        for row in prompts:
-            ids = encode(tokenizer, row["prompt"], chat).to(device)
-            mask = torch.ones_like(ids)
-            ref, t_ref = _timed(lambda: target.generate(ids, attention_mask=mask, **common))
-            (ours, st), t_ours = _timed(lambda: speculative_generate(
-                target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=k, adaptive=adaptive,
-                fast_verify=fast_verify))
-            n = ref.shape[1] - ids.shape[1]
-            rec = {"id": row.get("id"), "kind": row.get("kind"), "prompt_tokens": ids.shape[1],
-                   "new_tokens": n, "target_s": round(t_ref, 4), "ours_s": round(t_ours, 4),
-                   "ours": st.to_dict()}
-            _add(modes["target"], n, t_ref)
-            same = _same(ours, ref)
-            _add(modes["ours"], st.new_tokens, t_ours, same, row)
-            if not same:
-                rec["divergence"] = divergence(target, ours, ref, ids.shape[1])
-            modes["ours"].stats = modes["ours"].stats.merge(st)
-            if fast_verify:
-                (out, st_fast), t_fast = _timed(lambda: speculative_generate(
-                    target, proposer, ids, mask, max_new_tokens=max_new_tokens, k=0, fast_verify=True))
-                _add(modes["target_fast"], st_fast.new_tokens, t_fast, _same(out, ref), row)
-                rec["target_fast_s"] = round(t_fast, 4)
-            if hf_kwargs is not None:
-                out, t_hf = _timed(lambda: target.generate(ids, attention_mask=mask, **common, **hf_kwargs))
-                _add(modes["hf_assisted"], out.shape[1] - ids.shape[1], t_hf, _same(out, ref), row)
-                rec["hf_assisted_s"] = round(t_hf, 4)
-            per_prompt.append(rec)
-            if progress:
-                progress(f"{row.get('id')}: {n} tokens, target {t_ref:.2f}s, ours {t_ours:.2f}s"
-                         + (f", hf {rec['hf_assisted_s']:.2f}s" if "hf_assisted_s" in rec else ""))
-    return _summary(modes, per_prompt, target, proposer, max_new_tokens, k, adaptive)
+        for warm in _modes(*setup, 8, k, adaptive, fast_verify, hf_kwargs, pad).values():
+            warm(0)
+        timings, outputs = run_interleaved(modes, len(inputs), repeats, timer, report)
+    per_prompt = []
+    for p, row in enumerate(prompts):
+        ref, ours = outputs[("target", p)], outputs[("ours", p)]
+        rec = {"id": row.get("id"), "kind": row.get("kind"), "prompt_tokens": inputs[p].shape[1],
+               "new_tokens": ref.new_tokens, "ours": ours.stats.to_dict(),
+               "seconds": {m: [round(t.seconds, 4) for t in timings if t.mode == m and t.prompt == p]
+                           for m in modes}}
+        if not _same(ours.ids, ref.ids):
+            rec["divergence"] = divergence(target, ours.ids, ref.ids, inputs[p].shape[1])
+        per_prompt.append(rec)
+    result = _summary(modes, outputs, timings, prompts, target, proposer, max_new_tokens, k, adaptive)
+    result.update(repeats=repeats, prompts=per_prompt)
+    return result
 
 
 def _same(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -176,28 +185,26 @@ def divergence(target, out: torch.Tensor, ref: torch.Tensor, prompt_len: int) ->
             "logit_gap": round(float(logits[t_tok] - logits[o_tok]), 4)}
 
 
-def _add(mode: ModeResult, tokens: int, wall: float, same: bool = True, row: dict | None = None):
-    mode.tokens += tokens
-    mode.wall_s += wall
-    if not same:
-        mode.mismatches.append(str(row.get("id")))
-
-
-def _summary(modes, per_prompt, target, proposer, max_new_tokens, k, adaptive) -> dict:
-    base = modes["target"].tokens_per_s
+def _summary(modes, outputs, timings, prompts, target, proposer, max_new_tokens, k, adaptive) -> dict:
     out = {
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "draft": getattr(proposer, "name", type(proposer).__name__),
         "max_new_tokens": max_new_tokens, "k": k, "adaptive": adaptive,
-        "threads": torch.get_num_threads(), "modes": {}, "prompts": per_prompt,
+        "threads": torch.get_num_threads(), "schedule": SCHEDULE, "modes": {},
     }
-    for name, m in modes.items():
-        entry = {"tokens": m.tokens, "wall_s": round(m.wall_s, 3),
-                 "tokens_per_s": round(m.tokens_per_s, 3),
-                 "speedup": round(m.tokens_per_s / base, 3) if base else None,
-                 "greedy_matches_target": not m.mismatches, "mismatched_prompts": m.mismatches}
-        if m.stats is not None:
-            entry.update({key: m.stats.to_dict()[key] for key in
+    medians = mode_medians(timings, base="target")
+    refs = [outputs[("target", p)] for p in range(len(prompts))]
+    for name in modes:
+        runs = [outputs[(name, p)] for p in range(len(prompts))]
+        mismatched = [str(row.get("id")) for row, run, ref in zip(prompts, runs, refs)
+                      if not _same(run.ids, ref.ids)]
+        entry = {"tokens": sum(r.new_tokens for r in runs), **medians[name],
+                 "greedy_matches_target": not mismatched, "mismatched_prompts": mismatched}
+        if name == "ours":
+            stats = SpecStats()
+            for r in runs:
+                stats = stats.merge(r.stats)
+            entry.update({key: stats.to_dict()[key] for key in
                           ("acceptance_rate", "mean_accepted", "tokens_per_call", "hist",
                            "target_calls", "draft_calls", "mean_k")})
         out["modes"][name] = entry
@@ -205,8 +212,11 @@ def _summary(modes, per_prompt, target, proposer, max_new_tokens, k, adaptive) -
 
 
 def format_table(result: dict) -> str:
-    """One Markdown table: tokens/s, speed-up vs target, acceptance, mean accepted per call."""
-    lines = ["| mode | tokens | tokens/s | speed-up | acceptance | accepted/call | greedy == target |",
+    """One Markdown table: tokens/s and speed-up vs target (medians over the repeats),
+    acceptance, mean accepted per call."""
+    reps = result.get("repeats", 1)
+    lines = [f"| mode | tokens | tokens/s (median of {reps}) | speed-up (median of {reps}) "
+             "| acceptance | accepted/call | greedy == target |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     where = {str(p.get("id")): p["divergence"] for p in result.get("prompts", []) if p.get("divergence")}
 

@@ -106,6 +106,17 @@ class DraftModel:
             model_calls=k,
         )
 
+    @torch.inference_mode()
+    def next_token_logits(self, sequence: torch.Tensor, n: int) -> torch.Tensor:
+        """Teacher forcing: the draft's logits [n, V] for each of the last n tokens of
+        ``sequence`` (int64 [L], n < L) given the tokens before it, in one forward through the
+        runtime it drafts with. Forgets its cache before and after (call between generations)."""
+        self.reset()
+        try:
+            return self._decoder.forward([sequence[:-1].to(self._decoder.device)], keep=n)[0]
+        finally:
+            self.reset()
+
     def accept(self, n_accepted: list[int]) -> None:
         if not self._fed_drafts:  # nothing fed since the last call (e.g. a step with k = 0)
             return
