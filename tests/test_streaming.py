@@ -134,3 +134,43 @@ def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):
         assert all(torch.equal(out[drop, False][k], out[drop, True][k]) for k in out[drop, False]), drop
     assert all(torch.equal(out[True, True][k], out["off"][k]) for k in out["off"])
     assert not all(torch.equal(out[False, True][k], out["off"][k]) for k in out["off"])
+
+
+def test_streaming_resume_rewrites_finished_blocks_and_their_alternatives(tmp_path, monkeypatch):
+    """A streaming run interrupted after two blocks, resumed: the journaled blocks' shards are
+    written again from the journal (with AWQ's unclipped alternatives, which the model-wide
+    choice then swaps in), and the checkpoint equals an uninterrupted streaming run's."""
+    from safetensors.torch import load_file
+
+    import quantspec.quant.calibrate as calibrate
+    from quantspec.quant.awq import AWQMethod
+
+    torch.set_num_threads(1)
+    tiny = make_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
+    recipe = Recipe(name="t", method="awq", format="compressed-tensors", scheme=QuantScheme(3, 32, symmetric=False),
+                    calibration=CalibrationConfig(data=str(text), samples=12, seqlen=32))
+    monkeypatch.setattr(AWQMethod, "prefer_alternative", lambda self, logits, n_blocks: True)  # drop the clips
+    clean = quantspec.quantize(str(tiny), recipe, tmp_path / "clean", progress=False, streaming=True)
+
+    real = calibrate._process
+
+    def stop_at_block_2(method, block, name, *args):
+        if name == "model.layers.2":
+            raise KeyboardInterrupt
+        return real(method, block, name, *args)
+
+    out, journal = tmp_path / "out", tmp_path / ".out.resume"
+    with monkeypatch.context() as m:
+        m.setattr(calibrate, "_process", stop_at_block_2)
+        with pytest.raises(KeyboardInterrupt):
+            quantspec.quantize(str(tiny), recipe, out, progress=False, streaming=True, resume=True)
+    assert json.loads((journal / "manifest.json").read_text())["done"] == 2
+    assert any(k.startswith("alt.") for f in journal.glob("block_*.safetensors") for k in load_file(str(f)))
+    resumed = quantspec.quantize(str(tiny), recipe, out, progress=False, streaming=True, resume=True)
+    assert resumed.report["resumed_blocks"] == 2 and resumed.report["streaming"] is True
+    a, b = tensors(clean.out), tensors(resumed.out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not journal.exists() and not (out / ".alternatives").exists()

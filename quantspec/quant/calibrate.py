@@ -11,7 +11,7 @@
 
 Optionally, after each block the engine saves its results and the next block's inputs under
 ``resume_dir`` (see ``resume.py``), so an interrupted run continues where it stopped and gives
-bit-identical results.
+bit-identical results, on the in-memory and the streaming path alike.
 """
 
 from __future__ import annotations
@@ -286,6 +286,10 @@ def run_blockwise(
     A method's alternatives (``BlockMethod``) then go to ``on_block_alternative(i, block,
     results with the alternatives swapped in)`` before ``on_block_end``, and the final choice
     to ``on_choice(use_alternatives)``; without ``on_block_alternative`` no choice is made.
+
+    ``resume_dir``: journal each finished block there (``resume.py``); on a rerun the finished
+    blocks are restored (each checked against the digest of the float weights it was quantized
+    from) and pass through the same hooks, and their report entries are marked ``"resumed"``.
     """
     from tqdm.auto import tqdm
 
@@ -308,11 +312,12 @@ def run_blockwise(
     with torch.no_grad(), reuse_freed_memory():
         inputs, kwargs = capture_inputs(model, arch, calib_ids, device)
         check_finite(inputs, arch.block_name(0), "its input (the embeddings)")
-        start = 0
-        if state is not None and state.done > 0:
-            start = state.done
-            inputs = state.restore(blocks, arch, results, report, alternatives).to(device)
-            offered = bool(alternatives)
+        start = state.done if state is not None else 0
+        if start:  # blocks finished by an interrupted run, from the resume folder
+            hooks = (on_block_start, on_block_end, on_block_alternative)
+            offered = _restore_finished(state, blocks, arch, hooks, results, alternatives)
+            state.restore_report(report)
+            inputs = state.next_inputs().to(device)
             if state.method_state and hasattr(method, "load_state_tensors"):
                 method.load_state_tensors(state.method_state)
         bar = tqdm(total=len(blocks), initial=start, disable=not progress, desc="quantize", unit="block")
@@ -364,6 +369,29 @@ def run_blockwise(
         if offered and (on_block_end is None or on_block_alternative is not None):
             _final_choice(model, arch, method, results, alternatives, len(blocks), report, on_choice)
     return results
+
+
+def _restore_finished(state: ResumeState, blocks: nn.ModuleList, arch: ArchSpec, hooks: tuple,
+                      results: dict[str, QuantResult], alternatives: dict[str, QuantResult]) -> bool:
+    """Restore the ``state.done`` finished blocks as if just processed: through the streaming
+    hooks ``(on_block_start, on_block_end, on_block_alternative)`` when set (so their shards
+    are written again), else into ``results`` / ``alternatives``. True when any block offered
+    alternatives."""
+    on_start, on_end, on_alternative = hooks
+    offered = False
+    for i in range(state.done):
+        if on_start is not None:
+            on_start(i, blocks[i])
+        block_results, alt = state.restore_block(i, blocks[i], arch.block_name(i))
+        offered = offered or bool(alt)
+        if on_end is None:
+            results.update(block_results)
+            alternatives.update(alt)
+            continue
+        if alt and on_alternative is not None:
+            on_alternative(i, blocks[i], {**block_results, **alt})
+        on_end(i, blocks[i], block_results)
+    return offered
 
 
 def final_logits(model: nn.Module, arch: ArchSpec) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -94,7 +94,9 @@ def quantize(
 
     streaming: read and write one decoder block at a time, so peak memory is one block plus
     the calibration activations (models larger than RAM); None = whenever possible (see
-    ``want_streaming``). ``resume`` uses the in-memory path.
+    ``want_streaming``). resume: journal every finished block in ``.<out>.resume/`` beside
+    ``out`` and continue from it after an interruption (either path; removed once the
+    checkpoint is written); the report's ``resumed_blocks`` counts the blocks reused.
     Bad input (unknown model, impossible scheme, existing output folder) raises QuantspecError
     before any long work starts.
     """
@@ -108,14 +110,24 @@ def quantize(
     check_destination(out, overwrite)
     dev = resolve_device(device)
     report: dict[str, Any] = {"layers": {}}
-    if not resume and want_streaming(streaming, dense_folder(model)):
-        _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, report)
+    resume_dir = resume_folder(out) if resume else None
+    if want_streaming(streaming, dense_folder(model)):
+        _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report)
     else:
-        _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume, report)
+        _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report)
+    if resume_dir is not None:
+        import shutil
+
+        shutil.rmtree(resume_dir, ignore_errors=True)
     return QuantizeOutcome(out=out, report=report, recipe=recipe)
 
 
-def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume, report) -> None:
+def resume_folder(out: Path) -> Path:
+    """Where a ``resume`` run journals its finished blocks: a hidden sibling of ``out``."""
+    return out.parent / f".{out.name}.resume"
+
+
+def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report) -> None:
     from ..models import load_dense
     from ..models.conv1d import linearize_conv1d
     from .methods import run_method
@@ -127,7 +139,6 @@ def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resum
     linearize_conv1d(dense)  # GPT-2 style models: their Conv1D projections as nn.Linear
     load_seconds = time.perf_counter() - t_load
     plan = make_plan(dense, recipe.scheme, fmt, recipe.targets, recipe.ignore)
-    resume_dir = (out.parent / f".{out.name}.resume") if resume else None
     t0 = time.perf_counter()
     results, calib = run_method(
         dense, tokenizer, plan, recipe, device=dev, progress=progress,
@@ -138,13 +149,9 @@ def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resum
     build_checkpoint(
         out, dense, tokenizer, results, plan, recipe, fmt, save_dtype_for(dense.config), report, overwrite
     )
-    if resume_dir is not None:
-        import shutil
-
-        shutil.rmtree(resume_dir, ignore_errors=True)
 
 
-def _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, report) -> None:
+def _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report) -> None:
     from ..checkpoint.save import write_metadata
     from ..models import dense_folder, load_tokenizer, model_slug
     from .streaming import quantize_streaming
@@ -161,7 +168,7 @@ def _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, repor
 
     quantize_streaming(
         folder, tokenizer, recipe, fmt, out, overwrite=overwrite, device=dev, progress=progress,
-        report=report["layers"], save_dtype_for=save_dtype_for, finish=finish,
+        report=report["layers"], save_dtype_for=save_dtype_for, finish=finish, resume_dir=resume_dir,
     )
 
 
@@ -185,6 +192,7 @@ def fill_report(report, recipe, fmt, plan, calib, seconds, dev, **fields) -> Non
             "regrouped_layers": plan.regrouped,
         }
     )
+    report["resumed_blocks"] = len({e["block"] for e in report["layers"].values() if e.get("resumed")})
     for name, reason in plan.dense.items():
         report["layers"].setdefault(name, {})["status"] = f"dense: {reason}"
     for name, scheme in plan.quantize.items():

@@ -2,16 +2,21 @@
 
 Layout of ``resume_dir``::
 
-    manifest.json                 {"version", "fingerprint", "done", "inputs", "report"}
+    manifest.json                 {"version", "fingerprint", "done", "inputs", "report", "blocks"}
     block_0000.safetensors        QuantResults of block 0 ("<name>.qweight|scales|zeros|g_idx")
                                   + any other block tensor the method changed ("state.<key>");
                                   metadata "schemes": {name: QuantScheme dict} as JSON
     inputs_0003.safetensors       "inputs": the hidden states entering block ``done``
 
 Every file is written under a temporary name and renamed; the manifest is replaced last, so
-an interruption at any point leaves the previous consistent state. The fingerprint (model
-config, embedding sample, plan, method and its options, calibration ids) makes a rerun with
-anything different fail with a clear error instead of mixing stale state in.
+an interruption at any point leaves the previous consistent state. Both quantize paths (in
+memory and streaming) write and read the same journal.
+
+What must match for a rerun to continue: the fingerprint (model config, every tensor outside
+the decoder blocks but the output head, plan, method and its options, calibration ids), and,
+block by block, the digest of each finished block's float weights (``"blocks"``, every byte:
+``digest.py``), checked before that block is reused. Anything different fails with a clear
+error instead of mixing another model's blocks in (e.g. a fine-tune with the same config).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,16 +33,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import QuantspecError
-from .arch import ArchSpec
+from .arch import ArchSpec, head_name
+from .digest import module_digest, tensors_digest, update_tensor
 from .scheme import QuantResult, QuantScheme
 
-VERSION = 1
+VERSION = 2
 _FIELDS = ("qweight", "scales", "zeros", "g_idx")
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    return str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.view(torch.uint8).numpy().tobytes()
 
 
 def fingerprint(
@@ -46,18 +48,22 @@ def fingerprint(
     method: str,
     calib_ids: torch.Tensor,
 ) -> str:
-    """sha256 hex of what determines the engine's results."""
+    """sha256 hex of what determines the engine's inputs to block 0 and its settings; the
+    blocks' own weights are checked block by block (``ResumeState.restore_block``).
+
+    Every tensor outside the decoder blocks counts (embeddings, final norm), except the output
+    head, which no journaled state depends on (the streaming path may not have read it yet)."""
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     h.update((config.to_json_string() if config is not None else type(model).__name__).encode())
     h.update(repr(arch).encode())
     h.update(json.dumps({n: plan[n].to_dict() for n in sorted(plan)}).encode())
     h.update(method.encode())
-    h.update(_tensor_bytes(calib_ids.to(torch.int64)))
-    embed = model.get_submodule(arch.embed) if arch.embed else None
-    if isinstance(embed, nn.Embedding):
-        w = embed.weight
-        h.update(_tensor_bytes(w[:: max(1, w.shape[0] // 256)]))
+    update_tensor(h, calib_ids.to(torch.int64))
+    head = head_name(model)
+    outside = [(k, v) for k, v in model.state_dict().items()
+               if not k.startswith(arch.blocks + ".") and (head is None or k.rpartition(".")[0] != head)]
+    h.update(tensors_digest(outside).encode())
     return h.hexdigest()
 
 
@@ -74,11 +80,18 @@ class ResumeState:
         self.dir = Path(resume_dir)
         self.fp = fp
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = {"version": VERSION, "fingerprint": fp, "done": 0, "inputs": None, "report": {}}
+        self.manifest: dict[str, Any] = {"version": VERSION, "fingerprint": fp, "done": 0, "inputs": None,
+                                         "report": {}, "blocks": []}
+        self.method_state: dict[str, torch.Tensor] = {}
         path = self.dir / "manifest.json"
         if path.is_file():
             old = json.loads(path.read_text())
-            if old.get("version") != VERSION or old.get("fingerprint") != fp:
+            if old.get("version") != VERSION:
+                raise QuantspecError(
+                    f"the resume state in {self.dir} was written by another version of quantspec.",
+                    "delete that folder to start over.",
+                )
+            if old.get("fingerprint") != fp:
                 raise QuantspecError(
                     f"the resume state in {self.dir} was made for a different model, plan, "
                     "method or calibration set.",
@@ -106,9 +119,10 @@ class ResumeState:
         alternative: dict[str, QuantResult] | None = None,
         method_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """``alternative``: the method's second choice for some layers (saved as ``alt.*``);
-        ``method_state``: what the method carries to the next block (``method.*``, saved with
-        the next inputs, which replace the previous ones)."""
+        """``before``: the block's float state (``snapshot``) when it was reached, whose digest
+        is recorded; ``alternative``: the method's second choice for some layers (saved as
+        ``alt.*``); ``method_state``: what the method carries to the next block (``method.*``,
+        saved with the next inputs, which replace the previous ones)."""
         quantized = {n[len(block_name) + 1 :] + ".weight" for n in results}
         tensors: dict[str, torch.Tensor] = {}
         for key, value in block.state_dict().items():
@@ -125,6 +139,7 @@ class ResumeState:
                      self.dir / inputs_name)
         old_inputs = self.manifest["inputs"]
         self.manifest["report"].update({n: report[n] for n in results})
+        self.manifest["blocks"] = self.manifest["blocks"][:index] + [tensors_digest(before.items())]
         self.manifest.update(done=index + 1, inputs=inputs_name)
         tmp = self.dir / "manifest.json.tmp"
         tmp.write_text(json.dumps(self.manifest, indent=1))
@@ -132,36 +147,41 @@ class ResumeState:
         if old_inputs and old_inputs != inputs_name:
             (self.dir / old_inputs).unlink(missing_ok=True)
 
-    def restore(
-        self,
-        blocks: nn.ModuleList,
-        arch: ArchSpec,
-        results: dict[str, QuantResult],
-        report: dict,
-        alternatives: dict[str, QuantResult] | None = None,
-    ) -> torch.Tensor:
-        """Load finished blocks into ``blocks`` / ``results`` / ``report`` (and the methods'
-        second choices into ``alternatives``); the next inputs. The method state saved with
-        the last finished block is left in ``self.method_state``."""
-        for i in range(self.done):
-            block, prefix = blocks[i], arch.block_name(i) + "."
-            path = self.dir / f"block_{i:04d}.safetensors"
-            tensors = load_file(str(path))
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata()
-            if alternatives is not None:
-                alternatives.update(_load_results(tensors, json.loads(meta.get("alt_schemes", "{}")), "alt."))
-            state = block.state_dict()
-            with torch.no_grad():
-                for key, value in tensors.items():
-                    if key.startswith("state."):
-                        target = state[key[len("state.") :]]
-                        target.copy_(value.to(target.device))
-                for name, res in _load_results(tensors, json.loads(meta["schemes"]), "").items():
-                    mod = block.get_submodule(name[len(prefix) :])
-                    mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
-                    results[name] = res
-        report.update(self.manifest["report"])
+    def restore_block(
+        self, index: int, block: nn.Module, block_name: str
+    ) -> tuple[dict[str, QuantResult], dict[str, QuantResult]]:
+        """Load finished block ``index`` into ``block`` (its float weights, which must be those
+        it was quantized from): the changed tensors and the dequantized weights. Returns its
+        results and the method's second choices (``alternative`` of ``save_block``)."""
+        if module_digest(block) != self.manifest["blocks"][index]:
+            raise QuantspecError(
+                f"the resume state in {self.dir} holds block {index} ({block_name}) of another model: "
+                "this model's float weights there differ from those it was quantized from.",
+                "delete that folder to start over, or resume with the model it was made for.",
+            )
+        path = self.dir / f"block_{index:04d}.safetensors"
+        tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        state = block.state_dict()
+        results = _load_results(tensors, json.loads(meta["schemes"]), "")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                if key.startswith("state."):
+                    target = state[key[len("state.") :]]
+                    target.copy_(value.to(target.device))
+            for name, res in results.items():
+                mod = block.get_submodule(name[len(block_name) + 1 :])
+                mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
+        return results, _load_results(tensors, json.loads(meta.get("alt_schemes", "{}")), "alt.")
+
+    def restore_report(self, report: dict) -> None:
+        """The finished blocks' report entries, marked ``"resumed": True``."""
+        report.update({n: {**entry, "resumed": True} for n, entry in self.manifest["report"].items()})
+
+    def next_inputs(self) -> torch.Tensor:
+        """The hidden states entering block ``done``; the method state saved with them is left
+        in ``self.method_state``."""
         saved = load_file(str(self.dir / self.manifest["inputs"]))
         self.method_state = {k[len("method.") :]: v for k, v in saved.items() if k.startswith("method.")}
         return saved["inputs"]

@@ -179,11 +179,13 @@ def block_shard_hooks(
 
 def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overwrite: bool,
                        device: torch.device, progress: bool, report: dict, save_dtype_for,
-                       finish) -> None:
+                       finish, resume_dir: Path | None = None) -> None:
     """Quantize the model in ``folder`` block by block into the checkpoint folder ``out``.
 
     ``finish(tmp, model, plan, calib, seconds, config)`` writes the non-weight files into the
-    temporary folder before it is renamed into place."""
+    temporary folder before it is renamed into place. ``resume_dir``: the calibration engine's
+    journal (``resume.py``); the blocks it holds are read again and their shards rewritten
+    from it, not recomputed (RTN, which needs no calibration, keeps none)."""
     import time
 
     from ..checkpoint.atomic import atomic_folder
@@ -233,7 +235,7 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
             run_blockwise(
                 model, arch, ids, method, plan.quantize, device=device, progress=progress,
                 report=report, on_block_start=start, on_block_end=end,
-                on_block_alternative=alternative, on_choice=writer.choose,
+                on_block_alternative=alternative, on_choice=writer.choose, resume_dir=resume_dir,
             )
             writer.choose(False)  # no choice made: the first results stay
         results = run_rtn(model, outside_plan, progress=False, report=report)
