@@ -3,6 +3,13 @@
 A backend declares what it supports (``cannot_run`` gives the reason it cannot), repacks a
 layer's canonical ``QuantResult`` once at load into the layout it wants (``prepare``), and
 computes ``y = x @ W.T + bias`` from that layout (``linear``).
+
+Choosing (``choose_backend``): ``auto`` takes the fastest backend that can run a layer;
+``exact`` the fastest that also computes the scheme the checkpoint declares, activations
+included. They differ where a backend rounds more than the scheme says: the ``cpu`` backend
+multiplies the activations of weight-only (A16) layers as int8 (see ``kernels/cpu.py``), a speed
+trade that moves a W4A16 perplexity by about 1%. So accuracy is measured with ``exact`` (the
+default of ``quantspec eval``, the lm-eval adapter and sweeps) and speed with ``auto``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ class Backend(Protocol):
         """None when this backend can run such a layer here, else the reason it cannot."""
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Repack once at load; the returned tensors are kept as non-persistent buffers."""
+        """Repack once at load; the returned tensors are kept as non-persistent buffers.
+
+        The layout must serve every activation dtype that ``cannot_run`` accepts: a cast of the
+        module (``.to(torch.bfloat16)``) keeps it, bytes and dtypes (``QuantLinear._apply``)."""
 
     def linear(
         self,
@@ -72,6 +82,17 @@ def _registry() -> dict[str, Backend]:
     return backends
 
 
+# Backends whose weight-only (A16) layers run on int8-quantized activations (kernels/cpu.py):
+# fast, but not the scheme the checkpoint declares. W8A8 layers declare int8 activations.
+INT8_ACTIVATIONS_FOR_A16 = frozenset({"cpu"})
+
+
+def computes_declared_scheme(backend_name: str, scheme: QuantScheme) -> bool:
+    """Whether ``backend_name`` runs a ``scheme`` layer on the activations the scheme declares
+    (16-bit or fp32 for weight-only schemes, int8 per token for W8A8)."""
+    return scheme.activations is not None or backend_name not in INT8_ACTIVATIONS_FOR_A16
+
+
 def available_backends() -> list[str]:
     return list(_registry())
 
@@ -80,7 +101,7 @@ def get_backend(name: str) -> Backend:
     reg = _registry()
     if name not in reg:
         raise QuantspecError(
-            f"unknown kernel backend {name!r}.", f"use one of {sorted(reg)} or 'auto'."
+            f"unknown kernel backend {name!r}.", f"use one of {sorted(reg)}, 'auto' or 'exact'."
         )
     return reg[name]
 
@@ -93,20 +114,23 @@ def choose_backend(
     dtype: torch.dtype,
     requested: str = "auto",
 ) -> tuple[Backend, str]:
-    """The backend for one layer and why: the requested one, or the first that can run it."""
-    if requested != "auto":
+    """The backend for one layer and why: the requested one, or the first that can run it
+    (``auto``), or the first that can run it on the activations its scheme declares (``exact``)."""
+    if requested not in ("auto", "exact"):
         backend = get_backend(requested)
         reason = backend.cannot_run(scheme, out_features, in_features, device, dtype)
         if reason:
             raise QuantspecError(
                 f"backend {requested!r} cannot run a {out_features}x{in_features} "
                 f"{scheme.short_name} layer on {device}: {reason}.",
-                "use --backend auto (or 'reference', which runs everything).",
+                "use --backend auto or exact (or 'reference', which runs everything).",
             )
         return backend, "requested"
     skipped = []
     for name, backend in _registry().items():
         reason = backend.cannot_run(scheme, out_features, in_features, device, dtype)
+        if reason is None and requested == "exact" and not computes_declared_scheme(name, scheme):
+            reason = "int8 activations, not the declared scheme"
         if reason is None:
             return backend, ("fastest available" if not skipped else "; ".join(skipped))
         skipped.append(f"{name}: {reason}")

@@ -7,6 +7,10 @@ non-persistent buffers (they move with ``.to()`` but are not saved). A backend t
 ``bind`` gets every per-layer decision made once, at ``prepare``: each call then costs one
 dispatcher op (decode runs hundreds of small linears per token, where Python overhead per call
 is as large as the kernel).
+
+Casts (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``) change the compute dtype:
+the bias and ``compute_dtype`` follow them; the format's tensors and the prepared layout are
+data and keep their dtypes (they still follow device moves), see ``QuantLinear._apply``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import QuantspecError
 from ..formats import get_format
 from ..quant.scheme import QuantResult, QuantScheme
-from .backend import choose_backend
+from .backend import choose_backend, get_backend
+
+
+def _move_only(fn, t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` when ``fn`` keeps ``t``'s dtype (a device move, ``share_memory_``,
+    ``to_empty``); else ``t`` moved to the device ``fn`` targets, its dtype and bytes kept."""
+    probe = fn(t.new_empty(0))  # what fn does, learnt on an empty tensor: no copy of t
+    return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
 
 
 class QuantLinear(nn.Module):
@@ -113,9 +125,44 @@ class QuantLinear(nn.Module):
         return self._prepared_cache
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cpu() / .half() replace the buffers: forget the cached dict of them
-        self._prepared_cache = None
-        return super()._apply(fn, recurse)
+        """``.to()``, ``.cuda()``, ``.half()``... call this with ``fn`` for every tensor.
+
+        The bias follows ``fn`` and ``compute_dtype`` becomes the dtype ``fn`` gives a float
+        tensor; the format's tensors and the backend's prepared layout are packed data (fp16
+        scales, byte layouts that the kernels check): they follow device moves but keep their
+        dtypes, so ``state_dict()`` still holds the checkpoint's bytes and the layout still fits
+        its backend. A compute dtype that the layer's backend cannot run is refused here, before
+        this layer changes.
+        """
+        device = next(iter(self.format_tensors().values())).device
+        dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=device)).dtype
+        if dtype != self.compute_dtype:
+            self._check_compute_dtype(dtype, device)
+        packed = {id(t) for t in self.format_tensors().values()}
+        packed |= {id(getattr(self, n)) for n in self._prepared_names}
+        super()._apply(lambda t: _move_only(fn, t) if id(t) in packed else fn(t), recurse)
+        self._prepared_cache = None  # the buffers were replaced: forget the cached dict of them
+        self.compute_dtype = dtype
+        return self
+
+    def _check_compute_dtype(self, dtype: torch.dtype, device: torch.device) -> None:
+        """QuantspecError when this layer cannot compute in ``dtype`` (the cast is refused)."""
+        name = self.backend_name or self._released_backend
+        if not dtype.is_floating_point:
+            reason = "activations must be floating point"
+        elif name is None:  # not prepared yet: the first forward chooses for the new dtype
+            return
+        else:
+            reason = get_backend(name).cannot_run(
+                self.scheme, self.out_features, self.in_features, device, dtype
+            )
+        if reason:
+            raise QuantspecError(
+                f"cannot cast the quantized layer {self.out_features}x{self.in_features} "
+                f"({name or 'unprepared'} backend) to {dtype}: {reason}; the model may be partly cast.",
+                "reload it and cast to a dtype that backend runs (fp32, bf16 or fp16), or load "
+                "with backend='reference', which runs every dtype.",
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend_name is None:
