@@ -21,18 +21,21 @@ PROMPTS = [{"id": "a", "prompt": "def forward(self, x):\n    return self.linear(
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0, initializer_range=0.1)
+def tiny(tmp_path_factory):
+    """(folder, fp32 model, tokenizer) of a tiny random Llama."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0, initializer_range=0.1)
+    return (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(folder))
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def target(tiny):
+    return tiny[1]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return AutoTokenizer.from_pretrained(tiny_dir)
+def tokenizer(tiny):
+    return tiny[2]
 
 
 def _bigram_draft(target) -> tuple[DraftModel, torch.Tensor]:
@@ -93,7 +96,8 @@ def test_bigram_draft_on_the_targets_greedy_tokens(target, tokenizer):
     assert 0 < matches < positions  # the case tells a right count from 0 and from 1
 
 
-def test_bench_specdec_agreement_command(tiny_dir, tmp_path):
+def test_bench_specdec_agreement_command(tiny, tmp_path):
+    tiny_dir = tiny[0]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in PROMPTS))
     out = tmp_path / "a.json"
