@@ -21,7 +21,12 @@ def add_parser(sub) -> None:
     p.add_argument("--speed", action="store_true", help="also measure speed against the dense baseline")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="auto", help="kernel backend of quantized layers")
+    p.add_argument("--backend", default="exact",
+                   help="kernel backend of quantized layers for perplexity and tasks. exact (default): the "
+                        "fastest that computes the checkpoint's declared scheme (on CPU, weight-only layers "
+                        "run on the reference backend); auto: the fastest (on CPU: rounded activations for "
+                        "weight-only layers, a speed option that moves accuracy); or reference, cpu, triton. "
+                        "--speed always times the fastest")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(func=run)
@@ -56,11 +61,13 @@ def run(args) -> int:
                 stride=args.stride, progress=args.progress,
             )
             out["ppl"][data] = r["ppl"]
-            out.update({"seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"]})
+            out.update({"seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"],
+                        "kernels": r["kernels"]})
             out.setdefault("ppl_details", {})[data] = r
             print(
                 f"{label}: ppl {r['ppl']:.3f} on {r['data']} "
-                f"(seqlen {r['seqlen']}, {r['windows']} windows, {r['tokens']} tokens)"
+                f"(seqlen {r['seqlen']}, {r['windows']} windows, {r['tokens']} tokens; "
+                f"backend {r['kernels']['backend']}, activations {r['kernels']['activations']})"
             )
         del model
     if args.tasks:
@@ -68,7 +75,7 @@ def run(args) -> int:
 
         res = run_lm_eval(
             args.model, [t for t in args.tasks.split(",") if t], limit=args.limit,
-            include_path=args.tasks_path, device=args.device,
+            include_path=args.tasks_path, device=args.device, backend=args.backend,
         )
         out["tasks"] = res
         print(res)

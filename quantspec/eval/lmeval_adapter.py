@@ -13,7 +13,9 @@ lm-eval's own CLI. From Python, ``register()`` then ``lm_eval.simple_evaluate(mo
 model_args="path=...")`` works too, and ``run_lm_eval`` does it all in one call.
 
 Model args: ``path`` (quantized folder or any dense model spec), ``dtype`` (auto), ``backend``
-(auto); every other HFLM argument (batch_size, max_length, device, ...) passes through.
+(exact: the checkpoint's declared scheme, see ``kernels/backend.py``; auto is the fastest, rounded
+activations for weight-only layers on CPU); every other HFLM argument (batch_size, max_length,
+device, ...) passes through.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def quantspec_lm_class() -> type:
         """HFLM over a preloaded quantspec model: a quantized folder or a dense model spec."""
 
         def __init__(self, path: str | None = None, pretrained: str | None = None, dtype: str = "auto",
-                     backend: str = "auto", device: str | None = None, **kwargs: Any):
+                     backend: str = "exact", device: str | None = None, **kwargs: Any):
             spec = path or pretrained
             if not spec:
                 raise QuantspecError("the quantspec lm-eval model needs a model.", "pass --model_args path=DIR.")
@@ -117,16 +119,19 @@ def _plain(value: Any) -> Any:
 
 def run_lm_eval(model_path: str, tasks: list[str], limit: int | float | None = None,
                 include_path: str | Path | list | None = None, batch_size: int = 1, device: str = "cpu",
-                num_fewshot: int | None = None, dtype: str = "auto", backend: str = "auto",
+                num_fewshot: int | None = None, dtype: str = "auto", backend: str = "exact",
                 seed: int = 0, log_samples: bool = False, lm=None) -> dict[str, Any]:
     """Run lm-eval tasks on a quantized folder or dense model; returns a JSON-safe dict.
 
     {"tasks": {task: {metric: value}}, "n_samples": {...}, "configs": {task: version},
-     "limit", "num_fewshot", "model", "lm_eval_version"} and, with ``log_samples``, "samples".
+     "limit", "num_fewshot", "model", "kernels" (``perplexity.kernels_used``), "lm_eval_version"}
+    and, with ``log_samples``, "samples".
     ``lm`` may be an already built QuantspecLM (reused across calls).
     """
     _require_lm_eval()
     import lm_eval
+
+    from .perplexity import kernels_used
 
     if not tasks:
         raise QuantspecError("no lm-eval task named.", "pass --tasks e.g. arc_easy hellaswag.")
@@ -152,6 +157,7 @@ def run_lm_eval(model_path: str, tasks: list[str], limit: int | float | None = N
         "configs": {t: c.get("metadata", {}).get("version") for t, c in out.get("configs", {}).items()},
         "limit": limit,
         "num_fewshot": num_fewshot,
+        "kernels": kernels_used(lm.model),
         "lm_eval_version": getattr(lm_eval, "__version__", None),
     }
     if log_samples:

@@ -12,6 +12,10 @@ window 0 scores all its seqlen-1 predictions and every later window scores only 
 ``stride`` tokens (the ones no earlier window scored), so each of those tokens sees at least
 seqlen-stride tokens of context. Only full windows are used; the tail is dropped.
 Reference numbers: Frantar et al. 2022 (GPTQ), Lin et al. 2023 (AWQ), seqlen 2048.
+
+Every result names the kernels that computed it (``kernels_used``): a quantized model loaded with
+``backend="auto"`` on a CPU runs weight-only layers on rounded activations (a speed path), which
+is not the scheme the checkpoint declares; load with ``backend="exact"`` to measure that scheme.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import torch.nn.functional as F
 from ..data.sources import TextSource, load_text
 from ..data.tokens import cached_token_ids
 from ..errors import QuantspecError
+from ..kernels.backend import computes_declared_scheme
+from ..kernels.quant_linear import QuantLinear
+
+AS_DECLARED = "as declared"
 
 
 def window_starts(total: int, seqlen: int, stride: int, windows: int | None) -> list[int]:
@@ -54,6 +62,23 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+def kernels_used(model) -> dict:
+    """Which kernels computed ``model``'s quantized layers, to record beside an accuracy number.
+
+    {"backend": the backends' names joined by "," ("torch dense" for a model without quantized
+    layers), "activations": "as declared", or how many weight-only layers ran on rounded
+    activations (a speed path that is not the checkpoint's scheme)}.
+    """
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return {"backend": "torch dense", "activations": AS_DECLARED}
+    names = [m.backend_name or "unprepared" for m in layers]
+    rounded = sum(not computes_declared_scheme(n, m.scheme) for n, m in zip(names, layers))
+    activations = AS_DECLARED if not rounded else (
+        f"rounded on {rounded} of {len(layers)} quantized layers (a speed path, not the declared scheme)")
+    return {"backend": ",".join(sorted(set(names))), "activations": activations}
+
+
 def window_nll(logits: torch.Tensor, ids: torch.Tensor, scored: int) -> torch.Tensor:
     """Summed NLL (float64 scalar) of the last ``scored`` targets of each row.
 
@@ -71,8 +96,8 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
     """Perplexity of ``model`` on ``data`` (a load_text name/path or a TextSource).
 
     Returns {"ppl", "nll" (mean per scored token), "seqlen", "windows" (used), "stride",
-    "tokens" (scored tokens), "data" (label), "seconds"}. Raises QuantspecError when the text
-    is shorter than one window.
+    "tokens" (scored tokens), "data" (label), "seconds", "kernels" (``kernels_used``)}. Raises
+    QuantspecError when the text is shorter than one window.
     """
     stride = seqlen if stride is None else stride
     _validate(seqlen, windows, stride, batch_size)
@@ -104,7 +129,8 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
         model.train(was_training)
     nll = total_nll / total_tokens
     return {"ppl": math.exp(nll), "nll": nll, "seqlen": seqlen, "windows": len(starts), "stride": stride,
-            "tokens": total_tokens, "data": source.label, "seconds": round(time.perf_counter() - start_time, 3)}
+            "tokens": total_tokens, "data": source.label, "seconds": round(time.perf_counter() - start_time, 3),
+            "kernels": kernels_used(model)}
 
 
 def _progress(total: int, label: str, seqlen: int, enabled: bool):

@@ -7,8 +7,9 @@ computes ``y = x @ W.T + bias`` from that layout (``linear``).
 Choosing (``choose_backend``): ``auto`` takes the fastest backend that can run a layer;
 ``exact`` the fastest that also computes the scheme the checkpoint declares, activations
 included. They differ where a backend rounds more than the scheme says: the ``cpu`` backend
-multiplies the activations of weight-only (A16) layers as int8 (see ``kernels/cpu.py``), a speed
-trade that moves a W4A16 perplexity by about 1%. So accuracy is measured with ``exact`` (the
+rounds the activations of weight-only (A16) layers (int8 blocks in its C++ extension, bf16 in
+torch's fallback ops; see ``kernels/cpu.py``), a speed trade that moves a W4A16 perplexity by
+up to about 1%. So accuracy is measured with ``exact`` (the
 default of ``quantspec eval``, the lm-eval adapter and sweeps) and speed with ``auto``.
 """
 
@@ -82,15 +83,16 @@ def _registry() -> dict[str, Backend]:
     return backends
 
 
-# Backends whose weight-only (A16) layers run on int8-quantized activations (kernels/cpu.py):
-# fast, but not the scheme the checkpoint declares. W8A8 layers declare int8 activations.
-INT8_ACTIVATIONS_FOR_A16 = frozenset({"cpu"})
+# Backends that round the activations of weight-only (A16) layers (kernels/cpu.py: int8 blocks,
+# or bf16 in torch's fallback ops): fast, but not the scheme the checkpoint declares. W8A8 layers
+# declare int8 per-token activations, which these backends compute exactly.
+ROUNDS_A16_ACTIVATIONS = frozenset({"cpu"})
 
 
 def computes_declared_scheme(backend_name: str, scheme: QuantScheme) -> bool:
     """Whether ``backend_name`` runs a ``scheme`` layer on the activations the scheme declares
     (16-bit or fp32 for weight-only schemes, int8 per token for W8A8)."""
-    return scheme.activations is not None or backend_name not in INT8_ACTIVATIONS_FOR_A16
+    return scheme.activations is not None or backend_name not in ROUNDS_A16_ACTIVATIONS
 
 
 def available_backends() -> list[str]:
@@ -130,7 +132,7 @@ def choose_backend(
     for name, backend in _registry().items():
         reason = backend.cannot_run(scheme, out_features, in_features, device, dtype)
         if reason is None and requested == "exact" and not computes_declared_scheme(name, scheme):
-            reason = "int8 activations, not the declared scheme"
+            reason = "rounds the activations, not the declared scheme"
         if reason is None:
             return backend, ("fastest available" if not skipped else "; ".join(skipped))
         skipped.append(f"{name}: {reason}")
