@@ -29,7 +29,7 @@ from ..errors import QuantspecError
 from .arch import ArchSpec
 from .calibrate import check_finite, block_groups, block_outputs, planned_linears, run_linear_inputs
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
-from .recipe import GPTQOptions
+from .recipe import GPTQOptions, Recipe
 from .rtn import rtn
 from .scheme import QuantResult, QuantScheme
 
@@ -198,6 +198,11 @@ class GPTQMethod:
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
         self.info[name] = {**info, "seconds": time.perf_counter() - t0}
         return res
+
+
+def gptq_from_recipe(recipe: Recipe) -> GPTQMethod:
+    """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options), for ``methods.py``."""
+    return GPTQMethod(recipe.gptq)
 
 
 class RTNMethod:

@@ -28,7 +28,6 @@ __all__ = [
     "make_empty_hessian",
     "gptq_quantize",
     "inverse_hessian_factor",
-    "method_from_recipe",
 ]
 
 MAX_DAMP_RETRIES = 4
@@ -209,10 +208,3 @@ def gptq_quantize(
         weight, H, scheme, damp_percent, block_size, scale_dtype
     )
     return result, info
-
-
-def method_from_recipe(recipe):
-    """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options), for ``methods.py``."""
-    from .block_methods import GPTQMethod
-
-    return GPTQMethod(recipe.gptq)

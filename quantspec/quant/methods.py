@@ -28,7 +28,7 @@ FALLBACK_FROM = ("c4", "wikitext2")
 
 # method name -> (module, factory name); the factory takes the Recipe and returns a BlockMethod.
 BLOCK_METHODS: dict[str, tuple[str, str]] = {
-    "gptq": ("quantspec.quant.gptq", "method_from_recipe"),
+    "gptq": ("quantspec.quant.block_methods", "gptq_from_recipe"),
     "awq": ("quantspec.quant.awq", "method_from_recipe"),
     "awq+gptq": ("quantspec.quant.awq", "awq_gptq_from_recipe"),
     "smoothquant": ("quantspec.quant.smoothquant", "method_from_recipe"),
