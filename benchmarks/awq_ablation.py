@@ -29,7 +29,7 @@ from quant_peers import prepare  # noqa: E402
 
 from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense  # noqa: E402
-from quantspec.quant.arch import get_arch  # noqa: E402
+from quantspec.quant.arch_infer import get_arch  # noqa: E402
 from quantspec.quant.awq import AWQMethod, AWQSettings  # noqa: E402
 from quantspec.quant.block_methods import RTNMethod  # noqa: E402
 from quantspec.quant.calibrate import run_blockwise  # noqa: E402

@@ -40,7 +40,7 @@ from quant_peers import prepare  # noqa: E402
 
 from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense  # noqa: E402
-from quantspec.quant.arch import get_arch  # noqa: E402
+from quantspec.quant.arch_infer import get_arch  # noqa: E402
 from quantspec.quant import awq as awq_module  # noqa: E402
 from quantspec.quant.awq import (  # noqa: E402
     AWQMethod,

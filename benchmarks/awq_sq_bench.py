@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
     from quantspec.data import calibration_samples
     from quantspec.eval.perplexity import perplexity
     from quantspec.models import load_dense
-    from quantspec.quant.arch import block_linears, get_arch
+    from quantspec.quant.arch import block_linears
+    from quantspec.quant.arch_infer import get_arch
     from quantspec.quant.calibrate import run_blockwise
 
     dense, tok, _ = load_dense(args.model)

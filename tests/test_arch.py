@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from quantspec.errors import QuantspecError
-from quantspec.quant.arch import ARCHS, block_linears, check_arch, get_arch
-from quantspec.quant.arch_infer import infer_arch
+from quantspec.quant.arch import ARCHS, block_linears, check_arch
+from quantspec.quant.arch_infer import get_arch, infer_arch
 from quantspec.quant.smoothing import fold_scales, resolve_pairs
 
 COMMON = dict(

@@ -13,7 +13,7 @@ from torch import nn
 import quantspec
 from helpers import make_tiny_model, tiny_config
 from quantspec.errors import QuantspecError
-from quantspec.quant.arch import get_arch
+from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.awq import (
     AWQMethod,
     AWQSettings,

@@ -11,7 +11,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from quantspec.errors import QuantspecError
-from quantspec.quant.arch import ARCHS, block_linears, get_arch
+from quantspec.quant.arch import ARCHS, block_linears
+from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.block_methods import GPTQMethod, RTNMethod
 from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
 from quantspec.quant.recipe import GPTQOptions

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers import tiny_config
-from quantspec.quant.arch import get_arch
+from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.smoothing import (
     collect_input_stats,
     fold_scales,

@@ -11,7 +11,7 @@ from torch import nn
 import quantspec
 from helpers import make_tiny_model, tiny_config
 from quantspec.kernels.reference import quantize_per_token_int8
-from quantspec.quant.arch import get_arch
+from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.block_methods import RTNMethod
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.recipe import CalibrationConfig, Recipe

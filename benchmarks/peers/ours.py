@@ -20,7 +20,7 @@ from peer_common import perplexity
 from quantspec.formats import get_format
 from quantspec.kernels.reference import quantize_per_token_int8
 from quantspec.models import load_dense
-from quantspec.quant.arch import get_arch
+from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.methods import block_method
 from quantspec.quant.plan import make_plan

@@ -1,7 +1,8 @@
 """Architecture declarations: where the decoder blocks are and how their Linears are ordered.
 
 One frozen ``ArchSpec`` per family, declared as data (as llm-compressor's AWQMapping and
-GPTQModel's module_tree do), looked up by ``config.model_type``. Names inside a block are
+GPTQModel's module_tree do), looked up by ``config.model_type`` (``arch_infer.get_arch``, which
+finds the parts of an undeclared family by structure). Names inside a block are
 relative to the block (``self_attn.q_proj``); names of the blocks, embedding, final norm and
 lm_head are relative to the model (``model.layers``).
 
@@ -26,10 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
-
-from ..errors import QuantspecError
 
 
 @dataclass(frozen=True)
@@ -115,28 +113,6 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3_text": GEMMA3_TEXT,
     "phi3": PHI3,
 }
-
-
-def get_arch(model: nn.Module) -> ArchSpec:
-    """The declared ArchSpec for ``model.config.model_type``, else one found by structure.
-
-    Raises QuantspecError naming the model_type when neither the declaration fits the model
-    nor the generic search finds decoder blocks with Linears.
-    """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    spec = ARCHS.get(model_type or "")
-    if spec is not None and check_arch(model, spec) == []:
-        return spec
-    from .arch_infer import infer_arch
-
-    try:
-        return infer_arch(model)
-    except QuantspecError as exc:
-        raise QuantspecError(
-            f"model_type {model_type!r} has no architecture declaration and its decoder blocks "
-            f"could not be found by structure ({exc.problem})",
-            "add an ArchSpec for it to quantspec/quant/arch.py (ARCHS).",
-        ) from exc
 
 
 def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:

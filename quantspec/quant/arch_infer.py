@@ -1,7 +1,7 @@
-"""The generic fallback of ``get_arch``: an ArchSpec found by structure, smoothing pairs included.
+"""A model's ArchSpec: the declared one (quantspec/quant/arch.py), else one found by structure.
 
-For a family with no declaration (quantspec/quant/arch.py), one short forward through the
-model locates the parts:
+For a family with no declaration (or one that does not fit the model), one short forward
+through the model locates the parts:
 
 * blocks: the longest ModuleList whose entries share one class and hold Linears;
 * groups (``sequential``): Linears of block 0 that read the same tensor object, in call order;
@@ -25,10 +25,30 @@ import torch
 from torch import nn
 
 from ..errors import QuantspecError
-from .arch import ArchSpec, SmoothPair
+from .arch import ARCHS, ArchSpec, SmoothPair, check_arch
 from .smoothing import ResolvedPair, fold_scales
 
 FOLD_TOL = 1e-4  # relative error of block 0's output after folding random scales (fp32)
+
+
+def get_arch(model: nn.Module) -> ArchSpec:
+    """The declared ArchSpec for ``model.config.model_type``, else one found by structure.
+
+    Raises QuantspecError naming the model_type when neither the declaration fits the model
+    nor the generic search finds decoder blocks with Linears.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = ARCHS.get(model_type or "")
+    if spec is not None and check_arch(model, spec) == []:
+        return spec
+    try:
+        return infer_arch(model)
+    except QuantspecError as exc:
+        raise QuantspecError(
+            f"model_type {model_type!r} has no architecture declaration and its decoder blocks "
+            f"could not be found by structure ({exc.problem})",
+            "add an ArchSpec for it to quantspec/quant/arch.py (ARCHS).",
+        ) from exc
 
 
 def infer_arch(model: nn.Module) -> ArchSpec:

@@ -77,7 +77,7 @@ def run_method(
     report = {} if report is None else report
     if recipe.method == "rtn":
         return run_rtn(model, plan, progress, report), None
-    from .arch import get_arch
+    from .arch_infer import get_arch
     from .calibrate import run_blockwise
 
     arch = get_arch(model)

@@ -190,7 +190,7 @@ def quantize_streaming(folder: Path, tokenizer, recipe, fmt, out: Path, *, overw
 
     from ..checkpoint.atomic import atomic_folder
     from ..checkpoint.checksums import write_manifest
-    from .arch import get_arch
+    from .arch_infer import get_arch
     from .methods import calibrated_setup, check_smoothing, run_rtn
     from .pack import checkpoint_config
     from .plan import LayerPlan, make_plan
