@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
 
 from quantspec.data import calibration_samples, load_text
 from quantspec.data.sources import PYDOC_LABEL
@@ -64,7 +68,7 @@ def test_missing_file_and_unknown_name(offline, tmp_path):
 def test_named_dataset_offline_without_local_copy_fails_fast(offline):
     with pytest.raises(QuantspecError, match="QUANTSPEC_DATA") as err:
         load_text("wikitext2")
-    assert "pydoc" in err.value.fix
+    assert "c4-bundled" in err.value.fix
 
 
 def test_named_datasets_from_local_copies(offline, monkeypatch, data_dir):
@@ -100,9 +104,145 @@ def test_calibration_documents(offline, tmp_path, tok):
     assert calibration_samples(tok, str(jl), n=8, seqlen=24, seed=0).shape == (8, 24)
 
 
+def test_documents_outside_draw(offline, tmp_path, tok):
+    from quantspec.data.calibration import documents_outside_draw
+
+    docs = [f"document {i} " + f"w{i} word{i} " * 30 if i % 3 else "tiny" for i in range(40)]
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": t}) for t in docs))
+    encoded = [tok(d)["input_ids"] for d in docs]
+    lengths = [len(e) for e in encoded]
+    for seed in (0, 1, 2):
+        out = calibration_samples(tok, str(jl), n=5, seqlen=24, seed=seed)
+        outside = documents_outside_draw(lengths, 5, 24, seed)
+        sampled = {j for row in out.tolist() for j, e in enumerate(encoded)
+                   if any(e[i : i + 24] == row for i in range(len(e) - 23))}
+        assert len(sampled) == 5 and not sampled & set(outside)
+        long_docs = sum(n >= 24 for n in lengths)
+        assert len([j for j in outside if lengths[j] >= 24]) == long_docs - 5 and outside == sorted(outside)
+    assert documents_outside_draw(lengths, 100, 24, 0) == []  # too few long documents: all are read
+
+
 def test_calibration_too_little_data(offline, tmp_path, tok):
     txt = tmp_path / "small.txt"
     txt.write_text("a short text " * 5)
     with pytest.raises(QuantspecError, match="tokens") as err:
         calibration_samples(tok, str(txt), n=4, seqlen=64)
     assert "lower" in err.value.fix
+
+
+# The C4 sample shipped in the package (quantspec/data/bundled.py): offline calibration and
+# perplexity. New modules are imported inside the tests, so that this file also runs on code
+# from before the sample (to show what the old fallback picked).
+
+def _ids_text(tok, docs: list[str]) -> str:
+    """Each document's token ids as ",1,2,3," lines, for finding a window by substring search."""
+    return "\n".join("," + ",".join(map(str, ids)) + "," for ids in tok(docs)["input_ids"])
+
+
+def _window_in(row: list[int], ids_text: str) -> bool:
+    """Whether ``row`` is a contiguous slice of one document of ``ids_text``."""
+    return "," + ",".join(map(str, row)) + "," in ids_text
+
+
+def test_bundled_sample_loads_offline(offline):
+    from quantspec.data import bundled
+
+    calib, held = load_text("c4-bundled"), load_text("c4-bundled-heldout")
+    assert (len(calib.documents), len(held.documents)) == (300, 100)
+    assert calib.label == "c4 (bundled 400-doc sample: calibration docs 0-299)"
+    assert held.label == "c4 (bundled 400-doc sample: held-out docs 300-399)"
+    assert calib.text == "\n\n".join(calib.documents) and all(d.strip() for d in calib.documents)
+    assert not set(calib.documents) & set(held.documents)
+    raw = bundled.read_sample_bytes()
+    assert hashlib.sha256(raw).hexdigest() == bundled.SAMPLE_SHA256
+    assert [json.loads(line)["text"] for line in raw.decode("utf-8").splitlines()] == calib.documents + held.documents
+
+
+def test_bundled_sample_is_the_start_of_the_local_copy(offline, monkeypatch, data_dir):
+    from quantspec.data import bundled
+
+    monkeypatch.setenv("QUANTSPEC_DATA", str(data_dir))
+    local = data_dir / "c4" / bundled.SOURCE_FILE
+    assert hashlib.sha256(local.read_bytes()).hexdigest() == bundled.SOURCE_SHA256
+    docs = load_text("c4").documents
+    assert load_text("c4-bundled").documents + load_text("c4-bundled-heldout").documents == docs[:400]
+
+
+def test_bundled_sample_is_package_data():
+    from importlib import resources
+
+    from quantspec.data import bundled
+
+    folder = resources.files("quantspec.data") / bundled.SAMPLE_DIR
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert names == sorted([bundled.NOTICE_FILE, bundled.SAMPLE_FILE])
+    notice = (folder / bundled.NOTICE_FILE).read_text(encoding="utf-8")
+    for needle in ("allenai/c4", "ODC-By", "opendatacommons.org/licenses/by/1-0", "Common Crawl",
+                   "commoncrawl.org/terms-of-use", bundled.SAMPLE_FILE):
+        assert needle in notice
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["quantspec"]
+    for name in names:  # what a wheel or sdist ships beside the modules
+        assert any(fnmatch.fnmatch(f"data/{bundled.SAMPLE_DIR}/{name}", g) for g in globs), name
+
+
+def test_calibration_from_bundled_sample(offline, tok):
+    a = calibration_samples(tok, "c4-bundled", n=8, seqlen=64, seed=0)
+    assert a.shape == (8, 64) and torch.equal(a, calibration_samples(tok, "c4-bundled", n=8, seqlen=64, seed=0))
+    assert not torch.equal(a, calibration_samples(tok, "c4-bundled", n=8, seqlen=64, seed=1))
+    calib = _ids_text(tok, load_text("c4-bundled").documents)
+    held = _ids_text(tok, load_text("c4-bundled-heldout").documents)
+    for row in a.tolist():  # a window of one calibration document, of no held-out one
+        assert _window_in(row, calib) and not _window_in(row, held)
+
+
+def test_fallback_order(offline, monkeypatch, tmp_path):
+    from quantspec.data import bundled
+    from quantspec.data.fallback import load_or_fallback
+
+    with pytest.warns(UserWarning, match="Calibrating on c4 \\(bundled 400-doc sample: calibration"):
+        name, source = load_or_fallback("c4", "calibration")
+    assert name == "c4-bundled" and len(source.documents) == 300
+    with pytest.warns(UserWarning, match="Measuring perplexity on c4 \\(bundled 400-doc sample: held-out"):
+        assert load_or_fallback("wikitext2", "perplexity")[0] == "c4-bundled-heldout"
+    with pytest.raises(QuantspecError, match="not found"):  # a file never falls back
+        load_or_fallback(str(tmp_path / "nope.jsonl"), "calibration")
+    monkeypatch.setattr(bundled, "SAMPLE_FILE", "lost.jsonl.gz")  # an install without the sample
+    with pytest.warns(UserWarning) as caught:
+        name, source = load_or_fallback("c4", "calibration")
+    assert name == "pydoc" and source.label == PYDOC_LABEL
+    assert any("bundled C4 sample" in str(w.message) for w in caught)
+    with pytest.raises(QuantspecError, match="bundled C4 sample"):  # asked for by name: no fallback
+        load_or_fallback("c4-bundled-heldout", "perplexity")
+
+
+def test_fallback_keeps_a_reachable_set(offline, monkeypatch, data_dir):
+    import warnings
+
+    from quantspec.data.fallback import load_or_fallback
+
+    monkeypatch.setenv("QUANTSPEC_DATA", str(data_dir))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_or_fallback("c4", "calibration")[1].label == "c4"
+        assert load_or_fallback("wikitext2", "perplexity")[1].label == "wikitext2"
+
+
+def test_demo_offline_calibrates_on_bundled_and_measures_held_out(offline, tmp_path, capsys):
+    """The newcomer's path with no data: `quantspec quantize` with the recipe's c4 and the table's
+    wikitext2 out of reach calibrates on the sample's calibration documents and measures
+    perplexity on its held-out ones (the code before the sample picked pydoc for both)."""
+    from quantspec.cli.main import main
+
+    model, out = make_tiny_model(tmp_path, "llama"), tmp_path / "q"
+    with pytest.warns(UserWarning, match="not available"):
+        rc = main(["quantize", str(model), "--method", "gptq", "--group-size", "32", "--calib-samples", "4",
+                   "--calib-seqlen", "64", "--compare", "--compare-windows", "2", "--out", str(out),
+                   "--no-progress", "--json", str(tmp_path / "q.json")])
+    assert rc == 0
+    calibrated_on = json.loads((out / "quant_report.json").read_text())["calibration"]["data"]
+    measured_on = json.loads((tmp_path / "q.json").read_text())["compare"]["data"]
+    assert calibrated_on == "c4 (bundled 400-doc sample: calibration docs 0-299)"
+    assert measured_on == "c4 (bundled 400-doc sample: held-out docs 300-399)"
+    assert measured_on in capsys.readouterr().out

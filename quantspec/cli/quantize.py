@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--w8a8", action="store_true", help="int8 weights and dynamic per-token int8 activations")
     p.add_argument("--format", choices=["gptq", "awq", "compressed-tensors"])
-    p.add_argument("--calib", help="calibration data: wikitext2, c4, pydoc or a .txt/.jsonl path")
+    p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
+                                   "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
     p.add_argument("--calib-seqlen", type=int)
     p.add_argument("--seed", type=int)
@@ -53,7 +54,9 @@ def add_parser(sub) -> None:
                    help="read and write one decoder block at a time (default: whenever the model allows it)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="print a dense vs quantized table (default: on when MODEL is omitted)")
-    p.add_argument("--compare-data", default="wikitext2")
+    p.add_argument("--compare-data", default="wikitext2",
+                   help="perplexity data of the table (offline without a local copy, wikitext2 and c4 fall back "
+                        "to c4-bundled-heldout, documents never used to calibrate)")
     p.add_argument("--compare-windows", type=int, default=40)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", help="write the result (paths, report summary) as JSON")
@@ -121,6 +124,10 @@ def run(args) -> int:
 
     recipe = recipe_from_args(args)
     compare = args.compare if args.compare is not None else args.model is None
+    if compare:  # chosen (and a bad path refused) before the long work
+        from ..data.fallback import load_or_fallback
+
+        compare_data, _ = load_or_fallback(args.compare_data, "perplexity")
     outcome = quantize(
         args.model, recipe, args.out, overwrite=args.overwrite, device=args.device,
         resume=args.resume, progress=args.progress, streaming=args.streaming,
@@ -145,7 +152,7 @@ def run(args) -> int:
         from ..eval.compare import compare_dense_quantized, format_table
 
         table = compare_dense_quantized(
-            args.model, outcome.out, data=args.compare_data, windows=args.compare_windows,
+            args.model, outcome.out, data=compare_data, windows=args.compare_windows,
             progress=args.progress,
         )
         print(format_table(table))

@@ -5,11 +5,16 @@
     perplexity protocol);
   - ``c4``: allenai/c4 en validation documents (joined with "\\n\\n" for eval; calibration
     samples documents individually);
-  - ``pydoc``: the built-in fallback corpus, the English text of ``pydoc_data.topics``;
+  - ``c4-bundled`` / ``c4-bundled-heldout``: the 400-document C4 sample shipped in the package,
+    its 300 calibration documents / its 100 held-out documents (lines 0-299 / 300-399 of
+    ``c4-validation-2k.jsonl``; lines 400-1999 are not shipped and stay free for validation; see
+    bundled.py);
+  - ``pydoc``: the built-in last-resort corpus, the English text of ``pydoc_data.topics``;
   - a path to a ``.txt`` file (one text) or ``.jsonl`` file (one document per line, field "text").
 Local copies come first: ``$QUANTSPEC_DATA/wikitext2/wikitext-2-raw-v1.test.txt`` and
 ``$QUANTSPEC_DATA/c4/c4-validation-2k.jsonl``; then the ``datasets`` hub (skipped at once when
-offline or unreachable).
+offline or unreachable). ``load_text`` never substitutes one set for another; fallback.py does,
+warned and labelled.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 from ..errors import QuantspecError
 from ..models.hub import hub_reachable
+from . import bundled
 
 C4_HUB_DOCS = 2000  # documents taken from the hub's first validation shard, as in the local copy
 LOCAL_FILES = {
@@ -110,11 +116,19 @@ def _pydoc() -> TextSource:
     return TextSource(text, PYDOC_LABEL, "python:pydoc_data.topics", None)
 
 
+def _bundled(name: str) -> TextSource:
+    docs = bundled.split_documents(name)
+    origin = f"quantspec:data/{bundled.SAMPLE_DIR}/{bundled.SAMPLE_FILE}"
+    return TextSource("\n\n".join(docs), bundled.split_label(name), origin, docs)
+
+
 def load_text(name: str) -> TextSource:
     """Load a named dataset, the built-in corpus or a local file (see module docstring)."""
     key = str(name).strip()
     if key.lower() == "pydoc":
         return _pydoc()
+    if key.lower() in bundled.SPLITS:
+        return _bundled(key.lower())
     if key.lower() in LOCAL_FILES:
         key = key.lower()
         local = _local_copy(key)
@@ -126,14 +140,16 @@ def load_text(name: str) -> TextSource:
                 return _from_hub(key)
             except Exception as exc:
                 raise QuantspecError(f"could not load {key} from the hub: {type(exc).__name__}: {exc}",
-                                     "set QUANTSPEC_DATA to a folder of local copies, or use pydoc or a local file.") from exc
+                                     "set QUANTSPEC_DATA to a folder of local copies, or use c4-bundled or a local file.") from exc
         raise QuantspecError(
             f"{key} is not available: QUANTSPEC_DATA is {'not set' if not os.environ.get('QUANTSPEC_DATA') else 'set but lacks ' + str(LOCAL_FILES[key])}"
             " and the Hugging Face hub is not reachable.",
-            f"set QUANTSPEC_DATA to a folder holding {LOCAL_FILES[key]}, or use --data pydoc or a local .txt/.jsonl file.",
+            f"set QUANTSPEC_DATA to a folder holding {LOCAL_FILES[key]}, or use the C4 sample shipped with "
+            "quantspec (c4-bundled to calibrate, c4-bundled-heldout for perplexity) or a local .txt/.jsonl file.",
         )
     path = Path(key).expanduser()
     if path.suffix.lower() in {".txt", ".jsonl", ".text", ".md"} or path.exists():
         return _from_file(path)
     raise QuantspecError(f"unknown data source '{name}'.",
-                         "use wikitext2, c4, pydoc, or a path to a .txt or .jsonl file.")
+                         "use wikitext2, c4, c4-bundled, c4-bundled-heldout, pydoc, or a path to a .txt or "
+                         ".jsonl file.")

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import importlib
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..data.fallback import FALLBACK_FROM  # noqa: F401  (eval/compare.py reads it from here)
 from ..errors import QuantspecError
 from .plan import LayerPlan
 from .recipe import Recipe
 from .rtn import rtn
 from .scheme import QuantResult
-
-# Named datasets that fall back to the built-in pydoc corpus when neither a local copy
-# (QUANTSPEC_DATA) nor the hub is reachable; the report says so.
-FALLBACK_FROM = ("c4", "wikitext2")
 
 # method name -> (module, factory name); the factory takes the Recipe and returns a BlockMethod.
 BLOCK_METHODS: dict[str, tuple[str, str]] = {
@@ -113,17 +109,11 @@ def check_smoothing(arch, recipe: Recipe, model) -> None:
 def calibrated_setup(tokenizer, recipe: Recipe, device: torch.device):
     """Calibration ids [n, L], the recipe's BlockMethod, and the calibration actually used."""
     from ..data import calibration_samples
+    from ..data.fallback import load_or_fallback
 
     calib = recipe.calibration.resolved(on_gpu=device.type != "cpu")
-    data = calib.data
-    try:
-        ids = calibration_samples(tokenizer, data, calib.samples, calib.seqlen, calib.seed)
-    except QuantspecError as exc:
-        if data not in FALLBACK_FROM:
-            raise
-        warnings.warn(f"{exc} Calibrating on the built-in pydoc corpus instead.", stacklevel=2)
-        data = "pydoc (built-in fallback corpus)"
-        ids = calibration_samples(tokenizer, "pydoc", calib.samples, calib.seqlen, calib.seed)
+    _, source = load_or_fallback(calib.data, "calibration")
+    ids = calibration_samples(tokenizer, source, calib.samples, calib.seqlen, calib.seed)
     method = block_method(recipe)
-    info = {"data": data, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
+    info = {"data": source.label, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
     return ids, method, info
