@@ -309,6 +309,11 @@ torch::Tensor f32_gemv(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 #ifdef QS_X86
+// The whole attention region is compiled for AVX-512F: GCC does not pass a function's target
+// attribute on to the lambdas inside it (at::parallel_for bodies), so on a host whose -march has
+// no AVX-512 (AVX2-only EPYC) those lambdas failed to build. Called only where the CPU has it.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -385,6 +390,7 @@ __attribute__((target("avx512f"))) void attend_rows(
     }
   });
 }
+#pragma GCC pop_options
 #endif
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
