@@ -270,6 +270,16 @@ def test_linear_rejects_wrong_width():
         backend.linear(torch.randn(2, 65), prepared, result.scheme, 48, 64, None)
 
 
+def test_extension_builds_where_a_compiler_exists():
+    """Where a compiler exists the extension must build: a failed build would otherwise only
+    skip every kernel test above (``needs_ext``), as it did on AVX2-only hosts."""
+    from quantspec.kernels import cpu_ext
+
+    if not cpu_ext.compiler_available():
+        pytest.skip("no C++ compiler on this machine: the torch-ops fallback is what runs")
+    assert load_cpu_ext() is not None, "the C++ extension failed to build: see the RuntimeWarning"
+
+
 def test_falls_back_to_torch_ops_without_compiler(monkeypatch):
     from quantspec.kernels import cpu_ext
 
