@@ -4,7 +4,9 @@
 against ``quantspec.load_quantized(..., backend="reference")`` in fp32.
 
 Per cell: loads / generates / max |logprob diff| over the engine's top-20 of every prompt
-position / top-1 agreement / greedy agreement (16 tokens, up to the first divergence) / seconds.
+position / top-1 agreement / greedy agreement (16 tokens, up to the first divergence) / seconds,
+each bound fixed first from our own drift (exports.bounds), and the layer probe of block 0's
+q/k/v on the engine's own input where the engine exposes it (vLLM, transformers; probe.py).
 Engine venvs are built on first use (tests/interop/venvs.py, ~15 min each on 2 cores).
 
     HF_HUB_OFFLINE=1 nice python benchmarks/interop.py [--exports a,b] [--engines vllm,gptqmodel,transformers,transformers+gptqmodel]
@@ -41,13 +43,24 @@ def transformers_result(ckpt, ids) -> dict:
         m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    attn = m.model.layers[0].self_attn
+    seen = {}
+    hooks = [getattr(attn, p).register_forward_hook(
+        lambda mod, inp, out, p=p: seen.__setitem__(p, (inp[0][0].detach().clone(), out[0].detach().clone())))
+        for p in ("q_proj", "k_proj", "v_proj")]
+    with torch.inference_mode():
+        m(input_ids=torch.tensor([exports.probe_tokens(ids)]))
+    for h in hooks:
+        h.remove()
+    probe = {"ok": True, "x": seen["q_proj"][0], "y": torch.cat([seen[p][1] for p in ("q_proj", "k_proj", "v_proj")], -1)}
     ref = exports.model_reference(m, ids)
     k = exports.TOP_K
     plps = []
     for lp in ref.logprobs:
         v, i = lp.topk(k, dim=-1)
         plps.append([{str(a): float(b) for a, b in zip(ii, vv)} for ii, vv in zip(i.tolist(), v.tolist())])
-    return {"ok": True, "prompt_logprobs": plps, "greedy": ref.greedy, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {"ok": True, "prompt_logprobs": plps, "greedy": ref.greedy, "probe": probe,
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main() -> None:
@@ -79,9 +92,11 @@ def main() -> None:
             if fam not in ENGINE_FORMATS[eng]:
                 continue
             if eng == "vllm":
+                probe = {"path": str(Path(args.exports_dir) / f"{name}.vllm-probe.pt"),
+                         "tokens": exports.probe_tokens(ids)}
                 res = engines.run_engine("vllm", {"model": str(ckpt), "dtype": "bfloat16", "prompts": ids,
                                                   "max_new_tokens": exports.MAX_NEW_TOKENS,
-                                                  "top_k": exports.TOP_K})
+                                                  "top_k": exports.TOP_K, "probe": probe})
                 dtype = "bfloat16"
             elif eng in ("gptqmodel", "transformers+gptqmodel"):
                 # GPTQModel's torch kernels take only fp16/bf16 activations
@@ -98,9 +113,7 @@ def main() -> None:
                     "wall_s": res.get("wall_s"), "kernel": res.get("wna16_kernel") or res.get("kernels"),
                     "quantization": res.get("quantization")}
             if res.get("ok"):
-                cell.update(exports.compare(ref, res))
-                if exports.quantizes_activations(name) and dtype != "float32":
-                    cell["own_drift"] = exports.own_drift(ckpt, ids, dtype, ref)
+                cell.update(exports.judge(ckpt, ids, ref, res, dtype))
             else:
                 cell["error"] = str(res.get("error"))[:400]
             print(json.dumps(cell), flush=True)
@@ -111,14 +124,22 @@ def main() -> None:
             "max_new_tokens": exports.MAX_NEW_TOKENS, "reference": "quantspec reference backend, fp32",
             "total_s": round(time.perf_counter() - t_all, 1)}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| export | engine | dtype | loads+generates | max abs logprob diff (top-20) | top-1 agree | greedy agree | s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| export | engine | dtype | kernel | loads+generates | max abs logprob diff (top-20) (bound) | "
+             "top-1 agree (bound) | greedy agree | layer probe: share > 2 ulp (bound) | verdict | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        kernel = r.get("kernel") or r.get("quantization") or "-"
         if r.get("ok"):
-            lines.append(f"| {r['export']} | {r['engine']} | {r['dtype']} | yes | {r['max_abs_diff']} | "
-                         f"{r['top1_agree']} | {r['gen_agree']} | {r.get('wall_s')} |")
+            p = r.get("probe") or {}
+            probe = (f"{p['over_2ulp']:.4f} ({p['bound']:.4f})" if "over_2ulp" in p
+                     else p.get("error", "not captured"))
+            verdict = "pass" if r["within"] and p.get("ok", True) else "FAIL"
+            lines.append(f"| {r['export']} | {r['engine']} | {r['dtype']} | {kernel} | yes | {r['max_abs_diff']} "
+                         f"({r['bound_max_diff']}) | {r['top1_agree']} ({r['bound_min_top1']}) | {r['gen_agree']} | "
+                         f"{probe} | {verdict} | {r.get('wall_s')} |")
         else:
-            lines.append(f"| {r['export']} | {r['engine']} | {r.get('dtype', '-')} | no: {r.get('error', '')[:120]} | - | - | - | {r.get('wall_s')} |")
+            lines.append(f"| {r['export']} | {r['engine']} | {r.get('dtype', '-')} | - | no: {r.get('error', '')[:120]} "
+                         f"| - | - | - | - | - | {r.get('wall_s')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

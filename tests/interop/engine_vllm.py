@@ -3,9 +3,10 @@
     <vllm-venv>/bin/python engine_vllm.py JOB.json RESULT.json
 
 JOB: {"model": DIR, "dtype": "bfloat16", "prompts": [[token ids], ...], "max_new_tokens": 16,
-      "top_k": 20, "max_model_len": 512}
+      "top_k": 20, "max_model_len": 512, "probe": {"path": FILE, "tokens": [ids]} (optional)}
 RESULT: {"ok": true, "prompt_logprobs": [[{id: logprob} per prompt position], ...],
-         "greedy": [[ids], ...], "texts": [...], "quantization": ..., "seconds": {...}}
+         "greedy": [[ids], ...], "texts": [...], "quantization": ..., "seconds": {...},
+         "probe": {"ok": ..., "path": FILE}: block 0's q/k/v input and output, see probe.py}
 or {"ok": false, "error": "..."}.
 
 prompt_logprobs[p][t] is the engine's top-K distribution of the token after position t
@@ -20,6 +21,22 @@ import os
 import sys
 import time
 import traceback
+
+
+def run_probe(llm, probe: dict, TokensPrompt, SamplingParams) -> dict:
+    """Save block 0's q/k/v input and output for ``probe["tokens"]`` to ``probe["path"]``
+    (vllm_site/quantspec_probe.py); the outcome, never raising."""
+    import functools
+
+    try:
+        from quantspec_probe import install
+
+        hooked = llm.apply_model(functools.partial(install, path=probe["path"], rows=len(probe["tokens"])))
+        llm.generate([TokensPrompt(prompt_token_ids=probe["tokens"])], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": os.path.isfile(probe["path"]), "module": hooked, "path": probe["path"]}
 
 
 def main(job_path: str, out_path: str) -> int:
@@ -78,6 +95,8 @@ def main(job_path: str, out_path: str) -> int:
             texts.append(o.outputs[0].text)
         result.update(ok=True, prompt_logprobs=plps, greedy=greedy, texts=texts,
                       seconds={"load": round(t_load, 1), "generate": round(t_gen, 1)})
+        if job.get("probe"):
+            result["probe"] = run_probe(llm, job["probe"], TokensPrompt, SamplingParams)
     except BaseException as exc:  # noqa: BLE001 - report every failure to the caller
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]

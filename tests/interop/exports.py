@@ -63,24 +63,26 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
 FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
 
 
-# bf16 engine vs our fp32 reference (weight-only W4 exports: 0.49 seen in vLLM)
-MAX_DIFF = float(os.environ.get("QUANTSPEC_INTEROP_MAX_DIFF", "0.6"))
-MIN_TOP1 = 0.9
+# Noise model of the end-to-end comparison, fixed before any engine result is read: an engine
+# computing ``dtype`` differs from our fp32 reference at most DRIFT_FACTOR times as much as our
+# own reference in ``dtype`` differs from a more precise run of itself (fp32 vs bf16/fp16; fp64
+# vs fp32), and its top-1 agreement is at most TOP1_SLACK below ours. Measured on SmolLM2-135M:
+# weight-only W4 exports 0.43 in bf16 (top-1 0.98); W8A8 2.86 in bf16 and 1.17 in fp32, where
+# int8 activation codes turn rounding into whole steps: end to end, a W8A8 export cannot tell a
+# different activation-scale convention from noise, so W8A8 conventions are judged on one layer
+# with identical inputs (probe.py), where they separate.
+DRIFT_FACTOR = 2.0
+TOP1_SLACK = 0.1
+MORE_PRECISE = {"bfloat16": "float32", "float16": "float32", "float32": "float64"}
 
 
-def bounds(name: str, ckpt: str | Path, ids, ref: "Reference", cmp: dict, dtype: str = "bfloat16") -> tuple[float, float]:
-    """(max |logprob diff|, min top-1 agreement) an engine running ``dtype`` must meet against our
-    fp32 reference ``ref`` on export ``name``, given its comparison ``cmp``, for every engine alike:
-    MAX_DIFF and MIN_TOP1, or, where our own ``dtype``-vs-fp32 drift decides (W8A8 exports; any
-    export whose diff exceeds MAX_DIFF), max(MAX_DIFF, 2 x that drift), and for W8A8 a top-1
-    agreement at most 0.1 below our own."""
-    w8a8 = quantizes_activations(name)
-    if not w8a8 and cmp["max_abs_diff"] <= MAX_DIFF:
-        return MAX_DIFF, MIN_TOP1
-    own = own_drift(ckpt, ids, dtype, ref)
-    print(f"{name}: our own {dtype} vs fp32: {own}")
-    min_top1 = min(MIN_TOP1, own["top1_agree"] - 0.1) if w8a8 else MIN_TOP1
-    return max(MAX_DIFF, 2 * own["max_abs_diff"]), min_top1
+def bounds(ckpt: str | Path, ids, dtype: str = "bfloat16") -> tuple[float, float]:
+    """(max |logprob diff|, min top-1 agreement) an engine running ``dtype`` must meet against
+    our fp32 reference on ``ckpt``; from our own drift only (``own_drift``), never from the
+    engine's result."""
+    own = own_drift(ckpt, ids, dtype)
+    print(f"{ckpt}: our own {dtype} vs {MORE_PRECISE[dtype]}: {own}")
+    return DRIFT_FACTOR * own["max_abs_diff"], own["top1_agree"] - TOP1_SLACK
 
 
 def quantizes_activations(name: str) -> bool:
@@ -129,7 +131,8 @@ def prompt_ids(model_dir: str | Path) -> list[list[int]]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "float64": torch.float64}[name]
 
 
 @dataclass
@@ -151,19 +154,20 @@ def model_reference(model, ids: list[list[int]], max_new_tokens: int = MAX_NEW_T
     return Reference(lps, greedy, time.perf_counter() - t0)
 
 
-def quantspec_reference(ckpt: str | Path, ids, dtype: str = "float32") -> Reference:
+def quantspec_reference(ckpt: str | Path, ids, dtype: str = "float32", greedy: bool = True) -> Reference:
     """Our reference backend on ``ckpt``; computed once per process for the same checkpoint
-    files, prompts and dtype (several engines are judged against it)."""
+    files, prompts and dtype (several engines are judged against it). ``greedy=False``: the
+    log-probabilities only (the greedy lists are empty)."""
     files = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in Path(ckpt).iterdir() if p.is_file()))
-    return _reference(str(Path(ckpt).resolve()), files, tuple(map(tuple, ids)), dtype)
+    return _reference(str(Path(ckpt).resolve()), files, tuple(map(tuple, ids)), dtype, greedy)
 
 
-@functools.lru_cache(maxsize=8)
-def _reference(ckpt: str, files: tuple, ids: tuple, dtype: str) -> Reference:
+@functools.lru_cache(maxsize=16)
+def _reference(ckpt: str, files: tuple, ids: tuple, dtype: str, greedy: bool) -> Reference:
     import quantspec
 
     model = quantspec.load_quantized(ckpt, dtype=_dtype(dtype), backend="reference")
-    return model_reference(model, [list(seq) for seq in ids])
+    return model_reference(model, [list(seq) for seq in ids], MAX_NEW_TOKENS if greedy else 0)
 
 
 def as_engine_result(ref: Reference, top_k: int = TOP_K) -> dict:
@@ -175,15 +179,34 @@ def as_engine_result(ref: Reference, top_k: int = TOP_K) -> dict:
     return {"prompt_logprobs": plps, "greedy": ref.greedy}
 
 
-def own_drift(ckpt: str | Path, ids, dtype: str, fp32: Reference | None = None) -> dict:
-    """``compare`` of our reference in ``dtype`` against itself in float32 (``fp32`` when given).
+def own_drift(ckpt: str | Path, ids, dtype: str) -> dict:
+    """``compare`` of our reference in ``dtype`` against itself in the next more precise dtype
+    (``MORE_PRECISE``): the noise floor of any engine computing ``dtype``."""
+    precise = quantspec_reference(ckpt, ids, MORE_PRECISE[dtype], greedy=False)
+    return compare(precise, as_engine_result(quantspec_reference(ckpt, ids, dtype, greedy=False)))
 
-    For W8A8 exports this is the noise floor of any bf16 engine: rounding activations to int8
-    per token turns dtype noise into whole quantization steps (SmolLM2 ``ct-w8a8``, RTN
-    weights: max |dlogprob| 2.86, top-1 0.82; ``ct-w8a8-sq``: 2.24, 0.92; the W4 exports: 0.43, 0.98).
-    """
-    fp32 = fp32 or quantspec_reference(ckpt, ids, "float32")
-    return compare(fp32, as_engine_result(quantspec_reference(ckpt, ids, dtype)))
+
+def probe_tokens(ids) -> list[int]:
+    """The layer probe's prompt: every prompt joined (a sequence no engine has cached)."""
+    return [t for seq in ids for t in seq]
+
+
+def judge(ckpt: str | Path, ids, ref: "Reference", res: dict, dtype: str) -> dict:
+    """An engine result ``res`` (computed in ``dtype``) against our fp32 reference ``ref``: the
+    bounds (from our own drift, computed first), ``compare``'s figures, ``within`` (both bounds
+    met) and, when ``res`` carries a layer probe, its verdict (probe.py; ``probe_ok``)."""
+    from . import probe
+
+    max_diff, min_top1 = bounds(ckpt, ids, dtype)
+    out = {"bound_max_diff": round(max_diff, 5), "bound_min_top1": round(min_top1, 4), **compare(ref, res)}
+    out["within"] = out["max_abs_diff"] <= max_diff and out["top1_agree"] >= min_top1
+    cap = res.get("probe") or {}
+    if cap.get("ok"):
+        data = torch.load(cap["path"]) if "path" in cap else cap
+        out["probe"] = probe.check_probe(ckpt, data["x"], data["y"], _dtype(dtype))
+    elif cap:
+        out["probe"] = {"ok": False, "error": cap.get("error", "no capture")}
+    return out
 
 
 def compare(ref: Reference, engine: dict) -> dict:

@@ -1,0 +1,24 @@
+"""Layer probe inside vLLM's worker (see tests/interop/probe.py): ``LLM.apply_model`` calls
+``install`` on the loaded model in every worker; the hook saves the input and output of block
+0's fused q/k/v projection for the forward whose token count is ``rows`` (a prompt not seen
+before, so no prefix-cache hit shortens it)."""
+
+import torch
+
+SUFFIX = "layers.0.self_attn.qkv_proj"
+
+
+def install(model, path: str, rows: int) -> str:
+    names = [n for n, _ in model.named_modules() if n.endswith(SUFFIX)]
+    if not names:
+        return f"no module named *{SUFFIX}"
+    module = model.get_submodule(names[0])
+
+    def hook(mod, inp, out):
+        x = inp[0]
+        if x.shape[0] == rows:
+            y = out[0] if isinstance(out, tuple) else out
+            torch.save({"x": x.detach().cpu().clone(), "y": y.detach().cpu().clone(), "module": names[0]}, path)
+
+    module.register_forward_hook(hook)
+    return names[0]
