@@ -182,7 +182,7 @@ def test_stops_at_eos_and_max_new_tokens(setup):
 def test_kv_cache_is_cropped_not_grown(setup):
     """After generation the target cache holds the text (minus the pending token) plus holes
     only where rows differ; with batch 1 there are no holes at all."""
-    from quantspec.specdec.kv import KVDecoder
+    from quantspec.runtime.kv import KVDecoder
 
     target, rows, _, _ = setup
     dec = KVDecoder(target)

@@ -1,6 +1,6 @@
 """The static-cache decoder against transformers' forward, and its small ops against torch.
 
-Reference: ``specdec.kv.KVDecoder`` (transformers' own forward with a DynamicCache, the same
+Reference: ``runtime.kv.KVDecoder`` (transformers' own forward with a DynamicCache, the same
 calls). Tolerances: fp32 logits within 1e-4 absolute (logits of scale ~1: the tiny models'
 weights are N(0, 0.02)); rms_norm and rope bit-exact in fp32 up to 1e-6 and within one bf16
 rounding (2^-7 relative) in bf16; bf16_gemv within 1e-2 relative of the fp32 product (one bf16
@@ -21,7 +21,7 @@ from quantspec.kernels.siblings import Siblings
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
 from quantspec.runtime.decoder import StaticDecoder, fast_decoder
-from quantspec.specdec.kv import KVDecoder
+from quantspec.runtime.kv import KVDecoder
 from quantspec.specdec.selfdraft import quantize_in_memory
 
 from helpers import tiny_config

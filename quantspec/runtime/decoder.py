@@ -8,7 +8,7 @@ the step. ``StaticDecoder`` runs the same computation from the model's own modul
 ``kernels.siblings``), with a preallocated KV cache that grows by doubling, and RMSNorm, rotary
 and SwiGLU as one op each (``kernels.small_ops``; dense bf16 layers through ``kernels.dense``).
 
-Its interface is ``specdec.kv.KVDecoder``'s: a batch of rows that advance unevenly, each row's
+Its interface is ``runtime.kv.KVDecoder``'s: a batch of rows that advance unevenly, each row's
 new tokens right-aligned in a chunk, ``drop_last`` forgetting a row's last tokens by masking
 their cache columns (a batch of one just shortens its cache). Logits agree with transformers'
 within rounding (fp32: 1e-4 relative; bf16: the roundings of two fused ops differ).
@@ -238,11 +238,11 @@ class StaticDecoder:
 
 
 def fast_decoder(model: nn.Module, fuse: bool = True):
-    """A StaticDecoder for a declared family, else transformers' forward (``specdec.kv.KVDecoder``);
+    """A StaticDecoder for a declared family, else transformers' forward (``runtime.kv.KVDecoder``);
     both take the same calls."""
     try:
         return StaticDecoder(model, fuse=fuse)
     except QuantspecError:
-        from ..specdec.kv import KVDecoder
+        from .kv import KVDecoder
 
         return KVDecoder(model)

@@ -7,9 +7,10 @@ verifies them in one forward pass, and both KV caches are cropped to the accepte
     stats.to_dict()  # acceptance rate, mean accepted per call, histogram, tokens/s
 
 Modules: sampling (shared temperature/top-k/top-p), verify (pure greedy and rejection
-sampling), proposers (protocol, DraftModel, NGram), selfdraft (QuantizedSelf), kv (batched KV
-cache with per-row rollback), loop (speculative_generate), adaptive (draft length), stats,
-factory (make_proposer), bench (target vs ours vs transformers' assisted generation).
+sampling), proposers (protocol, DraftModel, NGram), selfdraft (QuantizedSelf), loop
+(speculative_generate), adaptive (draft length), stats, factory (make_proposer), bench (target
+vs ours vs transformers' assisted generation). The batched KV cache with per-row rollback is
+``runtime.kv``.
 """
 
 from .adaptive import AdaptiveK, FixedK

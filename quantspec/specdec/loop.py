@@ -19,8 +19,8 @@ import torch
 from ..errors import QuantspecError
 from ..kernels.dense import few_row_linears
 from ..runtime.decoder import fast_decoder
+from ..runtime.kv import KVDecoder
 from .adaptive import AdaptiveK, FixedK
-from .kv import KVDecoder
 from .proposers import Proposal, Proposer
 from .sampling import SamplingConfig, probs_from_logits
 from .stats import SpecStats
