@@ -21,4 +21,19 @@ def install(model, path: str, rows: int) -> str:
             torch.save({"x": x.detach().cpu().clone(), "y": y.detach().cpu().clone(), "module": names[0]}, path)
 
     module.register_forward_hook(hook)
-    return names[0]
+    return f"{names[0]}: {describe(module)}"
+
+
+def describe(module) -> str:
+    """Which of vLLM's code paths computes ``module``: its quant method, scheme and kernel."""
+    parts = [type(getattr(module, "quant_method", None)).__name__]
+    scheme = getattr(module, "scheme", None)
+    if scheme is not None:
+        parts.append(type(scheme).__name__)
+        kernel = getattr(scheme, "kernel", None)
+        if kernel is not None:
+            parts.append(type(kernel).__name__)
+    kernel = getattr(getattr(module, "quant_method", None), "kernel", None)
+    if kernel is not None:
+        parts.append(type(kernel).__name__)
+    return " / ".join(parts)
