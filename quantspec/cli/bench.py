@@ -26,7 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--backend", default="auto", help="kernel backend of the quantized layers")
+    p.add_argument("--backend", default="auto",
+                   help="kernel backend of the quantized layers (auto: the fastest; on CPU it rounds the "
+                        "activations of weight-only layers, which is why accuracy is measured with exact)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time decode under torch.compile (default backend: inductor), next to eager")
     p.add_argument("--static", action=argparse.BooleanOptionalAction, default=False,

@@ -35,13 +35,13 @@ from .machine import describe_machine
 
 Progress = Callable[[str], None]
 
-PROTOCOL = (
+RUN_PROTOCOL = (  # one model's measurement
     "random seeded prompts; prefill = one batch-1 forward per prompt length (last-position logits); "
     "decode = manual greedy loop over DynamicCache, each step timed alone with the device synchronised; "
     "TTFT = prefill + first argmax, TPOT = each later step; warm-up runs excluded, medians of the timed "
-    "runs (TPOT p50/p95 over all timed steps); peak memory = CUDA max allocated or sampled process RSS; "
-    "quantized model measured first, then its dense baseline, in the same process"
+    "runs (TPOT p50/p95 over all timed steps); peak memory = CUDA max allocated or sampled process RSS"
 )
+PROTOCOL = f"{RUN_PROTOCOL}; quantized model measured first, then its dense baseline, in the same process"
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,16 @@ A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys are errors)::
     grid: {methods: [rtn, gptq], bits: [4], group_sizes: [128], formats: [gptq]}
     points: [{method: smoothquant, bits: 8, group_size: -1, format: compressed-tensors}]
     eval: {ppl: [wikitext2], seqlen: 512, windows: 20, tasks: [], speed: true}
-    speed: {prompt_lengths: [128], batch_sizes: [1], new_tokens: 16, repeats: 3}
+    speed: {prompt_lengths: [128], batch_sizes: [1], new_tokens: 16, repeats: 3, rounds: 3}
 
 Every point (the dense baseline is one too) runs as subprocesses of the ``quantspec`` CLI:
-``quantize ... --json``, ``eval ... --json``, ``bench ... --json`` (and the lm-eval shim for
-tasks), each step's JSON cached in ``OUT/points/NAME/``. Resumable: a point whose
-``result.json`` exists is not run again, and within a point a step whose JSON exists is
-skipped. A failing point is recorded in ``error.json`` (and retried on the next run); the
-sweep goes on.
+``quantize ... --json`` and ``eval ... --json`` (and the lm-eval shim for tasks), each step's
+JSON cached in ``OUT/points/NAME/``. Accuracy is measured on the scheme each checkpoint declares
+(``eval`` and the lm-eval model default to the ``exact`` kernel backend; their JSON names it).
+Resumable: a point whose ``result.json`` exists is not run again, and within a point a step whose
+JSON exists is skipped. A failing point is recorded in ``error.json`` (and retried on the next
+run); the sweep goes on. Speed is timed last, for every point that succeeded (finished before or
+not), in interleaved rounds (``sweep_speed``: equal kernels then measure equal).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import QuantspecError
+from .sweep_speed import Timed, Timer, subprocess_timer, time_interleaved
 
 Progress = Callable[[str], None]
 
@@ -69,7 +72,8 @@ class SpeedSettings:
     prompt_lengths: tuple[int, ...] = (128,)
     batch_sizes: tuple[int, ...] = (1,)
     new_tokens: int = 16
-    repeats: int = 3
+    repeats: int = 3  # timed runs per bench process (median)
+    rounds: int = 3  # interleaved rounds over all points (median over rounds; see sweep_speed)
 
 
 @dataclass(frozen=True)
@@ -182,11 +186,16 @@ class Step:
     json_path: Path
 
 
+def point_target(point: SweepPoint, cfg: SweepConfig, folder: Path) -> str:
+    """What a point evaluates: its checkpoint folder, or the dense model spec."""
+    return cfg.model if point.is_dense else str(folder / "checkpoint")
+
+
 def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]:
-    """The CLI invocations of one point, in order."""
+    """The CLI invocations of one point, in order (speed is timed later, in ``sweep_speed``)."""
     q = [sys.executable, "-m", "quantspec"]
     common = ["--dtype", cfg.dtype] + (["--device", cfg.device] if cfg.device else [])
-    target = cfg.model if point.is_dense else str(folder / "checkpoint")
+    target = point_target(point, cfg, folder)
     steps = []
     if not point.is_dense:
         argv = q + ["quantize", cfg.model, "--method", point.method, "--bits", str(point.bits),
@@ -202,18 +211,10 @@ def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]
         steps.append(Step("eval", argv, folder / "eval.json"))
     if ev.tasks:
         argv = [sys.executable, "-m", "quantspec.eval.lmeval_adapter", "--model", "quantspec",
-                "--model_args", f"path={target},dtype={cfg.dtype}", "--tasks", *ev.tasks,
+                "--model_args", f"path={target},dtype={cfg.dtype},backend=exact", "--tasks", *ev.tasks,
                 "--output_path", str(folder / "lmeval"), "--device", cfg.device or "cpu"]
         argv += (["--limit", str(ev.limit)] if ev.limit else []) + (["--include_path", ev.include_path] if ev.include_path else [])
         steps.append(Step("tasks", argv, folder / "lmeval"))
-    if ev.speed:
-        sp = cfg.speed
-        argv = q + ["bench", target, "--json", str(folder / "bench.json"), "--no-progress",
-                    "--prompt-lengths", *map(str, sp.prompt_lengths), "--batch-sizes", *map(str, sp.batch_sizes),
-                    "--new-tokens", str(sp.new_tokens), "--repeats", str(sp.repeats), *common]
-        if not point.is_dense:
-            argv += ["--baseline", cfg.model]
-        steps.append(Step("bench", argv, folder / "bench.json"))
     return steps
 
 
@@ -233,7 +234,7 @@ def collect_point(point: SweepPoint, folder: Path) -> dict[str, Any]:
         p = folder / name
         return json.loads(p.read_text()) if p.is_file() else None
 
-    out: dict[str, Any] = {"quantize": read("quantize.json"), "eval": read("eval.json"), "bench": read("bench.json"),
+    out: dict[str, Any] = {"quantize": read("quantize.json"), "eval": read("eval.json"), "bench": None,
                            "tasks": _lmeval_results(folder / "lmeval") if (folder / "lmeval").exists() else None}
     ckpt = folder / "checkpoint"
     if ckpt.is_dir():
@@ -293,8 +294,11 @@ def run_point(point: SweepPoint, cfg: SweepConfig, out: Path, runner: Runner) ->
 
 
 def run_sweep(cfg: SweepConfig, out: str | Path, runner: Runner | None = None,
-              progress: Progress | None = None) -> dict[str, Any]:
-    """Run every point (resumably) and write report.json/.md/.png/.html into ``out``."""
+              progress: Progress | None = None, timer: Timer | None = None) -> dict[str, Any]:
+    """Run every point (resumably), time the ones that succeeded in interleaved rounds (when
+    ``eval.speed``), and write report.json/.md/.png/.html into ``out``.
+
+    ``runner`` runs one point's steps, ``timer`` times one model once (tests pass fakes)."""
     from .report import write_report
 
     say = progress or (lambda _m: None)
@@ -312,4 +316,22 @@ def run_sweep(cfg: SweepConfig, out: str | Path, runner: Runner | None = None,
         say(f"[{i}/{len(points)}] {point.name}: {record['status']}" + ("" if ran else " (cached)")
             + (f" - {record['error'][:200]}" if record["status"] == "failed" else ""))
         records.append(record)
+    if cfg.eval.speed:
+        time_points(cfg, out, list(zip(points, records)), timer or subprocess_timer(cfg), say)
     return write_report(cfg, records, out)
+
+
+def time_points(cfg: SweepConfig, out: Path, done: list[tuple[SweepPoint, dict[str, Any]]], timer: Timer,
+                say: Progress) -> None:
+    """Time the dense model and every point that succeeded, interleaved (``sweep_speed``); each
+    such record gets its "bench" (medians over the rounds, speed-up against the dense model), or
+    "speed_error" when every timing of it failed."""
+    ok = [(p, rec) for p, rec in done if rec["status"] == "ok"]
+    timed = [Timed("dense", cfg.model)] + [Timed(p.name, point_target(p, cfg, out / "points" / p.name))
+                                           for p, _ in ok if not p.is_dense]
+    benches = time_interleaved(cfg, out, timed, timer, cfg.speed.rounds, say)
+    for p, rec in ok:
+        bench = benches["dense" if p.is_dense else p.name]
+        rec["bench"] = None if "error" in bench else bench
+        if "error" in bench:
+            rec["speed_error"] = bench["error"]
