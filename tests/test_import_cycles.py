@@ -142,49 +142,44 @@ def test_quantspec_has_no_import_cycle():
     assert not found, "import cycles in quantspec/:\n" + "\n".join(found)
 
 
-def _write(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
+def _fake_graph(root: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    """Write ``files`` (relative path -> source) under ``root`` and read the graph of ``root/pkg``."""
+    for rel, text in {"pkg/__init__.py": "", **files}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    return root / "pkg"
+    return import_graph(root / "pkg")
 
 
 def test_finder_sees_a_cycle_through_a_function_local_import(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
+    graph = _fake_graph(tmp_path, {
         "pkg/a.py": "from .b import g\n\ndef f():\n    return g()\n",
         "pkg/b.py": "def g():\n    from .a import f\n    return f\n",
     })
-    graph = import_graph(pkg)
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert path_through(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
 def test_finder_resolves_relative_levels_and_package_inits(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
+    # importing pkg.low.kv runs pkg/low/__init__.py first: top.dec -> low -> kv, no cycle
+    # while low/__init__ does not import loop; one once it does (loop -> top.dec)
+    assert cycles(_fake_graph(tmp_path, {
         "pkg/low/__init__.py": "from .kv import Cache\n",
         "pkg/low/kv.py": "class Cache: ...\n",
         "pkg/low/loop.py": "from ..top.dec import run\n",
         "pkg/top/__init__.py": "",
-        # importing pkg.low.kv runs pkg/low/__init__.py first: top.dec -> low -> kv is fine,
-        # but low/__init__ does not import loop, so no cycle yet
         "pkg/top/dec.py": "def run():\n    import pkg.low.kv\n",
-    })
-    assert cycles(import_graph(pkg)) == []
-    (pkg / "low" / "__init__.py").write_text("from .kv import Cache\nfrom .loop import run\n")
-    graph = import_graph(pkg)
+    })) == []
+    graph = _fake_graph(tmp_path, {"pkg/low/__init__.py": "from .kv import Cache\nfrom .loop import run\n"})
     assert cycles(graph) == [["pkg.low", "pkg.low.loop", "pkg.top.dec"]]
     assert path_through(graph, cycles(graph)[0]) == ["pkg.low", "pkg.low.loop", "pkg.top.dec", "pkg.low"]
 
 
 def test_finder_skips_type_checking_and_same_package_inits(tmp_path):
-    pkg = _write(tmp_path, {
+    graph = _fake_graph(tmp_path, {
         "pkg/__init__.py": "from .a import A\nfrom .b import B\n",
         "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nclass A: ...\n",
         "pkg/b.py": "from . import a\nclass B(a.A): ...\n",
     })
-    graph = import_graph(pkg)
     assert graph["pkg.b"] == {"pkg.a"}  # `from . import a` is the submodule, not pkg/__init__
     assert graph["pkg.a"] == set()
     assert cycles(graph) == []
