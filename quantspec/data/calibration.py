@@ -9,6 +9,9 @@ Running text (wikitext2, pydoc, .txt): random windows of the whole tokenized tex
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, Iterator, Sequence
+
 import torch
 
 from ..errors import QuantspecError
@@ -35,18 +38,47 @@ def _random_windows(ids: torch.Tensor, n: int, seqlen: int, gen: torch.Generator
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 
 
+def _draw(length_of: Callable[[int], int], count: int, n: int, seqlen: int,
+          gen: torch.Generator) -> Iterator[tuple[int, int | None]]:
+    """The document draw, in visiting order: (document index, window start), start None for a
+    document shorter than ``seqlen`` (read, not sampled); stops after ``n`` windows."""
+    taken = 0
+    for index in torch.randperm(count, generator=gen).tolist():
+        length = length_of(index)
+        if length < seqlen:
+            yield index, None
+            continue
+        yield index, int(torch.randint(0, length - seqlen + 1, (1,), generator=gen))
+        taken += 1
+        if taken == n:
+            return
+
+
 def _document_windows(tokenizer, source: TextSource, n: int, seqlen: int, gen: torch.Generator) -> torch.Tensor:
     docs = source.documents or []
-    samples = []
-    for index in torch.randperm(len(docs), generator=gen).tolist():
-        ids = encode_text(tokenizer, docs[index])
-        if ids.numel() >= seqlen:
-            start = int(torch.randint(0, ids.numel() - seqlen + 1, (1,), generator=gen))
-            samples.append(ids[start : start + seqlen])
-            if len(samples) == n:
-                return torch.stack(samples)
+    encoded = functools.lru_cache(maxsize=None)(lambda i: encode_text(tokenizer, docs[i]))
+    samples = [encoded(i)[s : s + seqlen] for i, s in _draw(lambda i: encoded(i).numel(), len(docs), n, seqlen, gen)
+               if s is not None]
+    if len(samples) == n:
+        return torch.stack(samples)
     rest = _random_windows(cached_token_ids(tokenizer, source), n - len(samples), seqlen, gen, source.label)
     return torch.cat([torch.stack(samples), rest]) if samples else rest
+
+
+def documents_outside_draw(lengths: Sequence[int], n: int, seqlen: int, seed: int = 0) -> list[int]:
+    """Indices (ascending) of the documents that ``calibration_samples(tok, docs, n, seqlen,
+    seed)`` never reads, given each document's token count under ``tok`` (``lengths``).
+
+    Every document the draw visits counts as read, a short one it skips included; when fewer
+    than ``n`` documents are long enough, the draw falls back to windows of all documents
+    joined, and none is outside it (``[]``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    drawn = list(_draw(lambda i: lengths[i], len(lengths), n, seqlen, gen))
+    if sum(s is not None for _, s in drawn) < n:
+        return []
+    read = {i for i, _ in drawn}
+    return [i for i in range(len(lengths)) if i not in read]
 
 
 def calibration_samples(tokenizer, data: str | TextSource, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
