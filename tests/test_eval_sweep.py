@@ -139,6 +139,9 @@ def test_sweep_yaml_is_strict_and_default_parses(tmp_path):
     bad.write_text("model: x\ngrid: {method: [rtn]}\n")
     with pytest.raises(QuantspecError, match="unknown field"):
         SweepConfig.from_yaml(bad)
+    bad.write_text("model: x\nspeed: {rounds: 0}\n")
+    with pytest.raises(QuantspecError, match="rounds >= 1"):
+        SweepConfig.from_yaml(bad)
     cfg = SweepConfig.from_yaml(REPO / "recipes" / "sweep-default.yaml")
     names = [p.name for p in cfg.all_points()]
     assert names[0] == "dense" and len(names) == len(set(names)) >= 4

@@ -75,6 +75,11 @@ class SpeedSettings:
     repeats: int = 3  # timed runs per bench process (median)
     rounds: int = 3  # interleaved rounds over all points (median over rounds; see sweep_speed)
 
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.rounds < 1:
+            raise QuantspecError(f"speed needs repeats >= 1 and rounds >= 1, got {self.repeats} and {self.rounds}.",
+                                 "set e.g. speed: {repeats: 3, rounds: 3}.")
+
 
 @dataclass(frozen=True)
 class SweepPoint:
