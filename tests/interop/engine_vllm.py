@@ -42,6 +42,8 @@ def run_probe(llm, probe: dict, TokensPrompt, SamplingParams) -> dict:
 def main(job_path: str, out_path: str) -> int:
     job = json.load(open(job_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if job.get("probe"):  # LLM.apply_model ships the hook function to the workers by pickle
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # every vLLM process (engine core, workers) starts with vllm_site/ on its path, whose
     # sitecustomize installs the torch W4A16 fallback on hosts without AVX-512
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
