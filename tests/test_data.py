@@ -229,12 +229,16 @@ def test_fallback_keeps_a_reachable_set(offline, monkeypatch, data_dir):
         assert load_or_fallback("wikitext2", "perplexity")[1].label == "wikitext2"
 
 
-def test_demo_offline_calibrates_on_bundled_and_measures_held_out(offline, tmp_path, capsys):
+def test_demo_offline_calibrates_on_bundled_and_measures_held_out(offline, monkeypatch, tmp_path, capsys):
     """The newcomer's path with no data: `quantspec quantize` with the recipe's c4 and the table's
     wikitext2 out of reach calibrates on the sample's calibration documents and measures
     perplexity on its held-out ones (the code before the sample picked pydoc for both)."""
     from quantspec.cli.main import main
 
+    # The table's speed columns are not the point here (test_cli times them): no C++ build, no decode runs.
+    monkeypatch.setenv("QUANTSPEC_CPU_EXT", "0")
+    monkeypatch.setattr("quantspec.eval.compare.decode_tokens_per_s",
+                        lambda model: {"decode_tok_s": 1.0, "static_tok_s": None})
     model, out = make_tiny_model(tmp_path, "llama"), tmp_path / "q"
     with pytest.warns(UserWarning, match="not available"):
         rc = main(["quantize", str(model), "--method", "gptq", "--group-size", "32", "--calib-samples", "4",
