@@ -119,3 +119,5 @@ def test_lm_eval_model_defaults_to_the_declared_scheme(ckpt):
 
     lm = register()(path=str(ckpt), device="cpu", batch_size=1)
     assert kernels_used(lm.model) == {"backend": "reference", "activations": "as declared"}
+    # lm-eval copies this into its results JSON ("config"), the CLI shim's output included
+    assert lm.get_model_info()["quantspec_kernels"] == kernels_used(lm.model)

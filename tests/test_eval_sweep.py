@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quantspec.eval.report_plot import pareto_front
-from quantspec.eval.sweep import SweepConfig, SweepPoint, point_steps, run_sweep
+from quantspec.eval.sweep import SweepConfig, SweepPoint, collect_point, point_steps, run_sweep
 from quantspec.eval.sweep_speed import Timed, bench_argv, median_of, round_order
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,3 +246,16 @@ def test_a_failing_timing_is_left_out_of_the_median(tmp_path):
     rtn = next(p for p in report["points"] if p["name"] == "rtn-w4g128-gptq")
     assert rtn["bench"] is None and "bench crashed" in rtn["speed_error"]
     assert {r["name"]: r["tokens_per_s"] for r in report["rows"]}["rtn-w4g128-gptq"] is None
+
+
+def test_collect_point_keeps_the_kernels_of_every_accuracy(tmp_path):
+    """The eval step's and lm-eval's kernels reach the point's record (report.json "points")."""
+    kernels = {"backend": "reference", "activations": "as declared"}
+    (tmp_path / "eval.json").write_text(json.dumps({"ppl": {"wikitext2": 30.0}, "size_mb": 256.0, "kernels": kernels}))
+    (tmp_path / "lmeval" / "m").mkdir(parents=True)
+    (tmp_path / "lmeval" / "m" / "results_1.json").write_text(json.dumps(
+        {"results": {"arc_easy": {"alias": "arc_easy", "acc,none": 0.5, "acc_stderr,none": 0.1}},
+         "config": {"quantspec_kernels": kernels}}))
+    rec = collect_point(SweepPoint(), tmp_path)
+    assert rec["eval"]["kernels"] == kernels and rec["tasks_kernels"] == kernels
+    assert rec["tasks"] == {"arc_easy": {"acc": 0.5}} and rec["size_mb"] == 256.0 and rec["bench"] is None

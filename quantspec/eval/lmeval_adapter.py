@@ -65,6 +65,12 @@ def quantspec_lm_class() -> type:
             self.quantspec_model = desc
             super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **kwargs)
 
+        def get_model_info(self) -> dict:
+            """HFLM's info plus the kernels (lm-eval writes it into its results' "config")."""
+            from .perplexity import kernels_used
+
+            return {**super().get_model_info(), "quantspec_kernels": kernels_used(self.model)}
+
     return QuantspecLM
 
 

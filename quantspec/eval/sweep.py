@@ -223,11 +223,14 @@ def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]
     return steps
 
 
-def _lmeval_results(folder: Path) -> dict[str, Any]:
+def _lmeval_file(folder: Path) -> dict[str, Any]:
+    """lm-eval's latest results JSON under ``folder`` ({} when none)."""
     files = sorted(folder.rglob("results_*.json"))
-    if not files:
-        return {}
-    res = json.loads(files[-1].read_text())["results"]
+    return json.loads(files[-1].read_text()) if files else {}
+
+
+def _lmeval_results(folder: Path) -> dict[str, Any]:
+    res = _lmeval_file(folder).get("results", {})
     return {t: {k.split(",")[0]: v for k, v in m.items() if "stderr" not in k and k != "alias"} for t, m in res.items()}
 
 
@@ -241,6 +244,8 @@ def collect_point(point: SweepPoint, folder: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {"quantize": read("quantize.json"), "eval": read("eval.json"), "bench": None,
                            "tasks": _lmeval_results(folder / "lmeval") if (folder / "lmeval").exists() else None}
+    if out["tasks"] is not None:  # the kernels that computed the task accuracies (QuantspecLM.get_model_info)
+        out["tasks_kernels"] = _lmeval_file(folder / "lmeval").get("config", {}).get("quantspec_kernels")
     ckpt = folder / "checkpoint"
     if ckpt.is_dir():
         out["size_mb"] = round(folder_size_bytes(ckpt) / 2**20, 3)
