@@ -63,6 +63,41 @@ def transformers_result(ckpt, ids) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def meta_of(ids, t_all: float, complete: bool) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "prompts": len(ids), "top_k": exports.TOP_K,
+            "max_new_tokens": exports.MAX_NEW_TOKENS, "reference": "quantspec reference backend, fp32",
+            "command": "python benchmarks/interop.py " + " ".join(sys.argv[1:]),
+            "complete": complete, "total_s": round(time.perf_counter() - t_all, 1)}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Command: `{meta.get('command', '?')}`"
+             + ("" if meta.get("complete", True) else " (stopped before its end: the rows it finished)"),
+             "", "| export | engine | dtype | kernel | loads+generates | max abs logprob diff (top-20) (bound) | "
+             "top-1 agree (bound) | greedy agree | layer probe: share > 2 ulp (bound) | verdict | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.get("probe") or {}
+        kernel = p.get("layer") or r.get("kernel") or r.get("quantization") or "-"
+        if r.get("ok"):
+            probe = (f"{p['over_2ulp']:.4f} ({p['bound']:.4f})" if "over_2ulp" in p
+                     else p.get("error", "not captured"))
+            verdict = "pass" if r["within"] and p.get("ok", True) else "FAIL"
+            lines.append(f"| {r['export']} | {r['engine']} | {r['dtype']} | {kernel} | yes | {r['max_abs_diff']} "
+                         f"({r['bound_max_diff']}) | {r['top1_agree']} ({r['bound_min_top1']}) | {r['gen_agree']} | "
+                         f"{probe} | {verdict} | {r.get('wall_s')} |")
+        else:
+            lines.append(f"| {r['export']} | {r['engine']} | {r.get('dtype', '-')} | - | no: {r.get('error', '')[:120]} "
+                         f"| - | - | - | - | - | {r.get('wall_s')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, rows: list[dict], meta: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(rows, meta))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--exports", default=",".join(exports.EXPORTS))
@@ -118,30 +153,9 @@ def main() -> None:
                 cell["error"] = str(res.get("error"))[:400]
             print(json.dumps(cell), flush=True)
             rows.append(cell)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": "SmolLM2-135M-Instruct", "prompts": len(ids), "top_k": exports.TOP_K,
-            "max_new_tokens": exports.MAX_NEW_TOKENS, "reference": "quantspec reference backend, fp32",
-            "total_s": round(time.perf_counter() - t_all, 1)}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| export | engine | dtype | kernel | loads+generates | max abs logprob diff (top-20) (bound) | "
-             "top-1 agree (bound) | greedy agree | layer probe: share > 2 ulp (bound) | verdict | s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kernel = r.get("kernel") or r.get("quantization") or "-"
-        if r.get("ok"):
-            p = r.get("probe") or {}
-            probe = (f"{p['over_2ulp']:.4f} ({p['bound']:.4f})" if "over_2ulp" in p
-                     else p.get("error", "not captured"))
-            verdict = "pass" if r["within"] and p.get("ok", True) else "FAIL"
-            lines.append(f"| {r['export']} | {r['engine']} | {r['dtype']} | {kernel} | yes | {r['max_abs_diff']} "
-                         f"({r['bound_max_diff']}) | {r['top1_agree']} ({r['bound_min_top1']}) | {r['gen_agree']} | "
-                         f"{probe} | {verdict} | {r.get('wall_s')} |")
-        else:
-            lines.append(f"| {r['export']} | {r['engine']} | {r.get('dtype', '-')} | - | no: {r.get('error', '')[:120]} "
-                         f"| - | - | - | - | - | {r.get('wall_s')} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write_results(Path(args.out), rows, meta_of(ids, t_all, complete=False))  # partial results kept
+    write_results(Path(args.out), rows, meta_of(ids, t_all, complete=True))
+    print(Path(args.out).with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

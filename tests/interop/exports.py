@@ -203,7 +203,7 @@ def judge(ckpt: str | Path, ids, ref: "Reference", res: dict, dtype: str) -> dic
     cap = res.get("probe") or {}
     if cap.get("ok"):
         data = torch.load(cap["path"]) if "path" in cap else cap
-        out["probe"] = probe.check_probe(ckpt, data["x"], data["y"], _dtype(dtype))
+        out["probe"] = {**probe.check_probe(ckpt, data["x"], data["y"], _dtype(dtype)), "layer": cap.get("module")}
     elif cap:
         out["probe"] = {"ok": False, "error": cap.get("error", "no capture")}
     return out
