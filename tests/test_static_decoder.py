@@ -3,7 +3,7 @@
 Reference: ``runtime.kv.KVDecoder`` (transformers' own forward with a DynamicCache, the same
 calls). Tolerances: fp32 logits within 1e-4 absolute (logits of scale ~1: the tiny models'
 weights are N(0, 0.02)); on the real SmolLM2-135M (logits of size ~30, skipped when absent),
-within 1e-4 x max |logit| with exact activations and within the int8 noise on the cpu backend
+within 1e-4 x max |logit| with exact activations and within the rounding noise on the cpu backend
 (see there); rms_norm and rope bit-exact in fp32 up to 1e-6 and within one bf16
 rounding (2^-7 relative) in bf16; bf16_gemv within 1e-2 relative of the fp32 product (one bf16
 rounding of the output).
@@ -340,12 +340,13 @@ def test_half_precision_models_follow_transformers(dtype):
 # Bound: max |Δlogit| <= 1e-4 x max |logit| over every prompt position and decode step, fp32, for
 # the dense model and RTN W4 g64 (every K of the model, 576 and 1536, holds whole groups; lm_head
 # left dense) on the reference backend: both sides compute with exact fp32 activations, only op
-# order differs (measured ~1e-6 of max |logit|). The cpu backend rounds activations to int8 per
-# block: any fp32-level difference in its input (op order; scaling the embeddings by 1 + 1e-7)
-# flips some roundings, and over 30 layers those flips move the logits by a few percent of their
-# scale (measured 2-6%), in transformers itself as much as between transformers and the decoder.
-# There the bound is that noise floor, measured in the test: twice transformers' own spread under
-# a 1e-7 perturbation of its input.
+# order differs (measured ~1.2e-6 of max |logit|). The cpu backend rounds activations (int8 per
+# block in its C++ kernel; bf16 in torch's int4 op when no compiler built that kernel): a
+# difference in its input of the size of those fp32 differences flips some roundings, and over
+# 30 layers the flips move the logits by a few percent of their scale (measured 1-6%), in
+# transformers itself as much as between transformers and the decoder. There the bound is that
+# noise floor, measured in the test: twice the spread of transformers' own logits when every
+# input embedding moves by 1e-6 relative (random, fixed seed; 1e-7 flips no bf16 rounding).
 SMOL_PROMPT = ("The history of the city begins in the twelfth century, when a small market grew up "
                "beside the river crossing and")
 SMOL_STEPS = 3
@@ -401,15 +402,17 @@ def test_smollm2_logits_match_transformers(smollm2_fp32, request, variant):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_smollm2_cpu_backend_within_its_int8_noise(smollm2_fp32, smollm2_rtn_w4):
+def test_smollm2_cpu_backend_within_its_rounding_noise(smollm2_fp32, smollm2_rtn_w4):
     prompt = smollm2_fp32[1]
     model = _on_backend(smollm2_rtn_w4, "cpu")
     with torch.inference_mode():
         got, ids = _static_logits(model, prompt, SMOL_STEPS)
         want = model(ids).logits[0]
-        nudged = model(inputs_embeds=model.get_input_embeddings()(ids) * (1 + 1e-7)).logits[0]
+        embeds = model.get_input_embeddings()(ids)
+        jitter = torch.randn(embeds.shape, generator=torch.Generator().manual_seed(0))
+        nudged = model(inputs_embeds=embeds * (1 + 1e-6 * jitter)).logits[0]
     scale = want.abs().max().item()
     noise = (nudged - want).abs().max().item()
     err = (got - want).abs().max().item()
     bound = max(2 * noise, SMOL_TOL * scale)
-    assert err <= bound, f"max |Δlogit| {err:.3g} > {bound:.3g} (transformers' own int8 noise {noise:.3g})"
+    assert err <= bound, f"max |Δlogit| {err:.3g} > {bound:.3g} (transformers' own rounding noise {noise:.3g})"
