@@ -5,25 +5,18 @@ passed its pair check is kept), saving each Linear's scaled float weight and cli
 Phase "study": from that file, per block: the block's output error on held-out calibration
 sequences without / with its clips (raw MSE and per-token relative MSE), the held-out
 calibration NLL of the whole model with only that block's clips, and wikitext2 perplexity of
-the clip subsets that each measure keeps. Phase "texts": perplexity with all the saved clips and
-with none, on wikitext2 and on C4 text the calibration is unlikely to have drawn (the file's end).
-Phase "policies": the search phase also records each clip search's error curve (per row and
-group, the output error at every shrink step); this phase re-chooses the clips from those curves
-by other rules (a smaller largest shrink, a least relative gain, Linear types left out; see
-``choose``) and reports the perplexity of each on wikitext2 and on the C4 tail.
+the clip subsets that each measure keeps. (Clip rules re-chosen from recorded error curves,
+and every tuned AWQ default, are measured on a validation split outside the calibration draw by
+benchmarks/awq_tune_defaults.py.)
 
     python benchmarks/awq_clip_study.py search --model .../qwen2.5-coder-0.5b --bits 3 --group 128 --out /tmp/q.pt
     python benchmarks/awq_clip_study.py study --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
-    python benchmarks/awq_clip_study.py texts --model .../qwen2.5-coder-0.5b --out /tmp/q.pt
-    python benchmarks/awq_clip_study.py policies --model .../qwen2.5-coder-0.5b --out /tmp/q.pt \
-        --policies '[{"src": "checked"}, {"src": "all", "cap": 5}, {"src": "all", "gain": 0.2}]'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -41,14 +34,11 @@ from quant_peers import prepare  # noqa: E402
 from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense  # noqa: E402
 from quantspec.quant.arch_infer import get_arch  # noqa: E402
-from quantspec.quant import awq as awq_module  # noqa: E402
 from quantspec.quant.awq import (  # noqa: E402
     AWQMethod,
     AWQSettings,
     apply_clip,
-    clip_error_curve,
     fake_quantize,
-    pick_clip,
 )
 from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
@@ -74,15 +64,6 @@ def search(args) -> None:
     inner = AWQMethod(AWQSettings(awq=AWQOptions(clip=True, **fields.pop("awq", {})), clip_check_seqs=0,
                                   clip_model_check=False, **fields))
     floats: dict[str, torch.Tensor] = {}
-    curves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    names = {id(p): n[: -len(".weight")] for n, p in model.named_parameters()}
-    original = awq_module.search_clip
-
-    def recording(weight, x, scheme, *a, **k):
-        curves[names[id(weight)]] = clip_error_curve(weight, x, scheme)
-        return original(weight, x, scheme, *a, **k)
-
-    awq_module.search_clip = recording
 
     class Snap:
         options = inner.options
@@ -99,7 +80,7 @@ def search(args) -> None:
     t0 = time.perf_counter()
     run_blockwise(model, arch, data["calib"], Snap(), plan, progress=False, report=report)
     clips = {k[: -len(".clip")]: v for k, v in inner._saved.items() if k.endswith(".clip")}
-    torch.save({"floats": floats, "clips": clips, "curves": curves, "plan": {n: s.to_dict() for n, s in plan.items()},
+    torch.save({"floats": floats, "clips": clips, "plan": {n: s.to_dict() for n, s in plan.items()},
                 "report": report, "seconds": time.perf_counter() - t0}, args.out)
     print(json.dumps({"seconds": round(time.perf_counter() - t0, 1), "clipped": len(clips),
                       "ppl_all_clips": perplexity(model, data["eval"])}), flush=True)
@@ -114,12 +95,6 @@ def fold_saved(model, arch, floats: dict[str, torch.Tensor]) -> None:
                 if name in floats:
                     orig = p.linears[0].weight.detach().float()
                     fold_scales(p, floats[name].float().abs().sum(0) / orig.abs().sum(0).clamp(min=1e-30))
-
-
-def choose(errs: torch.Tensor, amax: torch.Tensor, cap: int = 10, gain: float = 0.0) -> torch.Tensor:
-    """Clip values from a recorded error curve: the best of the first ``cap`` shrink steps, kept
-    only where it lowers the group's error by more than the fraction ``gain``."""
-    return pick_clip(errs[:cap], amax, min_gain=gain)
 
 
 def nll(model, ids: torch.Tensor) -> float:
@@ -224,83 +199,17 @@ def study(args) -> None:
                           "ppl": perplexity(model, data["eval"])}), flush=True)
 
 
-def texts(args) -> None:
-    """Perplexity with every saved clip and with none, on wikitext2 and on C4 text from the end of
-    the C4 file (documents the 64 calibration samples are unlikely to have drawn)."""
-    from quantspec.quant.scheme import QuantScheme
-
-    model, data = load(args)
-    arch = get_arch(model)
-    saved = torch.load(args.out)
-    floats, clips = saved["floats"], saved["clips"]
-    schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
-    fold_saved(model, arch, floats)
-    c4 = c4_tail(args)
-    for tag in ("none", "all"):
-        for n, w in floats.items():
-            w = apply_clip(w, clips[n], schemes[n]) if tag == "all" and n in clips else w
-            model.get_submodule(n).weight.data.copy_(fake_quantize(w, schemes[n]))
-        print(json.dumps({"clips": tag, "wikitext2": perplexity(model, data["eval"]),
-                          "c4_tail": perplexity(model, c4)}), flush=True)
-
-
-def policies(args) -> None:
-    """Perplexity (wikitext2, C4 tail) of clip choices re-made from the recorded curves."""
-    from quantspec.quant.scheme import QuantScheme
-
-    model, data = load(args)
-    arch = get_arch(model)
-    saved = torch.load(args.out)
-    floats, clips, curves = saved["floats"], saved["clips"], saved["curves"]
-    schemes = {n: QuantScheme.from_dict(d) for n, d in saved["plan"].items()}
-    fold_saved(model, arch, floats)
-    c4 = c4_tail(args)
-    for pol in json.loads(args.policies):
-        skip = tuple(pol.get("skip", ()))
-        chosen = {}
-        for n, (errs, amax) in curves.items():
-            if pol.get("src") == "none" or (skip and n.endswith(skip)):
-                continue
-            if pol.get("src", "all") == "checked" and n not in clips:
-                continue
-            if pol.get("src") == "checked" and "cap" not in pol and "gain" not in pol:
-                chosen[n] = clips[n]
-            else:
-                chosen[n] = choose(errs, amax, pol.get("cap", 10), pol.get("gain", 0.0))
-        shrink = [float((c / curves[n][1]).mean()) for n, c in chosen.items()]
-        for n, w in floats.items():
-            w = apply_clip(w, chosen[n], schemes[n]) if n in chosen else w
-            model.get_submodule(n).weight.data.copy_(fake_quantize(w, schemes[n]))
-        print(json.dumps({"policy": pol, "clipped": len(chosen),
-                          "mean_clip_ratio": sum(shrink) / max(1, len(shrink)),
-                          "wikitext2": perplexity(model, data["eval"]), "c4_tail": perplexity(model, c4)}),
-              flush=True)
-
-
-def c4_tail(args) -> torch.Tensor:
-    from quantspec.eval.perplexity import window_starts
-    from quantspec.models import load_tokenizer
-
-    from quant_peers import DATA
-
-    lines = (DATA / "c4" / "c4-validation-2k.jsonl").read_text().splitlines()
-    c4_text = "\n\n".join(json.loads(x)["text"] for x in lines[-300:])
-    ids = load_tokenizer(args.model)(c4_text, return_tensors="pt").input_ids[0]
-    return torch.stack([ids[s : s + 512] for s in window_starts(ids.numel(), 512, 512, args.windows)])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=["search", "study", "texts", "policies"])
+    ap.add_argument("phase", choices=["search", "study"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--variant", default='{"awq": {"search_dtype": "bfloat16"}}')
     ap.add_argument("--out", required=True)
-    ap.add_argument("--policies", default='[{"src": "checked"}, {"src": "all"}]')
     args = ap.parse_args()
-    {"search": search, "study": study, "texts": texts, "policies": policies}[args.phase](args)
+    {"search": search, "study": study}[args.phase](args)
 
 
 if __name__ == "__main__":
