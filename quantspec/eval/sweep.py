@@ -26,26 +26,15 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import QuantspecError
+from ..strict import from_dict_strict, reject_unknown
 from .sweep_speed import Timed, Timer, subprocess_timer, time_interleaved
 
 Progress = Callable[[str], None]
-
-
-def _strict(cls, data: Any, where: str):
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise QuantspecError(f"{where} must be a mapping.", f"write {where}: {{...}}.")
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise QuantspecError(f"unknown field(s) {sorted(unknown)} in {where}.", f"use only {sorted(known)}.")
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 @dataclass(frozen=True)
@@ -130,14 +119,11 @@ class SweepConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SweepConfig":
         data = dict(data)
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise QuantspecError(f"unknown sweep field(s) {sorted(unknown)}.", f"use only {sorted(known)}.")
-        data["grid"] = _strict(GridConfig, data.get("grid"), "grid")
-        data["eval"] = _strict(EvalConfig, data.get("eval"), "eval")
-        data["speed"] = _strict(SpeedSettings, data.get("speed"), "speed")
-        data["points"] = tuple(_strict(SweepPoint, p, "points[]") for p in data.get("points") or ())
+        reject_unknown(cls, data, "sweep")
+        for key, sub in (("grid", GridConfig), ("eval", EvalConfig), ("speed", SpeedSettings)):
+            data[key] = from_dict_strict(sub, data.get(key), key, lists_as_tuples=True)
+        data["points"] = tuple(from_dict_strict(SweepPoint, p, "points[]", lists_as_tuples=True)
+                               for p in data.get("points") or ())
         data["quantize_args"] = tuple(str(a) for a in data.get("quantize_args") or ())
         return cls(**data)
 
