@@ -1,4 +1,12 @@
-"""Write a folder atomically: build it in a temporary sibling, rename it into place at the end.
+"""Write a file or a folder atomically: build it under a temporary sibling name, rename it into
+place at the end.
+
+Files (``atomic_file``, ``atomic_write_text``, ``atomic_write_bytes``, ``atomic_save_file``):
+written under a fresh hidden name ``.<name>.<random>.tmp`` in the same folder, fsynced, then
+``os.replace``d onto the destination (the folder is fsynced after the rename); readers see the
+previous file or the new one, never a part of one. A failure removes the temporary file.
+
+Folders (``atomic_folder``):
 
 A crash, a kill or a full disk leaves no partial folder at the destination (at worst a hidden
 ``.<name>.tmp-XXXXXXXX`` sibling, removed on the next write, and removed at once when the
@@ -19,13 +27,17 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import QuantspecError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def backup_path(out: Path) -> Path:
@@ -44,6 +56,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Flush the data of file ``path`` to disk."""
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """``os.replace(src, dst)``, then fsync the parent folder so that the rename is durable."""
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
 def restore_interrupted_swap(out: Path) -> bool:
     """Undo a replacement of ``out`` killed between its two renames: the backup goes back to
     ``out``. With ``out`` present the replacement finished and its backup is dropped. Returns
@@ -54,8 +78,7 @@ def restore_interrupted_swap(out: Path) -> bool:
     if out.exists():
         shutil.rmtree(backup)
         return False
-    os.replace(backup, out)
-    fsync_dir(out.parent)
+    _rename(backup, out)
     return True
 
 
@@ -89,49 +112,111 @@ def _flush(tmp: Path) -> None:
         if path.is_dir():
             fsync_dir(path)
         elif path.is_file():
-            with open(path, "rb+") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(path)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``, replacing an existing ``out`` through its backup."""
     if not out.exists():
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        _rename(tmp, out)
         return
     backup = backup_path(out)
-    os.replace(out, backup)
-    fsync_dir(out.parent)
+    _rename(out, backup)
     try:
         os.replace(tmp, out)
     except BaseException:
-        os.replace(backup, out)
-        fsync_dir(out.parent)
+        _rename(backup, out)
         raise
     fsync_dir(out.parent)
     shutil.rmtree(backup, ignore_errors=True)
+
+
+def rename_folder_into_place(tmp: Path, out: Path) -> None:
+    """fsync every file and folder under ``tmp``, then rename it to ``out`` (no folder, or an
+    empty one, may be there: ``os.replace`` refuses a non-empty one) and fsync the parent."""
+    _flush(tmp)
+    _rename(tmp, out)
+
+
+@contextmanager
+def sibling_temp_folder(out: Path) -> Iterator[Path]:
+    """A new folder ``.<name>.tmp-XXXXXXXX`` beside ``out`` (the parent is created), removed
+    on exit unless it was renamed away."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager
 def atomic_folder(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder; on success it replaces ``out``, on failure it is removed."""
     out = check_destination(out, overwrite)
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(parent, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    _clean_stale(out.parent, out.name)
+    with sibling_temp_folder(out) as tmp:
+        try:
+            yield tmp
+            _flush(tmp)
+            _swap_in(tmp, out)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:  # sibling_temp_folder removes tmp on the way out
+                raise QuantspecError(
+                    f"the disk is full while writing {out} (temporary files removed).",
+                    "free space or write to another disk with --out.",
+                ) from exc
+            raise
+
+
+def _new_temp_file(path: Path) -> Path:
+    """Create an empty file ``.<name>.<random>.tmp`` beside ``path`` (mode as ``open`` gives)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield the name of a new empty file beside ``path`` (the parent is created) to write;
+    on success it is fsynced, given permission bits ``mode`` (default: those of a new file)
+    and renamed onto ``path``; on failure it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_temp_file(path)
     try:
         yield tmp
-        _flush(tmp)
-        _swap_in(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise QuantspecError(
-                f"the disk is full while writing {out} (temporary files removed).",
-                "free space or write to another disk with --out.",
-            ) from exc
-        raise
+        fsync_file(tmp)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        _rename(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``Path(path).write_text(text)``, atomically (see ``atomic_file``)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
+    """``Path(path).write_bytes(data)``, atomically (see ``atomic_file``)."""
+    with atomic_file(path, mode) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_save_file(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)``, atomically (see ``atomic_file``).
+    The tensors must be contiguous (as for ``save_file``)."""
+    from safetensors.torch import save_file
+
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
+
+from ..checkpoint.atomic import atomic_write_text
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
     """Write JSON atomically (temp file + rename) so readers never see half a file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, p)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def load_any(spec: str | None, dtype: str = "auto", device: str = "cpu", backend: str = "auto"):

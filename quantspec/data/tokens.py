@@ -10,13 +10,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.atomic import atomic_write_bytes
 from ..models.paths import cache_root
 from .sources import TextSource
 
@@ -70,17 +69,7 @@ def _write_atomic(path: Path, ids: torch.Tensor) -> None:
     """torch.save to a temporary sibling, then rename; a read-only cache is silently skipped."""
     buffer = io.BytesIO()
     torch.save(ids, buffer)
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".part", dir=path.parent)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buffer.getvalue())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
+        atomic_write_bytes(path, buffer.getvalue(), mode=0o644)
     except OSError:
         pass  # costs only the re-tokenization next time
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)

