@@ -39,6 +39,7 @@ from quantspec.kernels.cpu_ext import cache_root, compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
+from quantspec.sizes import tensors_bytes
 
 KERNELS = ("ours", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
 
@@ -77,10 +78,6 @@ def cpu_name() -> str:
     except (OSError, subprocess.CalledProcessError):
         pass
     return platform.processor() or platform.machine()
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @functools.cache
@@ -143,18 +140,18 @@ def build_kernels(n: int, k: int, group: int = 128,
     bound = cpu.bind(ours, scheme, n, k)  # what QuantLinear calls (None: torch's fallback)
     ours_fn = ((lambda x, p: bound(x, p, None)) if bound is not None
                else (lambda x, p: cpu.linear(x, p, scheme, n, k, None)))
-    ours_bytes = nbytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))
+    ours_bytes = tensors_bytes(t for name, t in ours.items() if name in ("w", "scales", "zeros"))
     read = stream_read()
     kernels = {
         "ours": rotating(ours_fn, ours, ours_bytes, cold_bytes),
         "torch_int4": rotating(
             lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], group, w[1]),
-            (packed, sz), nbytes([packed, sz]), cold_bytes),
-        "dense_bf16": rotating(lambda x, w: x @ w[0].T, (w_bf16,), nbytes([w_bf16]), cold_bytes),
+            (packed, sz), tensors_bytes([packed, sz]), cold_bytes),
+        "dense_bf16": rotating(lambda x, w: x @ w[0].T, (w_bf16,), tensors_bytes([w_bf16]), cold_bytes),
         "dense_fp32": rotating(lambda x, w: (x.float() @ w[0].T).to(x.dtype), (w_fp32,),
-                               nbytes([w_fp32]), cold_bytes),
+                               tensors_bytes([w_fp32]), cold_bytes),
         "reference": (lambda x: ref.linear(x, refp, scheme, n, k, None),
-                      nbytes([refp["codes"], refp["scales"]])),
+                      tensors_bytes([refp["codes"], refp["scales"]])),
     }
     if read is not None:  # its own buffer of the same size: the same cache state as ours
         kernels["read"] = rotating(lambda x, b: read(b[0]),
@@ -164,7 +161,7 @@ def build_kernels(n: int, k: int, group: int = 128,
         rows = prepare_ext(result, "rows")
         bound_rows = cpu.bind(rows, scheme, n, k)
         kernels["ours_rows"] = rotating(lambda x, p: bound_rows(x, p, None), rows,
-                                        nbytes(rows[name] for name in ("w", "scales", "zeros")),
+                                        tensors_bytes(rows[name] for name in ("w", "scales", "zeros")),
                                         cold_bytes)
     return kernels
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 import quantspec
+from quantspec.checkpoint.save import folder_size_bytes
 from quantspec.quant.recipe import CalibrationConfig, Recipe
 from quantspec.quant.scheme import QuantScheme
 
@@ -86,7 +87,7 @@ def test_streaming_peak_memory_below_model_size(tmp_path):
         tmp_path, "llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
         num_attention_heads=8, num_key_value_heads=8,
     )
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    size = folder_size_bytes(folder)
     assert size > 150e6
     r = subprocess.run(
         [sys.executable, "-c", PROBE, str(folder), str(tmp_path / "out"), "1"],

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..sizes import files_bytes, tensors_bytes
 from .atomic import atomic_folder
 from . import checksums
 
@@ -26,7 +27,7 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     size = 0
     for name in sorted(state):
         t = state[name]
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensors_bytes([t])
         if shards[-1] and size + nbytes > max_bytes:
             shards.append({})
             size = 0
@@ -48,9 +49,8 @@ def write_safetensors(folder: Path, state: dict[str, torch.Tensor], max_bytes: i
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / fname), metadata=meta)
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
+        weight_map.update(dict.fromkeys(shard, fname))
+        total += tensors_bytes(shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -98,4 +98,4 @@ def write_checkpoint(
 
 def folder_size_bytes(folder: str | Path) -> int:
     """Bytes of the weight files of a checkpoint folder (safetensors only)."""
-    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+    return files_bytes(Path(folder).glob("*.safetensors"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sizes import tensors_bytes
 
 DECODE = dict(prompt_lengths=(16,), batch_sizes=(1,), decode_prompt_length=16, new_tokens=32, repeats=3, warmup=1)
 
@@ -23,13 +24,7 @@ def decode_tokens_per_s(model) -> dict[str, float | None]:
 
 def dense_size_bytes(model) -> int:
     """Bytes of a dense half-precision checkpoint of ``model`` (tied tensors counted once)."""
-    seen, total = set(), 0
-    for t in model.state_dict().values():
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * (2 if t.is_floating_point() else t.element_size())
-    return total
+    return tensors_bytes(model.state_dict().values(), distinct=True, float_bytes=2)
 
 
 def data_or_fallback(data: str) -> str:
