@@ -120,7 +120,7 @@ def test_speed_report_static_decoder_next_to_transformers(quant_dir, dense_dir):
     and the static greedy tokens are the ones transformers' forward picks (fp32)."""
     from dataclasses import replace
 
-    from quantspec.eval.speed import random_prompt, speed_markdown, static_decode_run
+    from quantspec.eval.speed import decode_run, random_prompt, speed_markdown
     from quantspec.runtime.decoder import StaticDecoder
 
     cfg = replace(TINY_SPEED, prompt_lengths=(8,), batch_sizes=(1, 2), static=True)
@@ -139,16 +139,47 @@ def test_speed_report_static_decoder_next_to_transformers(quant_dir, dense_dir):
     ids = random_prompt(model.config.vocab_size, 2, 8, 0, "cpu")
     dec = StaticDecoder(model)
     with torch.inference_mode():
-        ttft, steps = static_decode_run(dec, ids, 5)
+        ttft, steps = decode_run(dec, ids, 5)
         assert ttft > 0 and len(steps) == 4 and dec.lengths == [8 + 4, 8 + 4]
         want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5)
+        assert torch.equal(_greedy(dec, ids, 5), want[:, 8:])
+
+
+def _greedy(dec, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` tokens ``decode_run`` picks through ``dec`` (the same calls), [B, n]."""
+    dec.reset()
+    nxt = dec.step(ids, keep=1)[:, -1].argmax(-1, keepdim=True)
+    got = [nxt]
+    for _ in range(n - 1):
+        nxt = dec.step(nxt, keep=1)[:, -1].argmax(-1, keepdim=True)
+        got.append(nxt)
+    return torch.cat(got, 1)
+
+
+def test_plain_decoder_is_transformers_own_loop(dense_dir):
+    """The bench's transformers decode (``PlainDecoder``, a ``Decoder``): greedy tokens are
+    generate's; ``drop_last`` crops every row alike and refuses uneven counts."""
+    from quantspec.eval.speed import decode_run, random_prompt
+    from quantspec.runtime.decoder import StaticDecoder
+    from quantspec.runtime.kv import KVDecoder, PlainDecoder
+    from quantspec.runtime.protocol import Decoder
+
+    model = load_for_eval(str(dense_dir))[0]
+    ids = random_prompt(model.config.vocab_size, 2, 8, 0, "cpu")
+    dec = PlainDecoder(model)
+    assert all(isinstance(d, Decoder) for d in (dec, KVDecoder(model), StaticDecoder(model)))
+    with torch.inference_mode():
+        ttft, steps = decode_run(dec, ids, 5)
+        assert ttft > 0 and len(steps) == 4 and dec.lengths == [8 + 4, 8 + 4]
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5)
+        assert torch.equal(_greedy(dec, ids, 5), want[:, 8:])
         dec.reset()
-        nxt = dec.forward(list(ids), keep=1)[:, -1].argmax(-1, keepdim=True)
-        got = [nxt]
-        for _ in range(4):
-            nxt = dec.forward(list(nxt), keep=1)[:, -1].argmax(-1, keepdim=True)
-            got.append(nxt)
-    assert torch.equal(torch.cat(got, 1), want[:, 8:])
+        full = dec.forward(list(want))
+        dec.drop_last([3, 3])
+        assert dec.lengths == [10, 10]
+        torch.testing.assert_close(dec.forward(list(want[:, 10:])), full[:, 10:], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="together"):
+            dec.drop_last([1, 0])
 
 
 def test_speed_report_static_decoder_names_an_undeclared_family(tmp_path):

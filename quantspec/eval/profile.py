@@ -214,7 +214,7 @@ def _prefill_and_decode(model, ids: torch.Tensor, steps: int) -> None:
     from torch.autograd.profiler import record_function
     from transformers import DynamicCache
 
-    from .speed import cache_kwarg
+    from ..runtime.kv import cache_kwarg
 
     key = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
@@ -268,10 +268,12 @@ def summarize_events(events, on_gpu: bool, peak: dict[str, Any]) -> dict[str, An
 
 def serving_terms(model, ids: torch.Tensor, steps: int) -> dict[str, Any]:
     """TTFT, TPOT and decode tokens/s from one warm, unprofiled run."""
+    from ..runtime.kv import PlainDecoder
     from .speed import decode_run
 
-    decode_run(model, ids, steps + 1)
-    ttft, tpot = decode_run(model, ids, steps + 1)
+    decoder = PlainDecoder(model)
+    decode_run(decoder, ids, steps + 1)
+    ttft, tpot = decode_run(decoder, ids, steps + 1)
     med = statistics.median(tpot)
     return {"ttft_ms": round(ttft * 1000, 3), "tpot_ms": round(med * 1000, 3),
             "decode_tokens_per_s": round(ids.shape[0] / med, 2)}

@@ -5,7 +5,9 @@ Protocol (stated in every result under "protocol"):
 * Prompts are random token ids (seeded), so every model sees the same input.
 * Prefill: one forward pass over a batch-1 prompt of each length, logits of the last position only.
 * Decode: a manual greedy loop over the HF KV cache (``DynamicCache``), one ``model()`` call per
-  token, each step timed alone (device synchronised), so per-token latency is exact.
+  token, each step timed alone (device synchronised), so per-token latency is exact. The loop
+  (``decode_run``) takes any ``runtime.protocol.Decoder``: ``runtime.kv.PlainDecoder`` for
+  transformers' forward (eager or compiled), the ``StaticDecoder`` for ``--static``.
   TTFT = prefill of the decode prompt + the first argmax; TPOT = time of each later step.
 * ``warmup`` runs are thrown away, then ``repeats`` runs are timed; medians are reported
   (TPOT p50/p95 pool the steps of every timed run).
@@ -31,6 +33,8 @@ import torch
 from ..checkpoint.load import is_quantized_folder
 
 from ..errors import QuantspecError
+from ..runtime.kv import PlainDecoder, cache_kwarg
+from ..runtime.protocol import Decoder
 from .machine import describe_machine
 
 Progress = Callable[[str], None]
@@ -193,14 +197,6 @@ def random_prompt(vocab_size: int, batch: int, length: int, seed: int, device) -
     return torch.randint(low, vocab_size, (batch, length), generator=gen).to(device)
 
 
-def cache_kwarg(model) -> str:
-    """The forward argument that takes the KV cache ("cache" in transformers >= 5.2x)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _step(model, ids: torch.Tensor, cache, key: str) -> torch.Tensor:
     """One forward over ``ids`` with the cache (passed as ``key``); the greedy next token [B, 1]."""
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})
@@ -221,41 +217,20 @@ def prefill_seconds(model, ids: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def decode_run(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
-    """Greedy decode ``new_tokens`` tokens: returns (TTFT seconds, per-step seconds)."""
-    from transformers import DynamicCache
-
-    device = ids.device
-    cache = DynamicCache(config=model.config)
-    key = cache_kwarg(getattr(model, "_orig_mod", model))  # a torch.compile'd module wraps the model
-    _sync(device)
-    start = time.perf_counter()
-    nxt = _step(model, ids, cache, key)
-    _sync(device)
-    ttft = time.perf_counter() - start
-    steps = []
-    for _ in range(new_tokens - 1):
-        t = time.perf_counter()
-        nxt = _step(model, nxt, cache, key)
-        _sync(device)
-        steps.append(time.perf_counter() - t)
-    return ttft, steps
-
-
-@torch.inference_mode()
-def static_decode_run(decoder, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
-    """``decode_run`` through a ``runtime.decoder.StaticDecoder`` (its cache reset first)."""
+def decode_run(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
+    """Greedy decode ``new_tokens`` tokens through ``decoder`` (its cache reset first, untimed):
+    returns (TTFT seconds, per-step seconds). Transformers' own loop is a ``PlainDecoder``."""
     device = ids.device
     decoder.reset()
     _sync(device)
     start = time.perf_counter()
-    nxt = decoder.forward(list(ids), keep=1)[:, -1].argmax(-1, keepdim=True)
+    nxt = decoder.step(ids, keep=1)[:, -1].argmax(-1, keepdim=True)
     _sync(device)
     ttft = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):
         t = time.perf_counter()
-        nxt = decoder.forward(list(nxt), keep=1)[:, -1].argmax(-1, keepdim=True)
+        nxt = decoder.step(nxt, keep=1)[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         steps.append(time.perf_counter() - t)
     return ttft, steps
@@ -285,7 +260,7 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
         ids = random_prompt(vocab, 1, length, config.seed, dev)
         secs = statistics.median(_timed(lambda: prefill_seconds(model, ids), config))
         prefill[str(length)] = {"seconds": round(secs, 6), "tokens_per_s": round(length / secs, 2)}
-    result = {"prefill": prefill, "decode": _decode_table(model, config, dev, vocab, say)}
+    result = {"prefill": prefill, "decode": _decode_table(PlainDecoder(model), config, dev, vocab, say)}
     if config.static:
         from ..runtime.decoder import StaticDecoder
 
@@ -294,8 +269,7 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
         except QuantspecError as exc:
             result["decode_static"] = {"error": str(exc)}
         else:
-            result["decode_static"] = _decode_table(decoder, config, dev, vocab,
-                                                    lambda m: say(f"static {m}"), static_decode_run)
+            result["decode_static"] = _decode_table(decoder, config, dev, vocab, lambda m: say(f"static {m}"))
     if config.compile:
         from ..kernels.custom_ops import register_ops
 
@@ -303,21 +277,21 @@ def measure_speed(model, config: SpeedConfig, device: str = "cpu", progress: Pro
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=config.compile, dynamic=True)
         start = time.perf_counter()
-        result["decode_compiled"] = _decode_table(compiled, config, dev, vocab, lambda m: say(f"compiled {m}"))
+        result["decode_compiled"] = _decode_table(PlainDecoder(compiled), config, dev, vocab,
+                                                  lambda m: say(f"compiled {m}"))
         result["compile"] = {"backend": config.compile, "wall_s": round(time.perf_counter() - start, 2)}
         torch._dynamo.reset()
     return result
 
 
-def _decode_table(model, config: SpeedConfig, dev, vocab: int, say: Progress,
-                  run=decode_run) -> dict[str, Any]:
-    """Decode tokens/s, TTFT and TPOT per batch size (warm-up runs first, then medians);
-    ``run(model, ids, new_tokens)`` is one timed generation."""
+def _decode_table(decoder: Decoder, config: SpeedConfig, dev, vocab: int, say: Progress) -> dict[str, Any]:
+    """Decode tokens/s, TTFT and TPOT per batch size through ``decoder`` (warm-up runs first,
+    then medians of ``decode_run``)."""
     decode = {}
     for batch in config.batch_sizes:
         say(f"decode batch {batch}, {config.new_tokens} tokens")
         ids = random_prompt(vocab, batch, config.decode_prompt_length, config.seed, dev)
-        runs = _timed(lambda: run(model, ids, config.new_tokens), config)
+        runs = _timed(lambda: decode_run(decoder, ids, config.new_tokens), config)
         steps = [s for _, run_steps in runs for s in run_steps]
         tps = statistics.median(batch * len(r) / sum(r) for _, r in runs)
         decode[str(batch)] = {

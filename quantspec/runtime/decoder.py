@@ -8,10 +8,11 @@ the step. ``StaticDecoder`` runs the same computation from the model's own modul
 ``kernels.siblings``), with a preallocated KV cache that grows by doubling, and RMSNorm, rotary
 and SwiGLU as one op each (``kernels.small_ops``; dense bf16 layers through ``kernels.dense``).
 
-Its interface is ``runtime.kv.KVDecoder``'s: a batch of rows that advance unevenly, each row's
-new tokens right-aligned in a chunk, ``drop_last`` forgetting a row's last tokens by masking
-their cache columns (a batch of one just shortens its cache). Logits agree with transformers'
-within rounding (fp32: 1e-4 relative; bf16: the roundings of two fused ops differ).
+It is a ``runtime.protocol.Decoder``, like ``runtime.kv.KVDecoder``: a batch of rows that
+advance unevenly, each row's new tokens right-aligned in a chunk, ``drop_last`` forgetting a
+row's last tokens by masking their cache columns (a batch of one just shortens its cache).
+Logits agree with transformers' within rounding (fp32: 1e-4 relative; bf16: the roundings of
+two fused ops differ).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..kernels.dense import fast_linear
 from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of
+from .protocol import Decoder
 
 
 def _eps(norm: nn.Module, default: float) -> float:
@@ -51,7 +53,7 @@ class _Block:
     window: int | None  # sliding-window attention of this block, in positions
 
 
-class StaticDecoder:
+class StaticDecoder(Decoder):
     """Incremental forward passes of ``model`` (a declared family) for a batch of B rows.
 
     ``lengths[b]``: the real tokens row b holds in the cache.
@@ -237,9 +239,8 @@ class StaticDecoder:
         self.mask = self.mask[:, : self.width]
 
 
-def fast_decoder(model: nn.Module, fuse: bool = True):
-    """A StaticDecoder for a declared family, else transformers' forward (``runtime.kv.KVDecoder``);
-    both take the same calls."""
+def fast_decoder(model: nn.Module, fuse: bool = True) -> Decoder:
+    """A StaticDecoder for a declared family, else transformers' forward (``runtime.kv.KVDecoder``)."""
     try:
         return StaticDecoder(model, fuse=fuse)
     except QuantspecError:

@@ -6,6 +6,9 @@ chunk), and dropping a row's last tokens masks their columns out instead of movi
 Columns that no row uses any more at the right end are cropped (``DynamicCache.crop(-n)``).
 Masked columns are holes: the 2D attention mask hides them and the position ids count only
 real tokens, so each row computes what it would compute alone. Nothing is ever recomputed.
+
+``PlainDecoder`` is the same forward with nothing added, for rows that advance together: no
+attention mask, no position ids, what a plain greedy loop over transformers does.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from .protocol import Decoder
 
-class KVDecoder:
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: transformers renamed past_key_values to
+    cache (5.x); whichever ``model`` (or the model a torch.compile'd module wraps) takes."""
+    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class KVDecoder(Decoder):
     """Incremental forward passes of ``model`` for a batch of B rows.
 
     ``lengths[b]`` is the number of real tokens row b holds in the cache.
@@ -27,9 +39,7 @@ class KVDecoder:
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # int64 [B, L]
         self.lengths: list[int] = []
-        params = inspect.signature(model.forward).parameters
-        # transformers renamed past_key_values to cache (5.x); use whichever the model takes.
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_kwarg(model)
 
     @property
     def device(self) -> torch.device:
@@ -91,3 +101,51 @@ class KVDecoder:
         if width < self.mask.shape[1]:
             self.cache.crop(width - self.mask.shape[1])  # negative: tokens to remove
             self.mask = self.mask[:, :width]
+
+
+class PlainDecoder(Decoder):
+    """transformers' forward over a ``DynamicCache`` for rows that advance together: ``step``
+    is ``model(input_ids=ids, use_cache=True, logits_to_keep=keep, cache)`` and nothing more.
+
+    The chunks of a ``forward`` have one length (ragged ones fail in ``torch.stack``) and all
+    ids are on the model's device; ``drop_last`` drops one count from every row (else a
+    ValueError). ``KVDecoder`` takes both. ``model`` may be a torch.compile'd module.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._cache_kw = cache_kwarg(model)
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self._length] * self._rows
+
+    def reset(self) -> None:
+        # the cache is made here, not in the first forward: a timed run starts with it ready
+        self.cache = DynamicCache(config=self.model.config)
+        self._rows = self._length = 0
+
+    def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:
+        return self.step(torch.stack(chunks), keep)
+
+    def step(self, ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        if self._length and ids.shape[0] != self._rows:
+            self.reset()
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        self._rows, self._length = ids.shape[0], self._length + ids.shape[1]
+        return out.logits
+
+    def drop_last(self, counts: list[int]) -> None:
+        if len(set(counts)) > 1:
+            raise ValueError(f"rows advance together here; cannot drop {counts} (use KVDecoder)")
+        n = counts[0] if counts else 0
+        if n > self._length:
+            raise ValueError(f"rows hold {self._length} tokens, cannot drop {n}")
+        if n:
+            self.cache.crop(-n)  # negative: tokens to remove
+            self._length -= n

@@ -92,7 +92,7 @@ class DraftModel:
         logits = self._decoder.forward(chunks, keep=1)[:, -1]
         for i in range(k):
             if i:
-                logits = self._decoder.forward([t for t in tokens[-1].unsqueeze(1)], keep=1)[:, -1]
+                logits = self._decoder.step(tokens[-1].unsqueeze(1), keep=1)[:, -1]
             if sampling.greedy:
                 tokens.append(argmax(logits))
             else:
