@@ -1,8 +1,10 @@
 """Tiny offline models and tokenizers for tests (no downloads, no assets).
 
 ``make_tiny_tokenizer()`` trains a byte-level BPE (any text encodes, no unknown tokens) on a
-few sentences; ``make_tiny_model(tmp_path, arch)`` saves a 2-layer random model of that
-family with the tokenizer, in a folder ``load_dense``/``from_pretrained`` can read.
+few sentences; ``tiny_model(arch, seed, **overrides)`` is a 2-layer random causal LM of that
+family (``tiny_config``: the one place the tests' tiny sizes are written), and
+``make_tiny_model(tmp_path, arch)`` saves one with the tokenizer, in a folder
+``load_dense``/``from_pretrained`` can read.
 ``missing_asset(reason)`` is what a test does when something it needs is absent.
 """
 
@@ -15,7 +17,7 @@ from typing import NoReturn
 import torch
 
 TINY_VOCAB = 320  # 256 byte symbols + merges + 3 specials
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -68,12 +70,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    gemma = {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16}
     per_arch = {
         "llama": ("LlamaConfig", {}),
         "qwen2": ("Qwen2Config", {}),
         "qwen3": ("Qwen3Config", {"head_dim": 16}),
         "mistral": ("MistralConfig", {"sliding_window": None}),
-        "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16}),
+        "gemma2": ("Gemma2Config", gemma),
+        "gemma3_text": ("Gemma3TextConfig", gemma),
         "phi3": ("Phi3Config", {}),
     }
     if arch not in per_arch:
@@ -83,18 +87,25 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random ``arch`` model (fp32 safetensors) + tokenizer to ``tmp_path/tiny-<arch>``.
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random fp32 ``arch`` causal LM (``tiny_config(arch, **overrides)``) in eval mode.
 
-    Returns the folder. Weights are drawn under ``seed`` without touching the global RNG.
+    Weights are drawn under ``seed`` without touching the global RNG: the same on every call.
     """
     from transformers import AutoModelForCausalLM
 
-    tokenizer = make_tiny_tokenizer()
-    config = tiny_config(arch, vocab_size=overrides.pop("vocab_size", TINY_VOCAB), **overrides)
+    config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save ``tiny_model(arch, seed, **overrides)`` (fp32 safetensors) + tokenizer to
+    ``tmp_path/tiny-<arch>``; returns the folder."""
+    tokenizer = make_tiny_tokenizer()
+    model = tiny_model(arch, seed, **overrides)
     folder = Path(tmp_path) / f"tiny-{arch}"
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

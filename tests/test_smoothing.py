@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import tiny_config
+from helpers import tiny_model
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.smoothing import (
     collect_input_stats,
@@ -26,28 +26,16 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3
 
 def build(arch: str, kv_heads: int, seed: int = 0) -> nn.Module:
     """A tiny random fp32 model of ``arch`` with randomised norm weights and biases."""
-    import transformers
-
-    if arch == "gemma3_text":
-        config = transformers.Gemma3TextConfig(
-            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
-            max_position_embeddings=512, sliding_window=64, query_pre_attn_scalar=16,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        )
-    else:
-        config = tiny_config(arch, num_key_value_heads=kv_heads)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1 and "norm" in name:  # norms: centre 1 (Gemma: weight 0 = identity)
-                    base = 0.0 if "gemma" in arch else 1.0
-                    p.copy_(base + torch.empty_like(p).uniform_(-0.5, 0.5))
-                elif p.dim() == 1:  # biases
-                    p.copy_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    model = tiny_model(arch, seed, num_key_value_heads=kv_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:  # norms: centre 1 (Gemma: weight 0 = identity)
+                base = 0.0 if "gemma" in arch else 1.0
+                p.copy_(base + torch.rand(p.shape, generator=g) - 0.5)
+            elif p.dim() == 1:  # biases
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
 
 
 def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

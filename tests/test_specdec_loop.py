@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from helpers import tiny_model
 from quantspec.quant.scheme import QuantScheme
 from quantspec.specdec import (
     DraftModel,
@@ -24,18 +24,12 @@ from quantspec.specdec import (
     speculative_generate,
 )
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+ARCHS = ("llama", "qwen2")
 NEW = 20
 
 
 def tiny(arch: str, seed: int = 0, vocab: int = 256, **kw) -> torch.nn.Module:
-    cfg_cls, model_cls = ARCHS[arch]
-    cfg = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False, **kw)
-    torch.manual_seed(seed)
-    return model_cls(cfg).eval()
+    return tiny_model(arch, seed, vocab_size=vocab, initializer_range=0.1, **kw)
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:

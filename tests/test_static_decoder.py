@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from quantspec.errors import QuantspecError
 from quantspec.kernels import dense, small_ops
@@ -26,22 +25,19 @@ from quantspec.runtime.decoder import StaticDecoder, fast_decoder
 from quantspec.runtime.kv import KVDecoder
 from quantspec.specdec.selfdraft import quantize_in_memory
 
-from helpers import tiny_config
+import helpers
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    config = tiny_config(arch, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = helpers.tiny_model(arch, seed, **overrides)
     if arch == "qwen2":  # random q/k/v biases, so that their handling is checked
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    return model.eval()
+    return model
 
 
 def _steps(decoder, rows: list[torch.Tensor], gen: torch.Generator):
