@@ -28,7 +28,7 @@ from peer_common import perplexity  # noqa: E402
 from quant_peers import prepare  # noqa: E402
 
 from quantspec.formats import get_format  # noqa: E402
-from quantspec.models import load_dense  # noqa: E402
+from quantspec.models import cache_root, load_dense  # noqa: E402
 from quantspec.quant.arch_infer import get_arch  # noqa: E402
 from quantspec.quant.awq import AWQMethod, AWQSettings  # noqa: E402
 from quantspec.quant.block_methods import RTNMethod  # noqa: E402
@@ -46,7 +46,7 @@ def method_of(variant: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(Path.home() / ".cache" / "quantspec" / "models" / "smollm2-135m"))
+    ap.add_argument("--model", default=str(cache_root() / "models" / "smollm2-135m"))
     ap.add_argument("--variant", action="append", default=None, help='"rtn" or AWQSettings JSON (repeatable)')
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)

@@ -28,6 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from interop import engines, exports  # noqa: E402
 
+from quantspec.models.paths import cache_root  # noqa: E402
+
 # "transformers": in-process with compressed-tensors; "transformers+gptqmodel": from_pretrained in
 # the GPTQModel venv (transformers hands GPTQ/AWQ checkpoints to gptqmodel + optimum)
 ENGINE_FORMATS = {"vllm": ("gptq", "awq", "ct"), "gptqmodel": ("gptq", "awq"), "transformers": ("ct",),
@@ -102,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--exports", default=",".join(exports.EXPORTS))
     ap.add_argument("--engines", default="vllm,gptqmodel,transformers,transformers+gptqmodel")
-    ap.add_argument("--exports-dir", default=str(Path.home() / ".cache/quantspec/interop-exports/smollm2"))
+    ap.add_argument("--exports-dir", default=str(cache_root() / "interop-exports" / "smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/interop"))
     args = ap.parse_args()
 

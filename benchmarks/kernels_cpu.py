@@ -35,9 +35,10 @@ from typing import Callable
 import torch
 
 from quantspec.kernels.cpu import CpuBackend, panels_supported, prepare_ext
-from quantspec.kernels.cpu_ext import cache_root, compile_flags
+from quantspec.kernels.cpu_ext import compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
+from quantspec.models.paths import cache_root
 from quantspec.quant.scheme import QuantScheme
 from quantspec.sizes import tensors_bytes
 

@@ -37,6 +37,8 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent / "tests"))
 from interop import venvs  # noqa: E402  (the engine venvs of the interop suite, shared)
 
+from quantspec.models.paths import cache_root  # noqa: E402
+
 DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"))
 
 # tool -> (its venv in tests/interop/venvs.py, or None for ours; runner; extra environment)
@@ -107,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setup", action="store_true", help="create the peer venvs, then exit")
     ap.add_argument("--method", default="gptq", choices=sorted(METHODS))
-    ap.add_argument("--model", default=str(Path.home() / ".cache" / "quantspec" / "models" / "smollm2-135m"))
+    ap.add_argument("--model", default=str(cache_root() / "models" / "smollm2-135m"))
     ap.add_argument("--configs", default="w4g128,w4g64,w3g128")
     ap.add_argument("--tools", default=None, help="comma-separated subset of the method's tools")
     ap.add_argument("--runs", type=int, default=2)

@@ -18,6 +18,7 @@ from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
+from ..models.load import load_model  # noqa: F401  (re-exported: its former home)
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
@@ -195,27 +196,3 @@ def _tied_keys(model: nn.Module) -> set[str]:
         if mod is out:
             return {f"{name}.weight"}
     return set()
-
-
-def load_model(spec: str | None, dtype: str | torch.dtype = "auto", device: str = "cpu", backend: str = "auto"):
-    """Load a quantized checkpoint folder (QuantLinear model) or any dense model spec.
-
-    Returns (model, tokenizer, description dict: kind, path, format, backend, dtype, device).
-    """
-    from transformers import AutoTokenizer
-
-    if spec is not None and is_quantized_folder(spec):
-        model = load_quantized(spec, dtype=dtype, device=device, backend=backend)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-        backends = sorted(set(model.quantspec_backends.values()))
-        desc = {"kind": "quantized", "path": str(spec), "format": model.quantspec_format,
-                "backend": ",".join(backends) or None}
-    else:
-        from ..models import load_dense
-
-        model, tokenizer, info = load_dense(spec, dtype=dtype, device=device)
-        desc = {"kind": "dense", "path": str(info.path), "name": info.name, "format": None,
-                "backend": "torch dense"}
-    desc["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    desc["device"] = str(device)
-    return model, tokenizer, desc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import load_any, write_json
+from ._common import write_json
 
 
 def add_parser(sub) -> None:
@@ -51,8 +51,10 @@ def run(args) -> int:
     out: dict = {"model": args.model}
     datas = args.ppl if args.ppl is not None else ([] if (args.tasks or args.speed) else ["wikitext2"])
     if datas:
-        model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
-        out["model"] = label
+        from ..models import load_model, model_label
+
+        model, tok, desc = load_model(args.model, args.dtype, args.device, args.backend)
+        out["model"] = label = model_label(desc)
         out["size_mb"] = round(_size_bytes(args.model, model) / 2**20, 3)
         out["ppl"] = {}
         for data in datas:

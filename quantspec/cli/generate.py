@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ._common import load_any, write_json
+from ._common import write_json
 from .bench_specdec import add_specdec_args, sampling_from_args
 
 
@@ -46,9 +46,11 @@ def run(args) -> int:
     import torch
 
     t_load = time.perf_counter()
-    model, tok, label = load_any(args.model, args.dtype, args.device, args.backend)
+    from ..models import load_model, model_label
+
+    model, tok, desc = load_model(args.model, args.dtype, args.device, args.backend)
     input_ids = _encode(tok, args.prompt, args.chat).to(args.device)
-    out: dict = {"model": label, "prompt": args.prompt, "mode": "speculative" if args.draft else "target"}
+    out: dict = {"model": model_label(desc), "prompt": args.prompt, "mode": "speculative" if args.draft else "target"}
     t0 = time.perf_counter()
     out["load_seconds"] = round(t0 - t_load, 3)
     if args.draft:

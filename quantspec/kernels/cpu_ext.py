@@ -21,13 +21,10 @@ from types import ModuleType
 
 import torch
 
+from ..models.paths import cache_root
+
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp")
-
-
-def cache_root() -> Path:
-    """``$QUANTSPEC_CACHE`` or ``~/.cache/quantspec``."""
-    return Path(os.environ.get("QUANTSPEC_CACHE", Path.home() / ".cache" / "quantspec"))
 
 
 def _cpu_flags() -> str:
