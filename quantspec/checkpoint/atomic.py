@@ -4,7 +4,12 @@ place at the end.
 Files (``atomic_file``, ``atomic_write_text``, ``atomic_write_bytes``, ``atomic_save_file``):
 written under a fresh hidden name ``.<name>.<random>.tmp`` in the same folder, fsynced, then
 ``os.replace``d onto the destination (the folder is fsynced after the rename); readers see the
-previous file or the new one, never a part of one. A failure removes the temporary file.
+previous file or the new one, never a part of one. A Python exception removes the temporary
+file; a kill can leave it behind (nothing reads those names).
+
+Folders that are only ever created, never replaced (caches whose every build is the same):
+``sibling_temp_folder`` + ``rename_folder_into_place``; the caller decides what a folder that
+another process renamed into place first means.
 
 Folders (``atomic_folder``):
 
