@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
@@ -36,11 +37,14 @@ from quantspec.models import load_dense  # noqa: E402
 from quantspec.quant.arch_infer import get_arch  # noqa: E402
 from quantspec.quant.awq import (  # noqa: E402
     AWQMethod,
+    AWQProbe,
     AWQSettings,
     apply_clip,
     fake_quantize,
 )
-from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise  # noqa: E402
+from quantspec.quant.block_ops import block_forward  # noqa: E402
+from quantspec.quant.calibrate import run_blockwise  # noqa: E402
+from quantspec.quant.capture import capture_inputs  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
 from quantspec.quant.recipe import AWQOptions, Recipe  # noqa: E402
 from quantspec.quant.smoothing import fold_scales, resolve_pairs  # noqa: E402
@@ -61,25 +65,20 @@ def search(args) -> None:
     recipe = Recipe.from_dict({"method": "awq", "format": "compressed-tensors", "scheme": scheme})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore).quantize
     fields = json.loads(args.variant)
-    inner = AWQMethod(AWQSettings(awq=AWQOptions(clip=True, **fields.pop("awq", {})), clip_check_seqs=0,
-                                  clip_model_check=False, **fields))
     floats: dict[str, torch.Tensor] = {}
 
-    class Snap:
-        options = inner.options
-        info = property(lambda _s: inner.info)
-        outputs = property(lambda _s: inner.outputs)
-
-        def process_block(self, block, block_name, inputs, kwargs, plan_, arch_):
-            res = inner.process_block(block, block_name, inputs, kwargs, plan_, arch_)
-            for n in plan_:
-                floats[n] = block.get_submodule(n[len(block_name) + 1 :]).weight.detach().clone()
-            return res
+    class Snap(AWQProbe):  # the scaled float weights, as they are rounded
+        def scaled_weight(self, name, weight):
+            floats[name] = weight.detach().clone()
 
     report: dict = {}
     t0 = time.perf_counter()
-    run_blockwise(model, arch, data["calib"], Snap(), plan, progress=False, report=report)
-    clips = {k[: -len(".clip")]: v for k, v in inner._saved.items() if k.endswith(".clip")}
+    with tempfile.TemporaryDirectory() as tmp:
+        scales_file = Path(tmp) / "scales.safetensors"  # the kept clips, read back from the scales file
+        awq = AWQOptions(clip=True, save_scales=str(scales_file), **fields.pop("awq", {}))
+        method = AWQMethod(AWQSettings(awq=awq, clip_check_seqs=0, clip_model_check=False, **fields), probe=Snap())
+        run_blockwise(model, arch, data["calib"], method, plan, progress=False, report=report)
+        clips = {k[: -len(".clip")]: v for k, v in load_file(str(scales_file)).items() if k.endswith(".clip")}
     torch.save({"floats": floats, "clips": clips, "plan": {n: s.to_dict() for n, s in plan.items()},
                 "report": report, "seconds": time.perf_counter() - t0}, args.out)
     print(json.dumps({"seconds": round(time.perf_counter() - t0, 1), "clipped": len(clips),

@@ -38,6 +38,7 @@ def w8a8_hooks(model: nn.Module, names) -> list:
 def method_for(row: str, search_tokens: int = 2048, clip_tokens: int = 512):
     from quantspec.quant.awq import AWQMethod, AWQSettings
     from quantspec.quant.block_methods import RTNMethod
+    from quantspec.quant.compose import Composed
     from quantspec.quant.scheme import QuantScheme
     from quantspec.quant.smoothquant import SmoothQuantMethod
 
@@ -49,7 +50,7 @@ def method_for(row: str, search_tokens: int = 2048, clip_tokens: int = 512):
         "rtn-w3g128": (RTNMethod(), QuantScheme(3, 128, False)),
         "awq-w3g128": (AWQMethod(awq), QuantScheme(3, 128, False)),
         "w8a8-rtn": (RTNMethod(), w8a8),
-        "smoothquant-w8a8": (SmoothQuantMethod(), w8a8),
+        "smoothquant-w8a8": (Composed(SmoothQuantMethod(), RTNMethod()), w8a8),
     }
     return table[row]
 

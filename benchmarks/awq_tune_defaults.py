@@ -30,7 +30,6 @@ Phases (each appends its rows, with the command, to --json; --md is rewritten fr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
@@ -55,9 +54,8 @@ from quantspec.eval.perplexity import window_starts  # noqa: E402
 from quantspec.formats import get_format  # noqa: E402
 from quantspec.models import load_dense, load_tokenizer  # noqa: E402
 from quantspec.models.source import dense_folder  # noqa: E402
-from quantspec.quant import awq as awq_module  # noqa: E402
 from quantspec.quant.arch_infer import get_arch  # noqa: E402
-from quantspec.quant.awq import AWQMethod, AWQSettings, apply_clip, fake_quantize, pick_clip  # noqa: E402
+from quantspec.quant.awq import AWQMethod, AWQProbe, AWQSettings, apply_clip, fake_quantize, pick_clip  # noqa: E402
 from quantspec.quant.calibrate import run_blockwise  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
 from quantspec.quant.recipe import AWQOptions, Recipe  # noqa: E402
@@ -123,26 +121,12 @@ def model_and_plan(args):
     return model, arch, plan
 
 
-@contextlib.contextmanager
-def patched(**functions):
-    """Module functions of quantspec.quant.awq replaced for the duration (a study's probes)."""
-    old = {k: getattr(awq_module, k) for k in functions}
-    for k, f in functions.items():
-        setattr(awq_module, k, f)
-    try:
-        yield
-    finally:
-        for k, f in old.items():
-            setattr(awq_module, k, f)
-
-
-def run_awq(model, arch, plan, data, settings: AWQSettings, probes: dict, before_eval=None) -> dict:
-    """AWQ on the whole model with ``probes`` in place; then ``before_eval()`` and the quantized
-    model's perplexities."""
+def run_awq(model, arch, plan, data, settings: AWQSettings, probe: AWQProbe, before_eval=None) -> dict:
+    """AWQ on the whole model with ``probe`` watching (or supplying scales); then ``before_eval()``
+    and the quantized model's perplexities."""
     report: dict = {}
     t0 = time.perf_counter()
-    with patched(**probes):
-        run_blockwise(model, arch, data["calib"], AWQMethod(settings), plan, progress=False, report=report)
+    run_blockwise(model, arch, data["calib"], AWQMethod(settings, probe=probe), plan, progress=False, report=report)
     seconds = time.perf_counter() - t0
     if before_eval:
         before_eval()
@@ -157,38 +141,52 @@ def evaluate(model, data: dict) -> dict:
     return {f"{k}_ppl": perplexity(model, data[k]) if k in data["splits"] else None for k in ("val", "test")}
 
 
-def record(args, data: dict) -> list[dict]:
-    model, arch, plan = model_and_plan(args)
-    names = {id(p): n[: -len(".weight")] for n, p in model.named_parameters()}
-    floats, curves, scales = {}, {}, []
-    originals = {k: getattr(awq_module, k) for k in ("search_scale", "clip_error_curve", "awq_quantize")}
+class Recorder(AWQProbe):
+    """Keeps each pair's scale, each clip curve and each scaled float weight; saves ``store`` to
+    ``path`` after every finished block (a cut run leaves a usable prefix)."""
 
-    def search_scale(x_mean, *a, **k):
-        s, info = originals["search_scale"](x_mean, *a, **k)
-        scales.append({"x_mean": x_mean.detach().clone(), "s": s.clone(), "info": info})
+    def __init__(self, store: dict, path: str, blocks: list[tuple[str, ...]]):
+        self.store, self.path, self.blocks = store, path, blocks
+
+    def scale(self, pair, x_mean, search):
+        s, info = search()
+        self.store["scales"].append({"x_mean": x_mean.detach().clone(), "s": s.clone(), "info": info})
         return s, info
 
-    def clip_error_curve(weight, *a, **k):
-        out = originals["clip_error_curve"](weight, *a, **k)
-        curves[names[id(weight)]] = out
-        return out
+    def clip_curve(self, name, errors, amax):
+        self.store["curves"][name] = (errors, amax)
 
+    def scaled_weight(self, name, weight):
+        floats = self.store["floats"]
+        floats[name] = weight.detach().clone()
+        done = sum(all(n in floats for n in b) for b in self.blocks)
+        if done > self.store["blocks_done"]:
+            self.store["blocks_done"] = done
+            torch.save(self.store, self.path)
+
+
+class Replayer(AWQProbe):
+    """Supplies the recorded scales, in order, after checking each pair's statistics."""
+
+    def __init__(self, scales: list[dict]):
+        self.queue = list(scales)
+
+    def scale(self, pair, x_mean, search):
+        rec = self.queue.pop(0)
+        if not torch.allclose(x_mean, rec["x_mean"], rtol=1e-4, atol=1e-6):
+            raise SystemExit("replay: a pair's activation statistics differ from the recorded run's")
+        return rec["s"].to(x_mean.device), rec["info"]
+
+
+def record(args, data: dict) -> list[dict]:
+    model, arch, plan = model_and_plan(args)
     blocks = [tuple(n for n in plan if n.startswith(arch.block_name(i) + ".")) for i in range(len(arch.block_list(model)))]
     blocks = [b for b in blocks if b]
-
-    def awq_quantize(weight, *a, **k):
-        floats[names[id(weight)]] = weight.detach().clone()
-        done = sum(all(n in floats for n in b) for b in blocks)
-        if done > store["blocks_done"]:  # a snapshot per finished block: a cut run leaves a proxy
-            store["blocks_done"] = done
-            torch.save(store, args.store)
-        return originals["awq_quantize"](weight, *a, **k)
-
     variant = json.loads(args.variant[0]) if args.variant else {}
-    probes = {"search_scale": search_scale, "clip_error_curve": clip_error_curve, "awq_quantize": awq_quantize}
-    store = {"floats": floats, "curves": curves, "scales": scales, "variant": variant, "blocks_done": 0,
+    store = {"floats": {}, "curves": {}, "scales": [], "variant": variant, "blocks_done": 0,
              "blocks_total": len(blocks), "plan": {n: s.to_dict() for n, s in plan.items()}, "bits": args.bits, "group": args.group}
-    row = run_awq(model, arch, plan, data, settings_of(variant), probes, lambda: torch.save(store, args.store))
+    row = run_awq(model, arch, plan, data, settings_of(variant), Recorder(store, args.store, blocks),
+                  lambda: torch.save(store, args.store))
     return [{"phase": "record", "variant": variant, **row}]
 
 
@@ -237,16 +235,8 @@ def replay(args, data: dict) -> list[dict]:
         changed += [f"awq.{f}" for f in SCALE_AWQ_FIELDS if getattr(settings.awq, f) != getattr(recorded.awq, f)]
         if changed:
             raise SystemExit(f"variant {text} changes {changed}, which the recorded scales depend on: record again")
-        queue = list(store["scales"])
-
-        def search_scale(x_mean, *a, **k):
-            rec = queue.pop(0)
-            if not torch.allclose(x_mean, rec["x_mean"], rtol=1e-4, atol=1e-6):
-                raise SystemExit("replay: a pair's activation statistics differ from the recorded run's")
-            return rec["s"].to(x_mean.device), rec["info"]
-
         model, arch, plan = model_and_plan(args)
-        row = run_awq(model, arch, plan, data, settings, {"search_scale": search_scale})
+        row = run_awq(model, arch, plan, data, settings, Replayer(store["scales"]))
         rows.append({"phase": "replay", "variant": variant, "recorded": store["variant"], **row})
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -39,8 +39,8 @@ CASES: dict[str, str] = {
     "rtn-w4g128-gptq": "--method rtn --format gptq",
     "rtn-w4g128-asym-awq": "--method rtn --no-sym --format awq",
     "rtn-w8a8-ct": "--method rtn --w8a8",
-    "gptq-w4g128-sym-gptq": "--method gptq --no-act-order",
-    "gptq-w4g128-asym-ct": "--method gptq --no-sym --no-act-order --format compressed-tensors",
+    "gptq-w4g128-sym-gptq": "--method gptq --no-act-order --no-static-groups",
+    "gptq-w4g128-asym-ct": "--method gptq --no-sym --no-act-order --no-static-groups --format compressed-tensors",
     "gptq-w4g128-static-actorder-gptq": "--method gptq",
     "gptq-w4g128-gidx-actorder-gptq": "--method gptq --act-order --no-static-groups",
     "gptq-w3g128-gptq": "--method gptq --bits 3",
@@ -138,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
     cases = run_all(args.root.resolve(), args.model, names)
-    if args.phase == "record":
+    if args.phase == "record":  # a subset updates those cases of an existing record of the same commit
+        commit = commit_of(args.root)
+        old = json.loads(args.json.read_text()) if args.json.is_file() else {}
+        kept = old.get("cases", {}) if old.get("commit") == commit else {}
+        commands = old.get("commands", [old["command"]] if "command" in old else []) if kept else []
         args.json.write_text(json.dumps({
-            "command": "python benchmarks/identity.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-            "commit": commit_of(args.root), "model": args.model, "calibration": CALIB,
+            "commands": commands + ["python benchmarks/identity.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))],
+            "commit": commit, "model": args.model, "calibration": CALIB,
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "date": time.strftime("%Y-%m-%d"), "cases": {n: {"flags": CASES[n], **c} for n, c in cases.items()},
+            "date": time.strftime("%Y-%m-%d"),
+            "cases": {**kept, **{n: {"flags": CASES[n], **c} for n, c in cases.items()}},
         }, indent=1) + "\n")
         failed = [n for n, c in cases.items() if c["exit"]]
         print(f"recorded {len(cases)} cases in {args.json}" + (f"; failed: {failed}" if failed else ""))

@@ -219,7 +219,8 @@ def test_generic_pairs_of_undeclared_families_fold_exactly(family):
 def test_smoothing_methods_refuse_a_model_without_pairs():
     from dataclasses import replace
 
-    from quantspec.quant.methods import check_smoothing
+    from quantspec.quant.job import check_smoothing
+    from quantspec.quant.registry import build_method
     from quantspec.quant.recipe import Recipe
     from quantspec.quant.scheme import QuantScheme
 
@@ -231,7 +232,7 @@ def test_smoothing_methods_refuse_a_model_without_pairs():
         fmt = {"awq": "awq", "smoothquant": "compressed-tensors", "awq+gptq": "gptq"}[method]
         recipe = Recipe(name="t", method=method, format=fmt, scheme=scheme)
         with pytest.raises(QuantspecError, match="no|none were found") as err:
-            check_smoothing(bare, recipe, model)
+            check_smoothing(bare, build_method(recipe), model, method)
         assert "llama" in str(err.value) and "gptq" in str(err.value)
         check_smoothing(ARCHS["llama"], recipe, model)  # the declared pairs: accepted
     check_smoothing(bare, Recipe(name="t", method="gptq", format="gptq", scheme=QuantScheme(4, 32, True)), model)

@@ -4,7 +4,6 @@ real SmolLM2 block (W4 g128, W3 g128), scales files round-trip, quantize -> load
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -20,9 +19,9 @@ from quantspec.quant.awq import (
     apply_clip,
     fake_quantize,
     method_from_recipe,
-    _block_errors,
-    _capture_parents,
-    _keep_helpful_clips,
+    block_errors,
+    capture_parents,
+    keep_helpful_clips,
     clip_wanted,
     scale_from_alpha,
     search_clip,
@@ -30,7 +29,10 @@ from quantspec.quant.awq import (
     weight_group_mean,
 )
 from quantspec.quant.block_methods import RTNMethod
-from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
+from quantspec.quant.block_ops import block_forward
+from quantspec.quant.calibrate import run_blockwise
+from quantspec.quant.method import BlockContext
+from quantspec.quant.capture import capture_inputs
 from quantspec.quant.recipe import AWQOptions, CalibrationConfig, Recipe
 from quantspec.quant.rtn import rtn
 from quantspec.quant.scheme import QuantScheme
@@ -113,7 +115,7 @@ def test_clip_by_bit_width_unless_set():
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "phi3"])
-def test_capture_parents_replays_the_consuming_module(arch_name):
+def testcapture_parents_replays_the_consuming_module(arch_name):
     """q/k/v (or Phi-3's fused qkv) are judged on the attention's output, gate/up on the MLP's,
     up -> down on the Linear's own: replaying the recorded calls gives the block's values."""
     import transformers
@@ -127,7 +129,7 @@ def test_capture_parents_replays_the_consuming_module(arch_name):
         inputs, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
         block = arch.block_list(model)[0]
         pairs, _ = resolve_pairs(block, arch)
-        found = _capture_parents(block, inputs, kwargs[0], pairs, [0, 2])
+        found = capture_parents(block, inputs, kwargs[0], pairs, [0, 2])
         by_prev = {p.prev_name: f for p, f in zip(pairs, found)}
         attn, mlp = by_prev["input_layernorm"], by_prev["post_attention_layernorm"]
         assert attn is not None and attn.module is block.self_attn
@@ -154,7 +156,7 @@ def test_bounded_search_picks_what_the_full_search_picks(use_parent):
     forwards of the consuming module (or fewer Linear-output parts)."""
     import transformers
 
-    from quantspec.quant.awq import PART_TOKENS, _PairObjective
+    from quantspec.quant.awq import PART_TOKENS, PairObjective
     from quantspec.quant.smoothing import resolve_pairs
 
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).eval()
@@ -165,7 +167,7 @@ def test_bounded_search_picks_what_the_full_search_picks(use_parent):
         inputs, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
         block = arch.block_list(model)[0]
         pairs, _ = resolve_pairs(block, arch)
-        found = _capture_parents(block, inputs, kwargs[0], pairs, list(range(6)))
+        found = capture_parents(block, inputs, kwargs[0], pairs, list(range(6)))
         i = next(j for j, p in enumerate(pairs) if p.prev_name == "post_attention_layernorm")
         pair, parent = pairs[i], found[i]
         x = None
@@ -175,7 +177,7 @@ def test_bounded_search_picks_what_the_full_search_picks(use_parent):
             x = x.repeat(PART_TOKENS * 4 // x.shape[0] + 1, 1)[: PART_TOKENS * 4]
             parent = None
         planned = {n: scheme for n in pair.linear_names}
-        objective = _PairObjective(pair, planned, x, parent)
+        objective = PairObjective(pair, planned, x, parent)
         gen = torch.Generator().manual_seed(2)
         x_mean = torch.rand(pair.linears[0].in_features, generator=gen) * 4 + 0.01
         w_mean = weight_group_mean([lin.weight for lin in pair.linears], scheme)
@@ -245,15 +247,15 @@ def test_clip_kept_only_where_it_lowers_the_pair_objective():
     pair = ResolvedPair("", None, ("heavy", "gauss"), (heavy, gauss))
     good = search_clip(heavy.weight, x[:256], scheme)
     bad = 0.3 * gauss.weight.reshape(48, 3, 32).abs().amax(2)  # far below the weights' range
-    kept = _keep_helpful_clips(pair, {"heavy": scheme, "gauss": scheme}, x, None, None,
+    kept = keep_helpful_clips(pair, {"heavy": scheme, "gauss": scheme}, x, None, None,
                                {"heavy": good, "gauss": bad})
     assert kept["heavy"][0] is good and kept["heavy"][1] > 1.0
     assert kept["gauss"][0] is None and kept["gauss"][1] < 1.0
     assert torch.equal(heavy.weight, before[0]) and torch.equal(gauss.weight, before[1])  # restored
 
 
-def test_block_errors_with_and_without_clips():
-    """_block_errors: the block's output MSE with every planned Linear fake-quantized, without
+def testblock_errors_with_and_without_clips():
+    """block_errors: the block's output MSE with every planned Linear fake-quantized, without
     and with clips; clips far below the weights' range raise it; the weights are restored."""
     model = _tiny_llama()
     arch = get_arch(model)
@@ -264,11 +266,11 @@ def test_block_errors_with_and_without_clips():
     scheme = QuantScheme(bits=3, group_size=32, symmetric=False)
     rel = {n: scheme for n in arch.linear_names()}
     before = {n: block.get_submodule(n).weight.clone() for n in rel}
-    plain, same = _block_errors(block, rel, {}, x, kwargs)
+    plain, same = block_errors(block, rel, {}, x, kwargs)
     assert plain > 0 and same == plain
     w = block.mlp.down_proj.weight
     crushed = 0.2 * w.reshape(w.shape[0], -1, 32).abs().amax(2)
-    plain2, clipped = _block_errors(block, rel, {"mlp.down_proj": crushed}, x, kwargs)
+    plain2, clipped = block_errors(block, rel, {"mlp.down_proj": crushed}, x, kwargs)
     assert plain2 == plain and clipped > plain
     assert all(torch.equal(block.get_submodule(n).weight, before[n]) for n in rel)
 
@@ -276,7 +278,7 @@ def test_block_errors_with_and_without_clips():
 def _block_rel_error(method, block, name, inputs, kwargs, plan, arch, ref) -> float:
     b = copy.deepcopy(block)
     with torch.no_grad():
-        res = method.process_block(b, name, inputs, kwargs, plan, arch)
+        res = method.process_block(BlockContext(b, name, 0, inputs, kwargs, plan, arch)).results
         for n, r in res.items():
             b.get_submodule(n[len(name) + 1 :]).weight.copy_(r.dequantize())
         out = block_forward(b, inputs, kwargs)
@@ -373,9 +375,9 @@ def test_awq_next_block_inputs_follow_propagate(propagate):
     method = AWQMethod(AWQSettings(propagate=propagate))
     inner = method.process_block
 
-    def spy(block, block_name, inputs, *rest):
-        seen[block_name] = inputs.clone()
-        return inner(block, block_name, inputs, *rest)
+    def spy(ctx):
+        seen[ctx.name] = ctx.inputs.clone()
+        return inner(ctx)
 
     method.process_block = spy
     report = {}
@@ -480,8 +482,8 @@ def test_model_level_clip_check_survives_resume(tmp_path):
     answers = []
 
     def choose_drop(m):  # the choice must reach the block finished before the interruption
-        real = m.prefer_alternative
-        m.prefer_alternative = lambda logits, n: (answers.append((real(logits, n), m.final_info)), True)[1]
+        real = m._check.decide
+        m._check.decide = lambda logits, n: (answers.append(real(logits, n)), (True, {}))[1]
         return m
 
     clean = run_blockwise(copy.deepcopy(dense), arch, calib, choose_drop(method()), plan, progress=False)
@@ -501,6 +503,6 @@ def test_model_level_clip_check_survives_resume(tmp_path):
     (a, info_a), (b, info_b) = answers  # the streams came back too: the same measured answer
     untimed = [{n: {**v, "clip_model_check": {k: x for k, x in v["clip_model_check"].items() if k != "seconds"}}
                 for n, v in info.items()} for info in (info_a, info_b)]
-    assert a is not None and a == b and untimed[0] == untimed[1]
+    assert info_a and a == b and untimed[0] == untimed[1]
     kept = run_blockwise(copy.deepcopy(dense), arch, calib, method(), plan, progress=False)
     assert any(not kept[n].equal(clean[n]) for n in plan if n.startswith("model.layers.0."))

@@ -14,7 +14,9 @@ from quantspec.errors import QuantspecError
 from quantspec.quant.arch import ARCHS, block_linears
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.block_methods import GPTQMethod, RTNMethod
-from quantspec.quant.calibrate import block_forward, capture_inputs, run_blockwise
+from quantspec.quant.block_ops import block_forward
+from quantspec.quant.calibrate import run_blockwise
+from quantspec.quant.capture import capture_inputs
 from quantspec.quant.recipe import GPTQOptions
 from quantspec.quant.scheme import QuantScheme
 

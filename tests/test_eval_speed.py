@@ -11,7 +11,8 @@ import torch
 from helpers import make_tiny_model
 
 from quantspec.eval.profile import ProfileConfig, bound, classify, gemm_cost, profile_model
-from quantspec.eval.speed import SpeedConfig, dense_source, load_for_eval, speed_report
+from quantspec.eval.speed import SpeedConfig, dense_source, speed_report
+from quantspec.models.load import load_model
 
 TINY_SPEED = SpeedConfig(prompt_lengths=(8, 16), batch_sizes=(1, 2), decode_prompt_length=8,
                          new_tokens=4, repeats=2, warmup=1)
@@ -44,7 +45,7 @@ def test_speed_report_dense_numbers(dense_dir):
     d1 = m["decode"]["1"]
     assert 0 < d1["tpot_ms_p50"] <= d1["tpot_ms_p95"]
     assert d1["ttft_ms"] > 0
-    params = sum(p.numel() for p in load_for_eval(str(dense_dir))[0].parameters())
+    params = sum(p.numel() for p in load_model(str(dense_dir))[0].parameters())
     assert m["weights_mb"] == pytest.approx(params * 4 / 2**20, rel=0.05)
     assert m["memory"]["peak_mb"] >= m["memory"]["before_mb"] > 0
     assert rep["machine"]["cpu"] and rep["machine"]["versions"]["torch"] == torch.__version__
@@ -99,7 +100,7 @@ def test_classify_and_gemm_cost():
 def test_profile_dense_and_quantized(dense_dir, quant_dir, tmp_path):
     peak = {"bandwidth_gbs": 10.0, "flops": 1e11, "source": "test"}
     cfg = ProfileConfig(prompt_length=8, decode_steps=2)
-    dense, _, _ = load_for_eval(str(dense_dir))
+    dense, _, _ = load_model(str(dense_dir))
     s = profile_model(dense, cfg, "cpu", tmp_path / "trace.json", peak)
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     total = sum(c["ms"] for c in s["by_class"].values())
@@ -109,7 +110,7 @@ def test_profile_dense_and_quantized(dense_dir, quant_dir, tmp_path):
     mm = [r for r in s["gemms"] if r["op"] in ("aten::mm", "aten::addmm")]
     assert mm and all(r["bound"] in ("memory", "compute") for r in mm)
     assert s["serving"]["tpot_ms"] > 0
-    quant, _, _ = load_for_eval(str(quant_dir))
+    quant, _, _ = load_model(str(quant_dir))
     q = profile_model(quant, cfg, "cpu", None, peak)
     assert q["quant_linears"] == 14 and q["by_class"]["dequant-GEMM"]["ms"] > 0
 
@@ -135,7 +136,7 @@ def test_speed_report_static_decoder_next_to_transformers(quant_dir, dense_dir):
     text = speed_markdown(rep)
     assert "static decode b2 tok/s" in text and "static decoder vs dense through transformers" in text
 
-    model = load_for_eval(str(dense_dir))[0]
+    model = load_model(str(dense_dir))[0]
     ids = random_prompt(model.config.vocab_size, 2, 8, 0, "cpu")
     dec = StaticDecoder(model)
     with torch.inference_mode():
@@ -164,7 +165,7 @@ def test_plain_decoder_is_transformers_own_loop(dense_dir):
     from quantspec.runtime.kv import KVDecoder, PlainDecoder
     from quantspec.runtime.protocol import Decoder
 
-    model = load_for_eval(str(dense_dir))[0]
+    model = load_model(str(dense_dir))[0]
     ids = random_prompt(model.config.vocab_size, 2, 8, 0, "cpu")
     dec = PlainDecoder(model)
     assert all(isinstance(d, Decoder) for d in (dec, KVDecoder(model), StaticDecoder(model)))

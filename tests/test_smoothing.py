@@ -93,7 +93,7 @@ def test_collect_input_stats_matches_direct():
     model = build("llama", 2)
     spec = get_arch(model)
     block = spec.block_list(model)[0]
-    from quantspec.quant.calibrate import capture_inputs
+    from quantspec.quant.capture import capture_inputs
 
     ids = torch.randint(3, 320, (3, 16), generator=torch.Generator().manual_seed(0))
     inputs, kwargs = capture_inputs(model, spec, ids, torch.device("cpu"))

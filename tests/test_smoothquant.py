@@ -16,7 +16,10 @@ from quantspec.quant.block_methods import RTNMethod
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.recipe import CalibrationConfig, Recipe
 from quantspec.quant.scheme import QuantScheme
-from quantspec.quant.smoothquant import SmoothQuantMethod, SmoothQuantSettings, smoothquant_scales
+from quantspec.quant.block_methods import GPTQMethod
+from quantspec.quant.compose import Composed
+from quantspec.quant.recipe import SmoothQuantOptions
+from quantspec.quant.smoothquant import SmoothQuantMethod, smoothquant_scales
 
 W8A8 = QuantScheme(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
 
@@ -71,7 +74,7 @@ def test_smoothing_beats_plain_w8a8_with_outliers():
         ref = dense(input_ids=ids, use_cache=False).logits
     plan = {n: W8A8 for n, m in dense.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     errors = {}
-    for label, method in [("plain", RTNMethod()), ("smooth", SmoothQuantMethod(SmoothQuantSettings(0.5)))]:
+    for label, method in [("plain", RTNMethod()), ("smooth", Composed(SmoothQuantMethod(SmoothQuantOptions(0.5)), RTNMethod()))]:
         model = copy.deepcopy(dense)
         run_blockwise(model, arch, calib, method, plan, progress=False)
         out = w8a8_logits(model, plan, ids)
@@ -85,7 +88,7 @@ def test_smoothquant_gptq_weights_run():
     arch = get_arch(dense)
     calib = torch.randint(3, 320, (4, 32), generator=torch.Generator().manual_seed(0))
     plan = {n: W8A8 for n, m in dense.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
-    res = run_blockwise(dense, arch, calib, SmoothQuantMethod(SmoothQuantSettings(0.5, "gptq")), plan,
+    res = run_blockwise(dense, arch, calib, Composed(SmoothQuantMethod(SmoothQuantOptions(0.5)), GPTQMethod()), plan,
                         progress=False)
     assert set(res) == set(plan)
     for r in res.values():

@@ -101,9 +101,9 @@ def test_streaming_peak_memory_below_model_size(tmp_path):
 
 def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):
     """AWQ at 3 bits ends with a model-wide choice (keep or drop the clips): the streaming
-    path writes the unclipped alternatives aside and applies the choice as the in-memory path
-    does; dropping equals a run with clipping off, and nothing is left aside."""
-    from quantspec.quant.awq import AWQMethod
+    path rewrites the finished shards with the unclipped results as the in-memory path swaps them;
+    dropping equals a run with clipping off, and nothing is left aside."""
+    from quantspec.quant.awq.model_check import ModelClipCheck
     from quantspec.quant.recipe import AWQOptions
 
     torch.set_num_threads(1)
@@ -112,21 +112,21 @@ def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):
     text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
     calibration = CalibrationConfig(data=str(text), samples=12, seqlen=32)
     scheme = QuantScheme(3, 32, symmetric=False)
-    real = AWQMethod.prefer_alternative
+    real = ModelClipCheck.decide
     out = {}
     for drop in (False, True):
         def forced(self, logits, n_blocks, drop=drop):
-            assert real(self, logits, n_blocks) is not None  # the check covered every block
-            return drop
+            assert real(self, logits, n_blocks)[1]  # the check covered every block
+            return drop, {}
 
-        monkeypatch.setattr(AWQMethod, "prefer_alternative", forced)
+        monkeypatch.setattr(ModelClipCheck, "decide", forced)
         recipe = Recipe(name="t", method="awq", format="compressed-tensors", scheme=scheme, calibration=calibration)
         for streaming in (False, True):
             res = quantspec.quantize(str(tiny), recipe, tmp_path / f"{drop}-{streaming}", progress=False,
                                      streaming=streaming)
             assert not (res.out / ".alternatives").exists()
             out[drop, streaming] = tensors(res.out)
-    monkeypatch.setattr(AWQMethod, "prefer_alternative", real)
+    monkeypatch.setattr(ModelClipCheck, "decide", real)
     off = Recipe(name="t", method="awq", format="compressed-tensors", scheme=scheme, calibration=calibration,
                  awq=AWQOptions(clip=False))
     out["off"] = tensors(quantspec.quantize(str(tiny), off, tmp_path / "off", progress=False, streaming=True).out)
@@ -144,7 +144,7 @@ def test_streaming_resume_rewrites_finished_blocks_and_their_alternatives(tmp_pa
     from safetensors.torch import load_file
 
     import quantspec.quant.calibrate as calibrate
-    from quantspec.quant.awq import AWQMethod
+    from quantspec.quant.awq.model_check import ModelClipCheck
 
     torch.set_num_threads(1)
     tiny = make_tiny_model(tmp_path, "llama", num_hidden_layers=3)
@@ -152,15 +152,15 @@ def test_streaming_resume_rewrites_finished_blocks_and_their_alternatives(tmp_pa
     text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
     recipe = Recipe(name="t", method="awq", format="compressed-tensors", scheme=QuantScheme(3, 32, symmetric=False),
                     calibration=CalibrationConfig(data=str(text), samples=12, seqlen=32))
-    monkeypatch.setattr(AWQMethod, "prefer_alternative", lambda self, logits, n_blocks: True)  # drop the clips
+    monkeypatch.setattr(ModelClipCheck, "decide", lambda self, logits, n_blocks: (True, {}))  # drop the clips
     clean = quantspec.quantize(str(tiny), recipe, tmp_path / "clean", progress=False, streaming=True)
 
     real = calibrate._process
 
-    def stop_at_block_2(method, block, name, *args):
-        if name == "model.layers.2":
+    def stop_at_block_2(method, ctx):
+        if ctx.name == "model.layers.2":
             raise KeyboardInterrupt
-        return real(method, block, name, *args)
+        return real(method, ctx)
 
     out, journal = tmp_path / "out", tmp_path / ".out.resume"
     with monkeypatch.context() as m:
@@ -168,7 +168,8 @@ def test_streaming_resume_rewrites_finished_blocks_and_their_alternatives(tmp_pa
         with pytest.raises(KeyboardInterrupt):
             quantspec.quantize(str(tiny), recipe, out, progress=False, streaming=True, resume=True)
     assert json.loads((journal / "manifest.json").read_text())["done"] == 2
-    assert any(k.startswith("alt.") for f in journal.glob("block_*.safetensors") for k in load_file(str(f)))
+    assert any(k.startswith("method_block.unclipped.") for f in journal.glob("block_*.safetensors")
+               for k in load_file(str(f)))
     resumed = quantspec.quantize(str(tiny), recipe, out, progress=False, streaming=True, resume=True)
     assert resumed.report["resumed_blocks"] == 2 and resumed.report["streaming"] is True
     a, b = tensors(clean.out), tensors(resumed.out)

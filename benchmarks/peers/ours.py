@@ -22,7 +22,7 @@ from quantspec.kernels.reference import quantize_per_token_int8
 from quantspec.models import load_dense
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.calibrate import run_blockwise
-from quantspec.quant.methods import block_method
+from quantspec.quant.registry import build_method
 from quantspec.quant.plan import make_plan
 from quantspec.quant.recipe import Recipe
 
@@ -63,7 +63,7 @@ def main() -> None:
     recipe = Recipe.from_dict({"method": args.method, "format": FORMAT[args.method], "scheme": scheme})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
     t0 = time.perf_counter()
-    run_blockwise(model, get_arch(model), data["calib"], block_method(recipe), plan.quantize, progress=False)
+    run_blockwise(model, get_arch(model), data["calib"], build_method(recipe), plan.quantize, progress=False)
     seconds = time.perf_counter() - t0
     if recipe.scheme.activations:
         fake_quantize_activations(model, plan.quantize)

@@ -18,7 +18,6 @@ from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
-from ..models.load import load_model  # noqa: F401  (re-exported: its former home)
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 

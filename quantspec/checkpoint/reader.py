@@ -66,6 +66,11 @@ class CheckpointReader:
                         self._keys[k] = f
         return set(self._keys)
 
+    def file_of(self, key: str) -> Path:
+        """The weight file that holds tensor ``key``."""
+        self.keys()
+        return self._keys[key]  # type: ignore[index]
+
     def load_all(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """All tensors; floating tensors of dense modules are cast to ``dtype``, quantized
         layers' tensors (codes, scales, zeros) keep the dtype they are stored in."""

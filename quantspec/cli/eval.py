@@ -51,7 +51,7 @@ def run(args) -> int:
     out: dict = {"model": args.model}
     datas = args.ppl if args.ppl is not None else ([] if (args.tasks or args.speed) else ["wikitext2"])
     if datas:
-        from ..models import load_model, model_label
+        from ..models.load import load_model, model_label
 
         model, tok, desc = load_model(args.model, args.dtype, args.device, args.backend)
         out["model"] = label = model_label(desc)

@@ -46,7 +46,7 @@ def run(args) -> int:
     import torch
 
     t_load = time.perf_counter()
-    from ..models import load_model, model_label
+    from ..models.load import load_model, model_label
 
     model, tok, desc = load_model(args.model, args.dtype, args.device, args.backend)
     input_ids = _encode(tok, args.prompt, args.chat).to(args.device)

@@ -13,6 +13,9 @@ from ._common import write_json
 
 
 def add_parser(sub) -> None:
+    from ..formats import FORMAT_NAMES
+    from ..quant.registry import METHODS
+
     p = sub.add_parser(
         "quantize",
         help="quantize a model (hub id, local folder, .gguf, or the built-in default)",
@@ -20,14 +23,15 @@ def add_parser(sub) -> None:
     )
     p.add_argument("model", nargs="?", default=None, help="HF hub id, local folder, .gguf file or alias (default: smollm2-135m)")
     p.add_argument("--recipe", help="recipe name (recipes/NAME.yaml) or a YAML path (default: gptq-w4g128)")
-    p.add_argument("--method", choices=["rtn", "gptq", "awq", "smoothquant", "awq+gptq"])
+    p.add_argument("--method", choices=list(METHODS),
+                   help="; ".join(f"{m}: {spec.summary}" for m, spec in METHODS.items()))
     p.add_argument("--bits", type=int, choices=[2, 3, 4, 8])
     p.add_argument("--group-size", type=int, choices=[-1, 32, 64, 128])
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None, help="symmetric (no zero point)")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None, help="GPTQ desc_act")
     p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--w8a8", action="store_true", help="int8 weights and dynamic per-token int8 activations")
-    p.add_argument("--format", choices=["gptq", "awq", "compressed-tensors"])
+    p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
@@ -67,7 +71,8 @@ def recipe_from_args(args):
     from ..quant.pipeline import resolve_recipe
     from dataclasses import asdict
 
-    from ..quant.recipe import HESSIAN_METHODS, default_recipe_name, default_scheme
+    from ..quant.recipe import default_recipe_name
+    from ..quant.registry import METHODS, default_scheme
 
     recipe = resolve_recipe(args.recipe)
     scheme_fields = {
@@ -105,7 +110,7 @@ def recipe_from_args(args):
             data["scheme"] = {**asdict(default_scheme(top["method"])), **changes}
         else:
             data["scheme"] = {**data["scheme"], **changes}
-            if top.get("method", recipe.method) not in HESSIAN_METHODS and args.act_order is None:
+            if not METHODS[top.get("method", recipe.method)].hessian and args.act_order is None:
                 data["scheme"].update(act_order=False, static_groups=False)  # GPTQ-only settings
         data.update(top)
         data["calibration"] = {**data["calibration"], **calib}

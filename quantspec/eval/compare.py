@@ -28,21 +28,12 @@ def dense_size_bytes(model) -> int:
 
 
 def data_or_fallback(data: str) -> str:
-    """``data``, or the built-in pydoc corpus (with a warning) when a named set is unreachable."""
-    import warnings
+    """``data``, or (with a warning) the first fallback for perplexity that loads when a named set
+    is unreachable: the bundled C4 sample's held-out documents, then pydoc
+    (``data.fallback.load_or_fallback``)."""
+    from ..data.fallback import load_or_fallback
 
-    from ..data import load_text
-    from ..errors import QuantspecError
-    from ..quant.methods import FALLBACK_FROM
-
-    if data not in FALLBACK_FROM:
-        return data
-    try:
-        load_text(data)
-        return data
-    except QuantspecError as exc:
-        warnings.warn(f"{exc} Measuring perplexity on the built-in pydoc corpus instead.", stacklevel=2)
-        return "pydoc"
+    return load_or_fallback(data, "perplexity")[0]
 
 
 def compare_dense_quantized(model_spec, qdir, data="wikitext2", seqlen=512, windows=40, progress=True) -> dict:

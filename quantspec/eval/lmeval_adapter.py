@@ -48,7 +48,7 @@ def quantspec_lm_class() -> type:
     _require_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-    from .speed import load_for_eval
+    from ..models.load import load_model
 
     class QuantspecLM(HFLM):
         """HFLM over a preloaded quantspec model: a quantized folder or a dense model spec."""
@@ -61,7 +61,7 @@ def quantspec_lm_class() -> type:
             import torch
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            model, tokenizer, desc = load_for_eval(spec, dtype=dtype, device=device, backend=backend)
+            model, tokenizer, desc = load_model(spec, dtype=dtype, device=device, backend=backend)
             self.quantspec_model = desc
             super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **kwargs)
 

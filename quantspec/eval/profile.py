@@ -333,14 +333,14 @@ def profile_to_folder(model_spec: str, out: str | Path, config: ProfileConfig = 
                       dtype: str = "auto", device: str | None = None, backend: str = "auto",
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load ``model_spec``, profile it, write trace.json, summary.json and summary.md into ``out``."""
-    from .speed import load_for_eval
+    from ..models.load import load_model
 
     say = progress or (lambda _m: None)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     say(f"loading {model_spec}")
-    model, _tok, desc = load_for_eval(model_spec, dtype=dtype, device=device, backend=backend)
+    model, _tok, desc = load_model(model_spec, dtype=dtype, device=device, backend=backend)
     say("measuring the roofline")
     peak = roofline(device, next(model.parameters()).dtype)
     say(f"profiling {config.prompt_length}-token prefill + {config.decode_steps} decode steps")

@@ -24,7 +24,7 @@ import json
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +33,7 @@ import torch
 from ..checkpoint.load import is_quantized_folder
 
 from ..errors import QuantspecError
+from ..models.load import load_model
 from ..runtime.kv import PlainDecoder, cache_kwarg
 from ..runtime.protocol import Decoder
 from .machine import describe_machine
@@ -106,13 +107,6 @@ def dense_source(path: str | Path) -> str | None:
         if isinstance(c, str) and c:
             return c
     return None
-
-
-def load_for_eval(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu", backend: str = "auto"):
-    """Load a quantized folder or a dense model spec: (model, tokenizer, description)."""
-    from ..checkpoint.load import load_model
-
-    return load_model(model, dtype=dtype, device=device, backend=backend)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -309,7 +303,7 @@ def measure_model(spec: str, config: SpeedConfig, dtype="auto", device="cpu", ba
     say = progress or (lambda _msg: None)
     with PeakMemory(device) as mem:
         start = time.perf_counter()
-        model, _tok, desc = load_for_eval(spec, dtype=dtype, device=device, backend=backend)
+        model, _tok, desc = load_model(spec, dtype=dtype, device=device, backend=backend)
         load_s = time.perf_counter() - start
         say(f"loaded {desc['kind']} {spec} in {load_s:.1f}s")
         wbytes = weight_bytes(model)  # as loaded (--static fuses some layers' layouts later)

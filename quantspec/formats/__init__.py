@@ -15,10 +15,19 @@ from .base import Format, FormatConfig
 from .compressed_tensors import CompressedTensorsFormat
 from .gptq import GPTQFormat
 
-FORMAT_NAMES = ("gptq", "awq", "compressed-tensors")
+# the registry of formats a checkpoint is written in: name -> factory; the CLI's choices and
+# recipe validation read it
+FORMATS: dict[str, type[Format]] = {
+    "gptq": GPTQFormat,
+    "awq": AWQFormat,
+    "compressed-tensors": CompressedTensorsFormat,
+}
+FORMAT_NAMES = tuple(FORMATS)
+_ALIASES = {"compressed_tensors": "compressed-tensors"}
 
 __all__ = [
     "FORMAT_NAMES",
+    "FORMATS",
     "Format",
     "FormatConfig",
     "GPTQFormat",
@@ -33,12 +42,11 @@ def get_format(name: str) -> Format:
     """The format called ``name``: one of ``FORMAT_NAMES``, or "gptq_v2" (the reader of
     GPTQModel v2 checkpoints, which ``read_quantization_config`` returns for them)."""
     key = str(name).strip().lower()
-    if key in ("gptq", "gptq_v2"):  # gptq_v2: read-only alias, see read_quantization_config
+    if key == "gptq_v2":  # a read-only alias, see read_quantization_config
         return GPTQFormat(key)
-    if key == "awq":
-        return AWQFormat()
-    if key in ("compressed-tensors", "compressed_tensors"):
-        return CompressedTensorsFormat()
+    key = _ALIASES.get(key, key)
+    if key in FORMATS:
+        return FORMATS[key]()
     raise QuantspecError(f"unknown checkpoint format {name!r}.", f"use one of {list(FORMAT_NAMES)}.")
 
 

@@ -15,23 +15,29 @@ GPTQMethod follows the reference GPTQ's ``--true-sequential`` loop, in one of tw
 
 On return the dense weights are put back (the engine contract); the engine swaps the
 fake-quant values in.
+
+RTNMethod rounds each planned Linear to nearest; it needs no calibration (``round_layers`` does
+the same for Linears outside the decoder blocks).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import QuantspecError
-from .arch import ArchSpec
-from .calibrate import check_finite, block_groups, block_outputs, planned_linears, run_linear_inputs
+from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
-from .recipe import GPTQOptions, Recipe
+from .method import BlockContext, BlockMethod, BlockOutput
+from .options import GPTQOptions
 from .rtn import rtn
 from .scheme import QuantResult, QuantScheme
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 def collect_hessians(
@@ -92,16 +98,13 @@ def _never_called(name: str) -> QuantspecError:
     )
 
 
-class GPTQMethod:
-    """GPTQ as a BlockMethod. After ``process_block``: ``info`` holds per-layer details
-    (including ``rel_mse``) and ``outputs`` the block's output with quantized weights when the
-    single pass ran (None otherwise)."""
+class GPTQMethod(BlockMethod):
+    """GPTQ as a BlockMethod: per-layer details (including ``rel_mse``) in the output's info,
+    and the block's output with quantized weights as the next inputs when the single pass ran."""
 
     def __init__(self, options: GPTQOptions | None = None, scale_dtype: torch.dtype = torch.float16):
-        self.options = options or GPTQOptions()
-        self.scale_dtype = scale_dtype
+        super().__init__(options or GPTQOptions(), scale_dtype)
         self.info: dict[str, dict] = {}
-        self.outputs: torch.Tensor | None = None
         self._batches: dict[tuple, bool] = {}
 
     def _single_pass_ok(self, block, inputs, kwargs) -> bool:
@@ -121,7 +124,7 @@ class GPTQMethod:
             self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))
         return self._batches[key]
 
-    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan) -> dict[str, QuantResult]:
+    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan) -> BlockOutput:
         results: dict[str, QuantResult] = {}
         last: list = [None, None]  # (input tensor, its Hessian): kept alive, shared by q/k/v
 
@@ -141,34 +144,26 @@ class GPTQMethod:
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
-            self.outputs = block_outputs(block, inputs, kwargs)
+            outputs = block_outputs(block, inputs, kwargs)
         finally:
             for h in handles:
                 h.remove()
-        check_finite(self.outputs, block_name, "its output")
+        check_finite(outputs, block_name, "its output")
         for name in modules:
             if name not in results:
                 raise _never_called(name)
-        return results
+        return BlockOutput(results, self.info, next_inputs=outputs)
 
-    def process_block(
-        self,
-        block: nn.Module,
-        block_name: str,
-        inputs: torch.Tensor,
-        kwargs: dict[str, Any],
-        plan: dict[str, QuantScheme],
-        arch: ArchSpec,
-    ) -> dict[str, QuantResult]:
+    def process_block(self, ctx: BlockContext) -> BlockOutput:
+        block, block_name, inputs, kwargs, plan = ctx.block, ctx.name, ctx.inputs, ctx.kwargs, ctx.plan
         self.info = {}
-        self.outputs = None
         modules = planned_linears(block, block_name, plan)
         dense = {n: m.weight.detach().clone() for n, m in modules.items()}
         results: dict[str, QuantResult] = {}
         try:
             if self._single_pass_ok(block, inputs, kwargs):
                 return self._single_pass(block, block_name, inputs, kwargs, modules, plan)
-            for group in block_groups(block, block_name, plan, arch):
+            for group in block_groups(block, block_name, plan, ctx.arch):
                 hessians = collect_hessians(
                     block, block_name, inputs, kwargs, {n: modules[n] for n in group}
                 )
@@ -180,7 +175,7 @@ class GPTQMethod:
             with torch.no_grad():
                 for n, w in dense.items():
                     modules[n].weight.copy_(w)
-        return results
+        return BlockOutput(results, self.info)
 
     def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme) -> QuantResult:
         t0 = time.perf_counter()
@@ -200,33 +195,35 @@ class GPTQMethod:
         return res
 
 
-def gptq_from_recipe(recipe: Recipe) -> GPTQMethod:
-    """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options), for ``methods.py``."""
+def gptq_from_recipe(recipe: "Recipe") -> GPTQMethod:
+    """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options)."""
     return GPTQMethod(recipe.gptq)
 
 
-class RTNMethod:
-    """Round-to-nearest as a BlockMethod (no statistics; the inputs are only replayed)."""
+class RTNMethod(BlockMethod):
+    """Round-to-nearest as a BlockMethod: no statistics, so no calibration needed (given
+    calibration data, the engine still replays the block and measures each layer's error)."""
 
-    options = None
+    needs_calibration = False
 
     def __init__(self, scale_dtype: torch.dtype = torch.float16):
-        self.scale_dtype = scale_dtype
-        self.info: dict[str, dict] = {}
+        super().__init__(None, scale_dtype)
 
-    def process_block(
-        self,
-        block: nn.Module,
-        block_name: str,
-        inputs: torch.Tensor,
-        kwargs: dict[str, Any],
-        plan: dict[str, QuantScheme],
-        arch: ArchSpec,
-    ) -> dict[str, QuantResult]:
-        self.info = {}
-        out = {}
-        for name, mod in planned_linears(block, block_name, plan).items():
-            t0 = time.perf_counter()
-            out[name] = rtn(mod.weight.detach(), plan[name], self.scale_dtype)
-            self.info[name] = {"seconds": time.perf_counter() - t0}
-        return out
+    def process_block(self, ctx: BlockContext) -> BlockOutput:
+        return BlockOutput(*round_layers(planned_linears(ctx.block, ctx.name, ctx.plan), ctx.plan,
+                                         self.scale_dtype))
+
+
+def round_layers(modules: dict[str, nn.Linear], plan: dict[str, QuantScheme],
+                 scale_dtype: torch.dtype = torch.float16) -> tuple[dict[str, QuantResult], dict[str, dict]]:
+    """RTN of each Linear of ``modules`` with its scheme in ``plan``: (results, per-layer info:
+    ``weight_rel_mse`` = ||W - Q(W)||^2 / ||W||^2 and ``seconds``). Weights are not changed."""
+    results, info = {}, {}
+    for name, mod in modules.items():
+        t0 = time.perf_counter()
+        w = mod.weight.detach()
+        results[name] = rtn(w, plan[name], scale_dtype)
+        deq = results[name].dequantize(torch.float32)
+        err = ((deq - w.float()).pow(2).mean() / w.float().pow(2).mean().clamp(min=1e-30)).item()
+        info[name] = {"weight_rel_mse": err, "seconds": round(time.perf_counter() - t0, 4)}
+    return results, info

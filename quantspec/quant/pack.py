@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -11,8 +11,10 @@ from torch import nn
 from ..checkpoint.save import write_checkpoint
 from ..models.conv1d import conv1d_layout
 from .plan import LayerPlan, override_patterns
-from .recipe import Recipe
 from .scheme import QuantResult
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 
 def checkpoint_state(
@@ -41,7 +43,7 @@ def checkpoint_state(
     return state
 
 
-def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[str]) -> dict:
+def quantization_config(fmt, recipe: "Recipe", plan: LayerPlan, all_linears: list[str]) -> dict:
     """The format's config, with per-layer overrides for regrouped layers."""
     from ..formats.overrides import with_overrides
 
@@ -58,7 +60,7 @@ def quantization_config(fmt, recipe: Recipe, plan: LayerPlan, all_linears: list[
     return cfg
 
 
-def checkpoint_config(model: nn.Module, recipe: Recipe, plan: LayerPlan, fmt, save_dtype) -> dict:
+def checkpoint_config(model: nn.Module, recipe: "Recipe", plan: LayerPlan, fmt, save_dtype) -> dict:
     """config.json of the checkpoint: the model's config plus the quantization_config."""
     all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     config = model.config.to_dict()
@@ -75,7 +77,7 @@ def build_checkpoint(
     tokenizer,
     results: dict[str, QuantResult],
     plan: LayerPlan,
-    recipe: Recipe,
+    recipe: "Recipe",
     fmt,
     save_dtype: torch.dtype,
     report: dict[str, Any],

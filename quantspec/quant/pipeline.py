@@ -1,10 +1,14 @@
-"""``quantize()``: load a dense model, run a recipe's method, pack, write a checkpoint.
+"""``quantize()``: one path from a model spec and a recipe to a checkpoint folder.
 
-    model spec --load_dense--> float model --plan--> layers to quantize
-      --method (rtn | gptq | awq | smoothquant | awq+gptq)--> {name: QuantResult}
-      --format.pack--> named tensors --write_checkpoint--> folder (atomic)
+    model spec --> source: resident (load_dense) or lazy (meta model + shards, ``sources.py``)
+      --plan--> layers to quantize --registry.build_method--> BlockMethod
+      --calibrate.run_blockwise(source, sink)--> results (in memory, or packed per block into
+        the checkpoint's shards: ``sinks.py``), journaled when resuming
+      --RTN for planned Linears outside the decoder blocks--> the rest of the checkpoint
+      --> config, tokenizer, recipe.yaml, quant_report.json, checksums, all in a temporary
+      folder renamed into place (``checkpoint/atomic.py``)
 
-The method runners live in ``methods.py``; this file only sequences the steps.
+``quantize_model`` (``api.py``) is the same up to the results, in memory, without a folder.
 """
 
 from __future__ import annotations
@@ -100,21 +104,45 @@ def quantize(
     Bad input (unknown model, impossible scheme, existing output folder) raises QuantspecError
     before any long work starts.
     """
-    from ..checkpoint.atomic import check_destination
+    from ..checkpoint.atomic import atomic_folder, check_destination
+    from ..checkpoint.checksums import write_manifest
+    from ..checkpoint.save import write_metadata, write_safetensors
     from ..formats import get_format
     from ..models import dense_folder, model_slug, resolve_device
+    from .job import prepare, run
+    from .opened import Lazy, Resident
+    from .pack import checkpoint_config, checkpoint_state
 
     recipe = resolve_recipe(recipe)
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
     check_destination(out, overwrite)
     dev = resolve_device(device)
+    lazy = want_streaming(streaming, dense_folder(model))
+    opened = Lazy.open(model) if lazy else Resident.open(model)
+    dense = opened.model
+    job = prepare(dense, opened.tokenizer, recipe, fmt, dev)
+    if lazy:
+        opened.read_outside(job.arch, keep_head=job.method.uses_model_head(job.block_plan) or bool(job.outside_plan))
+    save_dtype = save_dtype_for(dense.config)
     report: dict[str, Any] = {"layers": {}}
     resume_dir = resume_folder(out) if resume else None
-    if want_streaming(streaming, dense_folder(model)):
-        _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report)
-    else:
-        _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report)
+    with atomic_folder(out, overwrite) as tmp:
+        t0 = time.perf_counter()
+        sink = opened.sink(tmp, job.arch, fmt, save_dtype, bool(job.outside_plan))
+        results, rest = run(dense, job, device=dev, progress=progress, report=report["layers"],
+                            resume_dir=resume_dir, source=opened.source(job.arch), sink=sink)
+        seconds = time.perf_counter() - t0
+        if lazy:
+            sink.write_rest(dense, rest, opened.weights, job.inside)
+        else:
+            write_safetensors(tmp, checkpoint_state(dense, {**results, **rest}, fmt, save_dtype))
+        fill_report(report, recipe, fmt, job.plan, job.calib, seconds, dev, model=opened.name,
+                    source=str(opened.path), load_seconds=opened.load_seconds, streaming=lazy)
+        write_metadata(tmp, checkpoint_config(dense, recipe, job.plan, fmt, save_dtype), tokenizer=opened.tokenizer,
+                       generation_config=getattr(dense, "generation_config", None),
+                       recipe_yaml=recipe.to_yaml(), report=report)
+        write_manifest(tmp)
     if resume_dir is not None:
         import shutil
 
@@ -125,51 +153,6 @@ def quantize(
 def resume_folder(out: Path) -> Path:
     """Where a ``resume`` run journals its finished blocks: a hidden sibling of ``out``."""
     return out.parent / f".{out.name}.resume"
-
-
-def _quantize_in_memory(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report) -> None:
-    from ..models import load_dense
-    from ..models.conv1d import linearize_conv1d
-    from .methods import run_method
-    from .pack import build_checkpoint
-    from .plan import make_plan
-
-    t_load = time.perf_counter()
-    dense, tokenizer, info = load_dense(model, dtype=torch.float32, device="cpu")
-    linearize_conv1d(dense)  # GPT-2 style models: their Conv1D projections as nn.Linear
-    load_seconds = time.perf_counter() - t_load
-    plan = make_plan(dense, recipe.scheme, fmt, recipe.targets, recipe.ignore)
-    t0 = time.perf_counter()
-    results, calib = run_method(
-        dense, tokenizer, plan, recipe, device=dev, progress=progress,
-        resume_dir=resume_dir, report=report["layers"],
-    )
-    fill_report(report, recipe, fmt, plan, calib, time.perf_counter() - t0, dev,
-                model=info.name, source=str(info.path), load_seconds=load_seconds, streaming=False)
-    build_checkpoint(
-        out, dense, tokenizer, results, plan, recipe, fmt, save_dtype_for(dense.config), report, overwrite
-    )
-
-
-def _quantize_streaming(model, recipe, fmt, out, dev, overwrite, progress, resume_dir, report) -> None:
-    from ..checkpoint.save import write_metadata
-    from ..models import dense_folder, load_tokenizer, model_slug
-    from .streaming import quantize_streaming
-
-    folder = dense_folder(model)
-    tokenizer = load_tokenizer(folder)
-
-    def finish(tmp, dense, plan, calib, seconds, config):
-        fill_report(report, recipe, fmt, plan, calib, seconds, dev,
-                    model=model_slug(model), source=str(folder), load_seconds=0.0, streaming=True)
-        write_metadata(tmp, config, tokenizer=tokenizer,
-                       generation_config=getattr(dense, "generation_config", None),
-                       recipe_yaml=recipe.to_yaml(), report=report)
-
-    quantize_streaming(
-        folder, tokenizer, recipe, fmt, out, overwrite=overwrite, device=dev, progress=progress,
-        report=report["layers"], save_dtype_for=save_dtype_for, finish=finish, resume_dir=resume_dir,
-    )
 
 
 def fill_report(report, recipe, fmt, plan, calib, seconds, dev, **fields) -> None:

@@ -13,12 +13,13 @@ Conventions (shared by every algorithm, format and kernel):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import replace, asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import QuantspecError
+from ..strict import reject_unknown
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
@@ -108,12 +109,7 @@ class QuantScheme:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "QuantScheme":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise QuantspecError(
-                f"unknown scheme field(s) {sorted(unknown)}.", f"use only {sorted(known)}."
-            )
+        reject_unknown(cls, data, "scheme")
         return cls(**data)
 
 
@@ -136,6 +132,15 @@ class QuantResult:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.qweight.shape)  # type: ignore[return-value]
+
+    def to(self, device: torch.device | str) -> "QuantResult":
+        """The same result with every tensor on ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, qweight=move(self.qweight), scales=move(self.scales),
+                       zeros=move(self.zeros), g_idx=move(self.g_idx))
 
     def group_index(self) -> torch.Tensor:
         """int64 [K]: the group of each input column."""

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .arch import ArchSpec, submodule_or_none
-from .calibrate import run_linear_inputs
+from .block_ops import run_linear_inputs
 
 
 # ---------------------------------------------------------------------------------------------

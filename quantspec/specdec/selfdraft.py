@@ -1,9 +1,7 @@
 """QuantizedSelf: the target, quantized by this library, as its own draft.
 
-``quantize_in_memory`` deep-copies the target and swaps each planned nn.Linear for a
-``QuantLinear`` built from ``rtn(W, scheme)`` in the GPTQ format, run by the fastest kernel
-backend available here. The plan (which layers, regrouping when K is not divisible by the
-group size) is the library's own ``quant.plan.make_plan``, so the draft quantizes exactly the
+``quantize_in_memory`` deep-copies the target and quantizes it with ``quantspec.quantize_model``
+(RTN, the GPTQ format, the fastest kernel backend here), so the draft quantizes exactly the
 layers a checkpoint would. A checkpoint folder goes through ``quantspec.load_quantized``.
 """
 
@@ -20,25 +18,6 @@ from ..quant.scheme import QuantScheme
 from .proposers import DraftModel
 
 
-def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, module)
-
-
-def _quantize_linear(draft: nn.Module, name: str, scheme: QuantScheme, fmt: str, backend: str) -> str:
-    """Swap ``draft.<name>`` (an nn.Linear) for its RTN QuantLinear; returns the backend."""
-    from ..kernels.quant_linear import QuantLinear
-    from ..quant.rtn import rtn
-
-    lin = draft.get_submodule(name)
-    result = rtn(lin.weight.detach().to(torch.float32), scheme)
-    qlin = QuantLinear.from_result(result, fmt, lin.bias, dtype=lin.weight.dtype)
-    qlin = qlin.to(lin.weight.device)
-    backend = qlin.prepare(backend)
-    _set_module(draft, name, qlin)
-    return backend
-
-
 def quantize_in_memory(
     model: nn.Module,
     scheme: QuantScheme,
@@ -48,35 +27,27 @@ def quantize_in_memory(
     dtype: torch.dtype | None = None,
     head_scheme: QuantScheme | None = None,
 ) -> tuple[nn.Module, dict]:
-    """A quantized copy of ``model`` (RTN) and a report {layer: scheme or reason, backends}.
+    """A quantized copy of ``model`` (RTN, ``quantspec.quantize_model``) and its report.
 
     include_lm_head: the draft may quantize the output projection too (a large share of a
     small model's weights), with ``head_scheme`` (default: ``scheme``); the target itself is
     never changed. dtype: the copy's compute dtype (default: the model's); a bf16 draft of an
     fp32 target reads half the bytes in the layers it leaves dense.
     """
-    from ..formats import get_format
-    from ..models.conv1d import linearize_conv1d
-    from ..quant.plan import make_plan
+    from ..quant.api import quantize_model
+    from ..quant.recipe import Recipe
 
     draft = copy.deepcopy(model).eval()  # a tied lm_head is swapped, the embedding stays
     if dtype is not None:
         draft = draft.to(dtype)
-    linearize_conv1d(draft)
-    ignore = () if include_lm_head else ("lm_head",)
-    plan = make_plan(draft, scheme, get_format(fmt), ignore=ignore)
     head = head_name(draft)
-    if head_scheme is not None and head in plan.quantize:
+    if head_scheme is not None and include_lm_head and head is not None:
         _check_head_scheme(draft.get_submodule(head), head_scheme)
-        plan.quantize[head] = head_scheme
-    backends = {name: _quantize_linear(draft, name, s, fmt, backend)
-                for name, s in plan.quantize.items()}
-    report = {
-        "quantized": {n: s.short_name for n, s in plan.quantize.items()},
-        "dense": dict(plan.dense),
-        "regrouped": dict(plan.regrouped),
-        "backends": backends,
-    }
+    recipe = Recipe(name="self-draft", method="rtn", format=fmt, scheme=scheme,
+                    ignore=() if include_lm_head else ("lm_head",))
+    overrides = {head: head_scheme} if head_scheme is not None and head is not None else None
+    draft, report = quantize_model(draft, recipe, backend=backend, overrides=overrides)
+    report.pop("layers")
     return draft, report
 
 
@@ -126,7 +97,12 @@ class QuantizedSelf(DraftModel):
         report = {"backends": dict(getattr(model, "quantspec_backends", {}))}
         head = head_name(model)
         if head_scheme is not None and head is not None and type(model.get_submodule(head)) is nn.Linear:
+            from ..quant.api import quantize_model
+            from ..quant.recipe import Recipe
+
             _check_head_scheme(model.get_submodule(head), head_scheme)
-            report["backends"][head] = _quantize_linear(model, head, head_scheme, "gptq", "auto")
+            recipe = Recipe(name="draft-head", method="rtn", format="gptq", scheme=head_scheme,
+                            targets=(head,), ignore=())
+            report["backends"].update(quantize_model(model, recipe)[1]["backends"])
             report["head"] = head_scheme.short_name
         return cls(model, name=f"self:{path}", report=report)

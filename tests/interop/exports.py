@@ -92,14 +92,10 @@ def quantizes_activations(name: str) -> bool:
 
 def method_available(method: str) -> str | None:
     """None when quantspec can run ``method``, else the reason it cannot."""
-    if method == "rtn":
-        return None
-    try:
-        from quantspec.quant.methods import BLOCK_METHODS, _factory
+    from quantspec.quant.registry import METHODS
 
-        _factory(method) if method in BLOCK_METHODS else None
-    except Exception as exc:  # noqa: BLE001 - any import problem means "not available yet"
-        return f"quantspec method {method!r} is not available: {exc}"
+    if method not in METHODS:
+        return f"quantspec method {method!r} is not available (registry: {sorted(METHODS)})"
     return None
 
 

@@ -1,0 +1,107 @@
+"""Typed, validated settings of a recipe's parts: calibration data and each method's options.
+A leaf module (the methods and the recipe both read it). Unknown keys are errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import QuantspecError
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Calibration data: a data name (wikitext2, c4, pydoc) or a .txt/.jsonl path."""
+
+    data: str = "c4"
+    samples: int | None = None  # None: 128 on a GPU, 64 on a CPU
+    seqlen: int | None = None  # None: 2048 on a GPU, 512 on a CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "seqlen"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise QuantspecError(
+                    f"calibration {name}={v!r} must be a positive integer.",
+                    f"set calibration.{name} to e.g. 128 (samples) or 2048 (seqlen).",
+                )
+
+    def resolved(self, on_gpu: bool) -> "CalibrationConfig":
+        return replace(
+            self,
+            samples=self.samples or (128 if on_gpu else 64),
+            seqlen=self.seqlen or (2048 if on_gpu else 512),
+        )
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """GPTQ settings. ``single_pass_gb``: when a block's activations for the whole calibration
+    set fit in this many GiB, each block runs once on all samples as one batch and every Linear
+    is quantized inside that forward, just before it is used (true-sequential at no extra
+    cost: about 2.5x faster on the CPU); above it (or when the block does not batch) the block
+    is re-run per Linear group, one sample at a time, and the peak memory stays at about one
+    sample's activations. 0 forces the per-group path. SmolLM2-135M at 64 x 512 needs ~0.9 GiB,
+    Qwen2.5-0.5B ~2.4 GiB."""
+
+    damp_percent: float = 0.01
+    block_size: int = 128
+    single_pass_gb: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.single_pass_gb >= 0:
+            raise QuantspecError(
+                f"gptq.single_pass_gb={self.single_pass_gb} must be >= 0.", "use e.g. 8."
+            )
+        if not 0 < self.damp_percent < 1:
+            raise QuantspecError(
+                f"gptq.damp_percent={self.damp_percent} must lie in (0, 1).", "use e.g. 0.01."
+            )
+        if self.block_size < 1:
+            raise QuantspecError("gptq.block_size must be positive.", "use e.g. 128.")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    grid: int = 20
+    # weight-clipping search: True, False, or None = by bit width (awq.clip_wanted)
+    clip: bool | None = None
+    # candidate scales: False the paper's x^a, True AutoAWQ's "duo" x^a / w^(1-a), "both" the union
+    duo_scaling: bool | str = "both"
+    save_scales: str | None = None
+    load_scales: str | None = None
+    # precision of the searches' forward passes over an fp32 model: float32 (exact, the
+    # default), bfloat16 (matrix products under bf16 autocast; the fake-quantized weights and the
+    # errors stay fp32), or auto (bfloat16 where the device multiplies bf16 natively: CPUs with
+    # AMX, CUDA GPUs with bf16). About half the search time on a 2-core AMX Xeon.
+    search_dtype: str = "float32"
+    # a group's clip is kept only where it lowers the group's output error on the clip sample
+    # by more than this fraction (0: any improvement, as the AWQ paper); why 0.3:
+    # docs/decisions/awq-defaults.md
+    clip_min_gain: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_min_gain < 1.0:
+            raise QuantspecError(f"awq.clip_min_gain={self.clip_min_gain} is not in [0, 1).",
+                                 "use e.g. 0.3 (the default) or 0 to keep every clip that helps at all.")
+        if self.search_dtype not in ("float32", "bfloat16", "auto"):
+            raise QuantspecError(f"awq.search_dtype={self.search_dtype!r} is not float32, bfloat16 or auto.",
+                                 "use float32 (the default), bfloat16 or auto.")
+        if self.duo_scaling not in (True, False, "both"):
+            raise QuantspecError(
+                f"awq.duo_scaling={self.duo_scaling!r} is not one of true, false, both.",
+                "use both (the default), true or false.",
+            )
+        if self.grid < 2:
+            raise QuantspecError(f"awq.grid={self.grid} must be at least 2.", "use e.g. 20.")
+
+
+@dataclass(frozen=True)
+class SmoothQuantOptions:
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise QuantspecError(
+                f"smoothquant.alpha={self.alpha} must lie in [0, 1].", "use e.g. 0.5."
+            )
