@@ -234,5 +234,6 @@ def test_smoothing_methods_refuse_a_model_without_pairs():
         with pytest.raises(QuantspecError, match="no|none were found") as err:
             check_smoothing(bare, build_method(recipe), model, method)
         assert "llama" in str(err.value) and "gptq" in str(err.value)
-        check_smoothing(ARCHS["llama"], recipe, model)  # the declared pairs: accepted
-    check_smoothing(bare, Recipe(name="t", method="gptq", format="gptq", scheme=QuantScheme(4, 32, True)), model)
+        check_smoothing(ARCHS["llama"], build_method(recipe), model, method)  # the declared pairs: accepted
+    gptq = Recipe(name="t", method="gptq", format="gptq", scheme=QuantScheme(4, 32, True))
+    check_smoothing(bare, build_method(gptq), model, "gptq")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import quantspec
-from helpers import make_tiny_model, tiny_config
+from helpers import make_tiny_model, tiny_config, tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.awq import (
@@ -318,12 +318,7 @@ def test_awq_beats_rtn_on_smollm2_block(smollm2_dir, data_dir, monkeypatch, sear
 
 
 def _tiny_llama(seed: int = 0) -> nn.Module:
-    import transformers
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(
-            tiny_config("llama", num_key_value_heads=4), dtype=torch.float32).eval()
+    return tiny_model("llama", seed, num_key_value_heads=4)
 
 
 def test_save_load_scales_round_trip(tmp_path):

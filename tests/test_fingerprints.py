@@ -64,9 +64,9 @@ def interrupt_after(monkeypatch, blocks: int) -> None:
     """Make the engine stop once ``blocks`` blocks are journaled (as a kill would)."""
     real = ResumeState.save_block
 
-    def save_then_stop(self, index, *args, **kwargs):
-        real(self, index, *args, **kwargs)
-        if index + 1 == blocks:
+    def save_then_stop(self, record, *args, **kwargs):
+        real(self, record, *args, **kwargs)
+        if record.index + 1 == blocks:
             raise _Stop
 
     monkeypatch.setattr(ResumeState, "save_block", save_then_stop)

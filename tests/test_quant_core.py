@@ -5,7 +5,6 @@ source and sink (undeclared architectures included), and ``quantize_model`` quan
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import quantspec
-from helpers import make_tiny_model, tiny_config
+from helpers import make_tiny_model, tiny_model
 from quantspec.kernels.reference import quantize_per_token_int8
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.block_methods import RTNMethod
@@ -34,12 +34,7 @@ def test_scale_formula():
 
 def outlier_model() -> nn.Module:
     """Tiny llama whose norms amplify 3 channels 50x: activation outliers in every block."""
-    import transformers
-
-    cfg = tiny_config("llama", num_key_value_heads=4)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = tiny_model("llama", 0, num_key_value_heads=4)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight"):

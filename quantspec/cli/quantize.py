@@ -92,6 +92,8 @@ def recipe_from_args(args):
         top["format"] = args.format
     elif args.w8a8:
         top["format"] = "compressed-tensors"
+    elif args.method and args.recipe is None:  # the method's own default format
+        top["format"] = METHODS[args.method].default_format
     calib = {
         k: v
         for k, v in {

@@ -54,17 +54,15 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
     architecture (refusing a smoothing method on a model without pairs), the plan (with
     ``overrides``: other schemes for some planned layers), the calibration ids."""
     method = build_method(recipe)
+    if method.needs_calibration and tokenizer is None:
+        raise QuantspecError(f"{recipe.method} needs calibration data, so a tokenizer.",
+                             "pass the model's tokenizer, or use --method rtn.")
     arch = _arch(model, method, recipe.method)
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
     for name, scheme in (overrides or {}).items():
         if name in plan.quantize:
             plan.quantize[name] = scheme
-    ids, calib = None, None
-    if method.needs_calibration:
-        if tokenizer is None:
-            raise QuantspecError(f"{recipe.method} needs calibration data, so a tokenizer.",
-                                 "pass the model's tokenizer, or use --method rtn.")
-        ids, calib = calibration(tokenizer, recipe, device)
+    ids, calib = calibration(tokenizer, recipe, device) if method.needs_calibration else (None, None)
     return Job(recipe, method, arch, plan, ids, calib)
 
 

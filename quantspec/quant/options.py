@@ -10,7 +10,9 @@ from ..errors import QuantspecError
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """Calibration data: a data name (wikitext2, c4, pydoc) or a .txt/.jsonl path."""
+    """Calibration data: a data name (c4, wikitext2, c4-bundled: the C4 sample shipped in the
+    package, pydoc) or a .txt/.jsonl path. Offline without a local copy, c4 and wikitext2 fall
+    back to c4-bundled (``data.fallback``)."""
 
     data: str = "c4"
     samples: int | None = None  # None: 128 on a GPU, 64 on a CPU

@@ -45,6 +45,7 @@ class MethodSpec:
     options: str | None = None  # the Recipe field of its options
     hessian: bool = False
     activations: bool = False  # the scheme must quantize activations (W8A8)
+    default_format: str = "gptq"
     build: Callable[["Recipe"], BlockMethod] | None = None
     smoother: Callable[["Recipe"], Smoother] | None = None
     steps: tuple[str, ...] = ()
@@ -60,10 +61,10 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                build=gptq_from_recipe),
     MethodSpec("awq", "AWQ scales, clipping and RTN", W4_ASYM, "awq", build=awq_method, smoother=awq_smoother),
     MethodSpec("smoothquant", "SmoothQuant scales then RTN, W8A8", W8A8, "smoothquant", activations=True,
-               smoother=smoothquant_smoother, steps=("smoothquant", "rtn")),
+               default_format="compressed-tensors", smoother=smoothquant_smoother, steps=("smoothquant", "rtn")),
     MethodSpec("awq+gptq", "AWQ scales then GPTQ", W4_ACT_ORDER, "awq", hessian=True, steps=("awq", "gptq")),
     MethodSpec("smoothquant+gptq", "SmoothQuant scales then GPTQ, W8A8", W8A8, "smoothquant", hessian=True,
-               activations=True, steps=("smoothquant", "gptq")),
+               activations=True, default_format="compressed-tensors", steps=("smoothquant", "gptq")),
 )}
 
 
