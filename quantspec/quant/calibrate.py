@@ -219,7 +219,8 @@ def run_blockwise(
                     report.setdefault(n, {}).update(
                         {"block": i, **measured, "block_seconds": seconds, **out.info.get(n, {})})
                 record = BlockRecord(i, name, block, results, {n: report[n] for n in results},
-                                     inputs if calibrated else torch.zeros(0), out.state, method.carry())
+                                     inputs if calibrated else torch.zeros(0), out.state,
+                                     method.carry() if journal is not None else {})
             finally:
                 block.to(home)
             sink.write_block(record)
