@@ -18,6 +18,8 @@ import torch
 
 TINY_VOCAB = 320  # 256 byte symbols + merges + 3 specials
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
+# mixture-of-experts families whose experts quantspec quantizes (models/experts.py LAYOUTS)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -62,8 +64,10 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB):
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
     """A transformers config for a 2-layer model: hidden 64, intermediate 128, 4 heads (2 KV).
+    MoE families: 8 experts of intermediate 32, top-2 (DeepSeek/GLM: one shared expert, the
+    first block dense; DeepSeek's MLA attention with all 4 KV heads).
 
-    All Linear input sizes (64, 128) are divisible by 32. ``overrides`` replace any field.
+    All Linear input sizes (64, 128, 32) are divisible by 32. ``overrides`` replace any field.
     """
     import transformers
 
@@ -79,12 +83,34 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
         "gemma2": ("Gemma2Config", gemma),
         "gemma3_text": ("Gemma3TextConfig", gemma),
         "phi3": ("Phi3Config", {}),
+        **_moe_configs(),
     }
     if arch not in per_arch:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + tuple(_moe_configs())}")
     cls_name, extra = per_arch[arch]
     kwargs = {**common, **extra, **overrides}
     return getattr(transformers, cls_name)(**kwargs)
+
+
+def _moe_configs() -> dict[str, tuple[str, dict]]:
+    experts = {"num_experts_per_tok": 2}
+    qwen = {**experts, "num_experts": 8, "moe_intermediate_size": 32}
+    local = {**experts, "num_local_experts": 8, "intermediate_size": 32}
+    shared = {**experts, "n_routed_experts": 8, "moe_intermediate_size": 32, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+    mla = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+           "v_head_dim": 16}
+    return {
+        "qwen3_moe": ("Qwen3MoeConfig", {**qwen, "head_dim": 16, "norm_topk_prob": True}),
+        "qwen2_moe": ("Qwen2MoeConfig", {**qwen, "shared_expert_intermediate_size": 64}),
+        "mixtral": ("MixtralConfig", {**local, "sliding_window": None}),
+        "olmoe": ("OlmoeConfig", {**experts, "num_experts": 8, "intermediate_size": 32}),
+        "deepseek_v3": ("DeepseekV3Config", {**shared, **mla, "q_lora_rank": 32}),
+        "deepseek_v2": ("DeepseekV2Config", {**shared, **mla, "q_lora_rank": None}),
+        "glm4_moe": ("Glm4MoeConfig", {**shared, "head_dim": 16}),
+        "gpt_oss": ("GptOssConfig", {**local, "head_dim": 16, "sliding_window": 64}),
+        "granitemoe": ("GraniteMoeConfig", local),
+    }
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import torch
 from ..formats.overrides import read_with_overrides
 from ..kernels.backend import choose_backend
 from ..kernels.quant_linear import QuantLinear
-from .load import _empty_model, _swap_quantized_linears, read_config
+from .load import quantized_skeleton, read_config
 from .reader import CheckpointReader
 from .save import folder_size_bytes
 
@@ -30,8 +30,8 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     reader = CheckpointReader(path)
-    model = _empty_model(cfg, dt)
-    swapped = set(_swap_quantized_linears(model, fcfg, fmt, reader.keys(), dt))
+    model, _, swapped = quantized_skeleton(cfg, fmt, fcfg, reader, dt)
+    swapped = set(swapped)
     report = {}
     rp = path / "quant_report.json"
     if rp.is_file():
@@ -54,6 +54,8 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
                 "ignored by the format's config" if name in fcfg.ignore else "stored dense"
             )
             layers[name] = {"dense": True, "reason": reason, "shape": [mod.out_features, mod.in_features]}
+    for name, reason in report.get("dense_layers", {}).items():  # routers, fused experts: not Linears
+        layers.setdefault(name, {"dense": True, "reason": reason})
     return {
         "path": str(path),
         "format": fmt.name,
@@ -63,6 +65,19 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
         "quantized_layers": len(swapped),
         "dense_layers": sorted(n for n, v in layers.items() if v.get("dense")),
         "layers": layers,
+        "experts": experts_summary(model, swapped),
         "method": report.get("method"),
         "quantize_seconds": report.get("quantize_seconds"),
     }
+
+
+def experts_summary(model: torch.nn.Module, swapped: set[str]) -> dict[str, dict]:
+    """Per MoE block's experts module: how many experts, how many with every Linear quantized,
+    and the experts left (partly) dense."""
+    from ..models.experts import experts_modules
+
+    out = {}
+    for name, experts in experts_modules(model).items():
+        dense = [e for e, mlp in enumerate(experts) if any(f"{name}.{e}.{n}" not in swapped for n in mlp.names)]
+        out[name] = {"experts": len(experts), "quantized": len(experts) - len(dense), "dense_experts": dense}
+    return out

@@ -18,6 +18,7 @@ from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
+from ..models.experts import key_map, linearize_experts
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
@@ -72,9 +73,10 @@ def _empty_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
         ) from exc
 
 
-def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) -> list[str]:
-    """Replace every nn.Linear (or GPT-2 Conv1D) whose tensors the checkpoint stores quantized;
-    return the names."""
+def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype, names) -> list[str]:
+    """Replace every nn.Linear (or GPT-2 Conv1D) whose tensors the checkpoint stores quantized
+    (``keys``: tensor names in memory; ``names``: the KeyMap to the names the quantization
+    config uses); return the names."""
     swapped = []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear):
@@ -83,7 +85,7 @@ def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) 
             k, n = conv1d_shape(mod)
         else:
             continue
-        scheme = fcfg.scheme_for(name)
+        scheme = fcfg.scheme_for(names.to_disk(name))
         specs = fmt.tensor_specs(scheme, n, k)
         if not all(f"{name}.{t}" in keys for t in specs):
             continue  # stored dense
@@ -93,6 +95,17 @@ def _swap_quantized_linears(model: nn.Module, fcfg, fmt, keys: set[str], dtype) 
         setattr(parent, child, qmod)
         swapped.append(name)
     return swapped
+
+
+def quantized_skeleton(cfg: dict, fmt, fcfg, reader: CheckpointReader, dtype) -> tuple[nn.Module, object, list[str]]:
+    """The checkpoint's model on the meta device with its quantized Linears swapped for
+    QuantLinear (MoE experts linearized first, as the checkpoint stores them one per expert);
+    returns (model, the KeyMap from module names to tensor names, the swapped names)."""
+    model = _empty_model(cfg, dtype)
+    linearize_experts(model)
+    names = key_map(model)
+    swapped = _swap_quantized_linears(model, fcfg, fmt, {names.to_memory(k) for k in reader.keys()}, dtype, names)
+    return model, names, swapped
 
 
 def load_quantized(
@@ -127,14 +140,13 @@ def load_quantized(
         )
     fmt, fcfg = read_with_overrides(qcfg)
     reader = CheckpointReader(path)
-    model = _empty_model(cfg, dtype)
-    swapped = _swap_quantized_linears(model, fcfg, fmt, reader.keys(), dtype)
+    model, names, swapped = quantized_skeleton(cfg, fmt, fcfg, reader, dtype)
     if not swapped:
         raise QuantspecError(
             f"{path} says it is {fmt.name}-quantized but holds no quantized layer tensors.",
             "rewrite the checkpoint; it may be truncated or mislabelled.",
         )
-    state = reader.load_all(model, dtype)
+    state = reader.load_all(model, dtype, names)
     _assign(model, state, path)
     model.to(device)
     model.eval()

@@ -71,11 +71,14 @@ class CheckpointReader:
         self.keys()
         return self._keys[key]  # type: ignore[index]
 
-    def load_all(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """All tensors; floating tensors of dense modules are cast to ``dtype``, quantized
-        layers' tensors (codes, scales, zeros) keep the dtype they are stored in."""
+    def load_all(self, model: nn.Module, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
+        """All tensors, by module name (``names``: a ``models.experts.KeyMap`` from the names on
+        disk); floating tensors of dense modules are cast to ``dtype``, quantized layers'
+        tensors (codes, scales, zeros) keep the dtype they are stored in."""
         from ..kernels.quant_linear import QuantLinear
+        from ..models.experts import KeyMap
 
+        names = names or KeyMap()
         keep = set()
         for name, mod in model.named_modules():
             if isinstance(mod, QuantLinear):
@@ -92,6 +95,7 @@ class CheckpointReader:
                             f"cannot read tensor {k} from {f}: {exc}.",
                             "the file is truncated or corrupt; rewrite the checkpoint.",
                         ) from exc
+                    k = names.to_memory(k)
                     if t.is_floating_point() and k not in keep:
                         t = t.to(dtype)
                     out[k] = t

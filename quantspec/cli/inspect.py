@@ -31,6 +31,9 @@ def run(args) -> int:
     kinds = Counter((v["bits"], v["group_size"], v["backend"]) for v in quant.values())
     for (bits, g, backend), n in sorted(kinds.items()):
         print(f"  {n:4d} layers: {bits}-bit group {g} -> backend {backend}")
+    for name, e in info["experts"].items():
+        left = f", dense: experts {e['dense_experts']}" if e["dense_experts"] else ""
+        print(f"  {name}: {e['quantized']} of {e['experts']} experts quantized{left}")
     for name in info["dense_layers"]:
         print(f"  dense: {name} ({info['layers'][name]['reason']})")
     if args.json:

@@ -19,12 +19,23 @@ shapes and skip a pair that does not fit: with grouped-query attention ``v_proj`
 ``prev_parts`` chunks of which the balanced Linears read only the last; usable only when
 ``prev.out_features == prev_parts * linear.in_features``.
 
+``followers`` of a pair read ``prev``'s output but are not quantized (a MoE router, a shared
+expert's gate): folding multiplies their weight's input columns by ``s`` too, so their outputs
+(the routing) stay unchanged.
+
+``patterns`` (mixture-of-experts families): every name is a glob whose ``*`` stands for one
+name part (an expert index), and may match nothing in a given block (DeepSeek's first blocks
+are dense MLPs, the rest sparse). ``groups_in`` and ``pairs_in`` give a block's concrete names;
+a pair whose ``prev`` has a ``*`` pairs each match with the Linears of the same index
+(``mlp.experts.*.up_proj`` -> ``mlp.experts.*.down_proj``: expert e's up with expert e's down).
+
 ``norm_offset``: Gemma's RMSNorm computes ``x * (offset + weight)`` with offset 1.0, so folding
 a scale ``s`` into it means ``weight' = (offset + weight) / s - offset``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -37,6 +48,7 @@ class SmoothPair:
     prev: str
     linears: tuple[str, ...]
     prev_parts: int = 1
+    followers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class ArchSpec:
     sequential: tuple[tuple[str, ...], ...] = ()
     smooth: tuple[SmoothPair, ...] = ()
     norm_offset: float = 0.0
+    patterns: bool = False
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         """The decoder blocks of ``model``."""
@@ -62,6 +75,43 @@ class ArchSpec:
     def linear_names(self) -> tuple[str, ...]:
         """Block-relative Linear names in true-sequential order."""
         return tuple(n for group in self.sequential for n in group)
+
+    def groups_in(self, block: nn.Module) -> list[tuple[str, ...]]:
+        """The block's Linears (block-relative names) in ``sequential``'s groups; empty groups
+        left out."""
+        if not self.patterns:
+            return [g for g in self.sequential if g]
+        names = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+        groups = [tuple(n for p in g for n in names if _glob(p).fullmatch(n)) for g in self.sequential]
+        return [g for g in groups if g]
+
+    def pairs_in(self, block: nn.Module) -> list[SmoothPair]:
+        """``smooth`` with this block's concrete names (a pattern pair expanded per match)."""
+        if not self.patterns:
+            return list(self.smooth)
+        names = [n for n, _ in block.named_modules() if n]
+        out = []
+        for p in self.smooth:
+            prevs = [(n, m.groups()) for n in names if (m := _glob(p.prev).fullmatch(n))]
+            for prev, parts in prevs:
+                fill = lambda pat: _fill(pat, parts)  # noqa: E731
+                linears = tuple(n for pat in p.linears for n in names if _glob(fill(pat)).fullmatch(n))
+                followers = tuple(n for pat in p.followers for n in names if _glob(fill(pat)).fullmatch(n))
+                if linears:
+                    out.append(SmoothPair(prev, linears, p.prev_parts, followers))
+        return out
+
+
+def _glob(pattern: str) -> re.Pattern:
+    """``mlp.experts.*.up_proj`` as a regex whose ``*`` captures one name part."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"([^.]+)"))
+
+
+def _fill(pattern: str, parts: tuple[str, ...]) -> str:
+    """``pattern`` with its first ``len(parts)`` stars replaced by ``parts``."""
+    for part in parts:
+        pattern = pattern.replace("*", part, 1)
+    return pattern
 
 
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -104,7 +154,48 @@ PHI3 = ArchSpec(
     ),
 )
 
+
+def _moe(name: str, attn: tuple[tuple[str, ...], ...], attn_smooth: tuple[SmoothPair, ...],
+         expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> ArchSpec:
+    """A mixture-of-experts family: routed experts (``models/experts.py``'s per-expert Linears),
+    shared experts and dense MLP blocks, as patterns. The post-attention norm feeds the router,
+    every expert's gate/up and the shared experts' gate/up; each expert's up feeds its down."""
+    gate, up, down = expert
+    mlps = ("mlp", "mlp.shared_expert", "mlp.shared_experts")
+    mlp_in = tuple(f"{m}.{p}" for m in mlps for p in ("gate_proj", "up_proj"))
+    mlp_in += (f"mlp.experts.*.{gate}", f"mlp.experts.*.{up}")
+    downs = tuple(f"{m}.down_proj" for m in mlps) + (f"mlp.experts.*.{down}",)
+    up_down = tuple(SmoothPair(f"{m}.up_proj", (f"{m}.down_proj",)) for m in mlps)
+    return ArchSpec(
+        name=name, patterns=True, sequential=(*attn, mlp_in, downs),
+        smooth=(*attn_smooth,
+                SmoothPair("post_attention_layernorm", mlp_in, followers=("mlp.gate", "mlp.shared_expert_gate")),
+                *up_down, SmoothPair(f"mlp.experts.*.{up}", (f"mlp.experts.*.{down}",))),
+    )
+
+
+_GQA = (_ATTN, ("self_attn.o_proj",))
+_GQA_SMOOTH = _llama_like_smooth("post_attention_layernorm")[:2]
+_MLA_Q = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+_MLA = (_MLA_Q, ("self_attn.q_b_proj",), ("self_attn.kv_b_proj",), ("self_attn.o_proj",))
+_MLA_SMOOTH = (
+    SmoothPair("input_layernorm", _MLA_Q),
+    SmoothPair("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+    SmoothPair("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+)
+QWEN3_MOE = _moe("qwen3_moe", _GQA, _GQA_SMOOTH)
+MOE_ARCHS = {
+    "qwen2_moe": replace(QWEN3_MOE, name="qwen2_moe"),
+    "qwen3_moe": QWEN3_MOE,
+    "olmoe": replace(QWEN3_MOE, name="olmoe"),
+    "glm4_moe": replace(QWEN3_MOE, name="glm4_moe"),
+    "mixtral": _moe("mixtral", _GQA, _GQA_SMOOTH, ("w1", "w3", "w2")),
+    "deepseek_v2": _moe("deepseek_v2", _MLA, _MLA_SMOOTH),
+    "deepseek_v3": _moe("deepseek_v3", _MLA, _MLA_SMOOTH),
+}
+
 ARCHS: dict[str, ArchSpec] = {
+    **MOE_ARCHS,
     "llama": LLAMA,
     "qwen2": QWEN2,
     "qwen3": QWEN3,
@@ -132,6 +223,10 @@ def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
     if not isinstance(find(spec.lm_head), nn.Linear):
         problems.append(f"{spec.lm_head} is not a Linear")
     for i, block in enumerate(blocks):
+        if spec.patterns:
+            if not spec.groups_in(block):
+                problems.append(f"{spec.block_name(i)} has no Linear that {spec.name}'s patterns name")
+            continue
         for rel in spec.linear_names():
             if not isinstance(submodule_or_none(block, rel), nn.Linear):
                 problems.append(f"{spec.block_name(i)}.{rel} is not a Linear")

@@ -46,8 +46,10 @@ def collect_hessians(
     inputs: torch.Tensor,
     kwargs: dict[str, Any],
     modules: dict[str, nn.Linear],
+    rows: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """fp32 [K, K] Hessian of each Linear in ``modules`` over the block's calibration inputs.
+    """fp32 [K, K] Hessian of each Linear in ``modules`` over the block's calibration inputs;
+    ``rows`` (if given) receives how many input rows made each.
 
     Linears that read the same tensor (q/k/v, gate/up) share one Hessian (computed once; the
     returned dict holds the same tensor under each of their names).
@@ -68,6 +70,8 @@ def collect_hessians(
         acc[name][0], acc[name][1] = accumulate_hessian(acc[name][0], x, acc[name][1])
 
     run_linear_inputs(block, block_name, inputs, kwargs, modules, add)
+    if rows is not None:
+        rows.update({n: acc[owner[n]][1] for n in modules if n in owner})
     return {n: acc[owner[n]][0] for n in modules if n in owner}
 
 
@@ -138,7 +142,7 @@ class GPTQMethod(BlockMethod):
                     if not torch.isfinite(H).all():  # cheaper than scanning x; NaN/Inf in x reach H
                         check_finite(x, block_name, f"the input of {name}")
                     last[0], last[1] = x, H
-                results[name] = self._quantize(name, mod, last[1], plan[name])
+                results[name] = self._quantize(name, mod, last[1], plan[name], x.numel() // max(x.shape[-1], 1))
 
             return pre
 
@@ -164,21 +168,29 @@ class GPTQMethod(BlockMethod):
             if self._single_pass_ok(block, inputs, kwargs):
                 return self._single_pass(block, block_name, inputs, kwargs, modules, plan)
             for group in block_groups(block, block_name, plan, ctx.arch):
+                rows: dict[str, int] = {}
                 hessians = collect_hessians(
-                    block, block_name, inputs, kwargs, {n: modules[n] for n in group}
+                    block, block_name, inputs, kwargs, {n: modules[n] for n in group}, rows
                 )
                 for name in group:
                     if name not in hessians:
                         raise _never_called(name)
-                    results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name])
+                    results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name], rows[name])
         finally:
             with torch.no_grad():
                 for n, w in dense.items():
                     modules[n].weight.copy_(w)
         return BlockOutput(results, self.info)
 
-    def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme) -> QuantResult:
+    def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int) -> QuantResult:
         t0 = time.perf_counter()
+        if rows < self.options.min_rows:  # e.g. a MoE expert the router sent no token
+            res = rtn(mod.weight.detach(), scheme, self.scale_dtype)
+            with torch.no_grad():
+                mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
+            self.info[name] = {"fallback": f"round-to-nearest: {rows} calibration rows, fewer than gptq.min_rows="
+                                           f"{self.options.min_rows}", "seconds": time.perf_counter() - t0}
+            return res
         try:
             res, deq, info = gptq_quantize_with_values(
                 mod.weight, H, scheme,

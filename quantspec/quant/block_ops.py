@@ -86,7 +86,7 @@ def block_groups(
     The ArchSpec's groups first (filtered by the plan), then planned Linears it does not
     declare, one group each, in module order.
     """
-    groups = [[f"{block_name}.{r}" for r in g if f"{block_name}.{r}" in plan] for g in arch.sequential]
+    groups = [[f"{block_name}.{r}" for r in g if f"{block_name}.{r}" in plan] for g in arch.groups_in(block)]
     groups = [g for g in groups if g]
     covered = {n for g in groups for n in g}
     for rel, mod in block.named_modules():

@@ -33,6 +33,7 @@ from .block_ops import apply_results, block_forward, check_finite
 from .capture import capture_inputs
 from .heap import reuse_freed_memory
 from .method import BlockContext, BlockMethod, BlockOutput, FinishContext
+from .moe import routed_tokens
 from .scheme import QuantResult, QuantScheme
 from .sinks import BlockRecord, MemorySink, Sink
 
@@ -210,12 +211,15 @@ def run_blockwise(
             block.to(device)
             try:
                 t0 = time.perf_counter()
+                routed = routed_tokens(block, name, inputs, kwargs[i]) if calibrated and per_block[i] else {}
                 out = _process(method, ctx(i, inputs, kwargs[i]))
                 seconds = time.perf_counter() - t0
                 inputs, errors = _advance(block, name, inputs, kwargs[i], out, calibrated)
                 results = {n: r.to(home) for n, r in out.results.items()}
                 for n in results:
                     measured = {"rel_mse": errors.get(n)} if calibrated else {}
+                    if n in routed:
+                        measured["routed_tokens"] = routed[n]
                     report.setdefault(n, {}).update(
                         {"block": i, **measured, "block_seconds": seconds, **out.info.get(n, {})})
                 record = BlockRecord(i, name, block, results, {n: report[n] for n in results},

@@ -17,6 +17,8 @@ from .block_methods import round_layers
 from .block_ops import apply_results
 from .calibrate import run_blockwise
 from .method import BlockMethod
+from .moe import plan_moe
+from ..models.experts import experts_modules, set_calibration
 from .plan import LayerPlan, make_plan
 from .recipe import Recipe
 from .registry import build_method
@@ -58,11 +60,20 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
         raise QuantspecError(f"{recipe.method} needs calibration data, so a tokenizer.",
                              "pass the model's tokenizer, or use --method rtn.")
     arch = _arch(model, method, recipe.method)
+    experts = experts_modules(model)
+    if experts and recipe.calibration.experts == "routed" and method.needs_smoothing:
+        raise QuantspecError(f"calibration experts=routed leaves some experts without tokens, which "
+                             f"{recipe.method}'s smoothing statistics cannot do without.",
+                             "use calibration experts=all (the default) or --method gptq / rtn.")
+    set_calibration(model, recipe.calibration.experts if method.needs_calibration else None)
     plan = make_plan(model, recipe.scheme, fmt, recipe.targets, recipe.ignore)
+    plan_moe(model, plan)
     for name, scheme in (overrides or {}).items():
         if name in plan.quantize:
             plan.quantize[name] = scheme
     ids, calib = calibration(tokenizer, recipe, device) if method.needs_calibration else (None, None)
+    if calib is not None and experts:
+        calib["experts"] = recipe.calibration.experts
     return Job(recipe, method, arch, plan, ids, calib)
 
 
@@ -72,8 +83,11 @@ def run(model: nn.Module, job: Job, *, device: torch.device, progress: bool, rep
     layer's details in ``report``."""
     results = {}
     if job.arch is not None:
-        results = run_blockwise(model, job.arch, job.ids, job.method, job.block_plan, device=device,
-                                progress=progress, resume_dir=resume_dir, report=report, source=source, sink=sink)
+        try:
+            results = run_blockwise(model, job.arch, job.ids, job.method, job.block_plan, device=device, progress=progress,
+                                    resume_dir=resume_dir, report=report, source=source, sink=sink)
+        finally:
+            set_calibration(model, None)  # MoE experts back to routed inference
     outside = job.outside_plan
     rest, info = round_layers({n: model.get_submodule(n) for n in outside}, outside)
     apply_results(model, "", rest)

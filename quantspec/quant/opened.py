@@ -31,10 +31,12 @@ class Resident:
     def open(cls, spec: str | None) -> "Resident":
         from ..models import load_dense
         from ..models.conv1d import linearize_conv1d
+        from ..models.experts import linearize_experts
 
         t0 = time.perf_counter()
         model, tokenizer, info = load_dense(spec, dtype=torch.float32, device="cpu")
         linearize_conv1d(model)  # GPT-2 style models: their Conv1D projections as nn.Linear
+        linearize_experts(model)  # MoE models: one nn.Linear per expert, named as on disk
         return cls(model, tokenizer, info.name, Path(info.path), time.perf_counter() - t0)
 
     def source(self, arch: ArchSpec) -> None:
@@ -58,10 +60,12 @@ class Lazy:
     @classmethod
     def open(cls, spec: str | None) -> "Lazy":
         from ..models import dense_folder, load_tokenizer, model_slug
+        from ..models.experts import key_map, linearize_experts
 
         folder = dense_folder(spec)
-        return cls(empty_model(folder, torch.float32), load_tokenizer(folder), model_slug(spec), folder,
-                   LazyWeights(folder))
+        model = empty_model(folder, torch.float32)
+        linearize_experts(model)  # on the meta device: per-expert Linears read by their disk names
+        return cls(model, load_tokenizer(folder), model_slug(spec), folder, LazyWeights(folder, key_map(model)))
 
     def read_outside(self, arch: ArchSpec, keep_head: bool) -> None:
         """Read every tensor outside the decoder blocks; the output head is streamed to the
@@ -76,5 +80,7 @@ class Lazy:
 
     def sink(self, folder: Path, arch: ArchSpec, fmt, save_dtype: torch.dtype, rest_quantized: bool) -> ShardSink:
         inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731
+        from ..models.experts import key_map
+
         return ShardSink(folder, fmt, save_dtype, len(arch.block_list(self.model)),
-                         outside_keys(self.model, inside), rest_quantized)
+                         outside_keys(self.model, inside), rest_quantized, key_map(self.model))

@@ -18,8 +18,16 @@ class CalibrationConfig:
     samples: int | None = None  # None: 128 on a GPU, 64 on a CPU
     seqlen: int | None = None  # None: 2048 on a GPU, 512 on a CPU
     seed: int = 0
+    # mixture-of-experts models: "all" sends every calibration token through every routed
+    # expert for its statistics while the block's output stays the routed one (no expert goes
+    # uncalibrated); "routed": each expert sees only the tokens routed to it (an expert with
+    # fewer than gptq.min_rows gets round-to-nearest, reported). models/experts.py
+    experts: str = "all"
 
     def __post_init__(self) -> None:
+        if self.experts not in ("all", "routed"):
+            raise QuantspecError(f"calibration experts={self.experts!r} is not all or routed.",
+                                 "use all (the default: every expert sees every token) or routed.")
         for name in ("samples", "seqlen"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -49,6 +57,10 @@ class GPTQOptions:
     damp_percent: float = 0.01
     block_size: int = 128
     single_pass_gb: float = 2.0
+    # a Linear whose Hessian comes from fewer calibration rows than this (a MoE expert the
+    # router sent no token, under calibration experts=routed) is rounded to nearest instead,
+    # and the report says so: GPTQ has nothing to compensate with
+    min_rows: int = 1
 
     def __post_init__(self) -> None:
         if not self.single_pass_gb >= 0:
@@ -61,6 +73,8 @@ class GPTQOptions:
             )
         if self.block_size < 1:
             raise QuantspecError("gptq.block_size must be positive.", "use e.g. 128.")
+        if not isinstance(self.min_rows, int) or self.min_rows < 1:
+            raise QuantspecError(f"gptq.min_rows={self.min_rows!r} must be a positive integer.", "use e.g. 1.")
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,22 @@ def checkpoint_state(
     return state
 
 
-def quantization_config(fmt, recipe: "Recipe", plan: LayerPlan, all_linears: list[str]) -> dict:
-    """The format's config, with per-layer overrides for regrouped layers."""
+def quantization_config(fmt, recipe: "Recipe", plan: LayerPlan, all_linears: list[str], names=None) -> dict:
+    """The format's config, with per-layer overrides for regrouped layers; module names as on
+    disk (``names``: a ``models.experts.KeyMap``)."""
     from ..formats.overrides import with_overrides
+    from ..models.experts import KeyMap
 
-    cfg = fmt.quantization_config(recipe.scheme, sorted(plan.dense))
+    names = names or KeyMap()
+    cfg = fmt.quantization_config(recipe.scheme, sorted(names.to_disk(n) for n in plan.dense))
     overrides = plan.overrides(recipe.scheme)
     if overrides:
         groups: dict[Any, list[str]] = {}
         for name, scheme in overrides.items():
             groups.setdefault(scheme, []).append(name)
         patterns = [
-            (override_patterns(names, all_linears), scheme) for scheme, names in groups.items()
+            ([names.pattern_to_disk(p) for p in override_patterns(layers, all_linears)], scheme)
+            for scheme, layers in groups.items()
         ]
         cfg = with_overrides(fmt.name, cfg, patterns)
     return cfg
@@ -62,9 +66,11 @@ def quantization_config(fmt, recipe: "Recipe", plan: LayerPlan, all_linears: lis
 
 def checkpoint_config(model: nn.Module, recipe: "Recipe", plan: LayerPlan, fmt, save_dtype) -> dict:
     """config.json of the checkpoint: the model's config plus the quantization_config."""
+    from ..models.experts import key_map
+
     all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(fmt, recipe, plan, all_linears)
+    config["quantization_config"] = quantization_config(fmt, recipe, plan, all_linears, key_map(model))
     config["torch_dtype"] = str(save_dtype).replace("torch.", "")
     config["dtype"] = config["torch_dtype"]
     config.pop("_name_or_path", None)
@@ -83,9 +89,11 @@ def build_checkpoint(
     report: dict[str, Any],
     overwrite: bool,
 ) -> Path:
+    from ..models.experts import key_map
+
     return write_checkpoint(
         out,
-        checkpoint_state(model, results, fmt, save_dtype),
+        key_map(model).state_to_disk(checkpoint_state(model, results, fmt, save_dtype)),
         checkpoint_config(model, recipe, plan, fmt, save_dtype),
         tokenizer=tokenizer,
         generation_config=getattr(model, "generation_config", None),

@@ -109,6 +109,7 @@ def quantize(
     from ..checkpoint.save import write_metadata, write_safetensors
     from ..formats import get_format
     from ..models import dense_folder, model_slug, resolve_device
+    from ..models.experts import key_map
     from .job import prepare, run
     from .opened import Lazy, Resident
     from .pack import checkpoint_config, checkpoint_state
@@ -136,7 +137,8 @@ def quantize(
         if lazy:
             sink.write_rest(dense, rest, opened.weights, job.inside)
         else:
-            write_safetensors(tmp, checkpoint_state(dense, {**results, **rest}, fmt, save_dtype))
+            state = checkpoint_state(dense, {**results, **rest}, fmt, save_dtype)
+            write_safetensors(tmp, key_map(dense).state_to_disk(state))
         fill_report(report, recipe, fmt, job.plan, job.calib, seconds, dev, model=opened.name,
                     source=str(opened.path), load_seconds=opened.load_seconds, streaming=lazy)
         write_metadata(tmp, checkpoint_config(dense, recipe, job.plan, fmt, save_dtype), tokenizer=opened.tokenizer,

@@ -80,7 +80,10 @@ class ShardSink(Sink):
     some Linear outside the blocks is quantized (then the rest is one shard)."""
 
     def __init__(self, folder: Path, fmt, save_dtype: torch.dtype, n_blocks: int, rest_keys: list[str],
-                 rest_quantized: bool):
+                 rest_quantized: bool, names=None):
+        from ..models.experts import KeyMap
+
+        self.names = names or KeyMap()  # module names -> tensor names on disk (MoE families)
         self.folder, self.fmt, self.save_dtype = folder, fmt, save_dtype
         self.n_blocks, self.rest_keys = n_blocks, rest_keys
         self.n_files = n_blocks + (1 if rest_quantized else len(rest_keys))
@@ -96,7 +99,7 @@ class ShardSink(Sink):
         self.write_state(record.index, {f"{record.name}.{k}": v for k, v in state.items()})
 
     def write_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
-        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        state = {self.names.to_disk(k): v.detach().contiguous().cpu() for k, v in state.items()}
         fname = self.shard_name(index)
         save_file(state, str(self.folder / fname), metadata={"format": "pt"})
         self.weight_map.update({k: fname for k in state})
@@ -107,13 +110,14 @@ class ShardSink(Sink):
         names and shapes)."""
         by_file: dict[str, dict[str, QuantResult]] = {}
         for name, res in results.items():
-            key = next(k for k in self.weight_map if k.startswith(name + "."))
+            key = next(k for k in self.weight_map if k.startswith(self.names.to_disk(name) + "."))
             by_file.setdefault(self.weight_map[key], {})[name] = res
         for fname, layers in sorted(by_file.items()):
             path = self.folder / fname
             state = load_file(str(path))
             for name, res in layers.items():
-                state.update({f"{name}.{t}": v.contiguous().cpu() for t, v in self.fmt.pack(res).items()})
+                disk = self.names.to_disk(name)
+                state.update({f"{disk}.{t}": v.contiguous().cpu() for t, v in self.fmt.pack(res).items()})
             atomic_save_file(state, path, metadata={"format": "pt"})
 
     def write_rest(self, model: nn.Module, results: dict[str, QuantResult], weights, inside) -> None:

@@ -14,7 +14,8 @@ Folding rules, for ``s`` float [K] (K = the balanced Linears' in_features):
 * Linear ``prev`` [P*K, Kin] whose last K output rows feed the balanced Linears (P = 1, or a
   fused Phi-3 ``qkv_proj`` (P = 3: v is the last chunk) / ``gate_up_proj`` (P = 2: up is the
   second half)): those rows and their bias entries are divided by ``s``;
-* balanced Linear [N, K]: ``W' = W * s`` (columns).
+* balanced Linear [N, K]: ``W' = W * s`` (columns); so are a pair's followers (MoE routers),
+  whose outputs therefore stay exactly what they were.
 
 The pure tensor functions (``scale_norm``, ``scale_rows``, ``scale_columns``) compute in fp32
 and return the parameter's dtype; ``fold_scales`` applies them to a resolved pair in place.
@@ -72,6 +73,7 @@ class ResolvedPair:
     linear_names: tuple[str, ...]
     linears: tuple[nn.Linear, ...]
     norm_offset: float = 0.0
+    followers: tuple[nn.Module, ...] = ()  # read prev's output, not quantized (MoE routers)
 
     @property
     def channels(self) -> int:
@@ -90,12 +92,15 @@ def resolve_pairs(block: nn.Module, arch: ArchSpec) -> tuple[list[ResolvedPair],
     rows (grouped-query attention: v_proj is narrower than o_proj's input).
     """
     pairs, skipped = [], []
-    for p in arch.smooth:
+    for p in arch.pairs_in(block):
         prev = submodule_or_none(block, p.prev)
         linears = [submodule_or_none(block, n) for n in p.linears]
+        followers = [submodule_or_none(block, n) for n in p.followers]
         why = None
         if prev is None or any(not isinstance(m, nn.Linear) for m in linears):
             why = "module missing"
+        elif any(not _has_columns(f, linears[0].in_features) for f in followers if f is not None):
+            why = "a follower has no weight [*, K]"
         elif len({m.in_features for m in linears}) != 1:
             why = "balanced Linears differ in in_features"
         else:
@@ -111,8 +116,14 @@ def resolve_pairs(block: nn.Module, arch: ArchSpec) -> tuple[list[ResolvedPair],
             skipped.append(f"{p.prev} -> {','.join(p.linears)}: {why}")
             continue
         offset = 0.0 if isinstance(prev, nn.Linear) else arch.norm_offset
-        pairs.append(ResolvedPair(p.prev, prev, tuple(p.linears), tuple(linears), offset))
+        pairs.append(ResolvedPair(p.prev, prev, tuple(p.linears), tuple(linears), offset,
+                                  tuple(f for f in followers if f is not None)))
     return pairs, skipped
+
+
+def _has_columns(mod: nn.Module, k: int) -> bool:
+    w = getattr(mod, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == k
 
 
 @torch.no_grad()
@@ -129,7 +140,7 @@ def fold_scales(pair: ResolvedPair, s: torch.Tensor) -> None:
         bias = getattr(prev, "bias", None)
         if isinstance(bias, torch.Tensor):
             bias.copy_(scale_rows(bias, s.to(bias.device)))
-    for lin in pair.linears:
+    for lin in (*pair.linears, *pair.followers):
         lin.weight.copy_(scale_columns(lin.weight, s.to(lin.weight.device)))
 
 

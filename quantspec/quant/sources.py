@@ -21,15 +21,18 @@ from .arch import ArchSpec
 class LazyWeights:
     """Read named tensors from a folder's safetensors files on demand (never all at once)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, keys=None):
         from ..checkpoint.reader import CheckpointReader
+        from ..models.experts import KeyMap
 
         self.reader = CheckpointReader(folder)
+        self.names = keys or KeyMap()  # module names in memory -> tensor names in the files
         self.keys = self.reader.keys()
 
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         from safetensors import safe_open
 
+        key = self.names.to_disk(key)
         with safe_open(str(self.reader.file_of(key)), framework="pt") as h:
             t = h.get_tensor(key)
         return t.to(dtype) if t.is_floating_point() else t
@@ -42,7 +45,7 @@ class LazyWeights:
         for rel, t in list(module.named_parameters()) + list(module.named_buffers()):
             if not t.is_meta:
                 continue
-            key = f"{prefix}.{rel}" if prefix else rel
+            key = self.names.to_disk(f"{prefix}.{rel}" if prefix else rel)
             if key not in self.keys:
                 continue  # e.g. a tied head, filled by tie_weights
             wanted.setdefault(self.reader.file_of(key), []).append(rel)
@@ -50,8 +53,7 @@ class LazyWeights:
         for f, rels in wanted.items():
             with safe_open(str(f), framework="pt") as h:
                 for rel in rels:
-                    key = f"{prefix}.{rel}" if prefix else rel
-                    t = h.get_tensor(key)
+                    t = h.get_tensor(self.names.to_disk(f"{prefix}.{rel}" if prefix else rel))
                     state[rel] = t.to(dtype) if t.is_floating_point() else t
         module.load_state_dict(state, strict=False, assign=True)
 

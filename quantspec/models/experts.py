@@ -1,0 +1,258 @@
+"""Mixture-of-experts blocks with one ``nn.Linear`` per expert, named as checkpoints name them.
+
+transformers 5 keeps a block's routed experts as fused 3-D parameters (``experts.gate_up_proj``
+[E, 2I, H], ``experts.down_proj`` [E, H, I]) that no ``nn.Linear`` hook sees, while checkpoints
+on disk (and the engines that load them) keep one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight``; Mixtral: ``block_sparse_moe.experts.{e}.w1.weight``).
+``linearize_experts`` replaces each fused experts module with a ``LinearExperts``: a ModuleList
+of per-expert MLPs (``ExpertMLP``: gate, up, down Linears) computing the same routed output,
+so that planning, calibration, packing and loading treat experts like any other Linear.
+
+Families are declared as data (``LAYOUTS``, by ``config.model_type``): the per-expert Linear
+names and the renames between module names in memory and tensor names on disk. A family whose
+experts are fused on disk too (GPT-OSS, Granite-MoE) or laid out differently is not linearized;
+``fused_experts_left`` names those modules with the reason, for the report.
+
+Calibration modes (``LinearExperts.calibration``):
+
+* ``None`` (inference): each expert runs on the tokens routed to it, as transformers does.
+* ``"all"``: every expert runs on every token (full statistics for each expert: GPTQ's Hessian,
+  AWQ's activation scales), while the output stays the routed output (the rows routed to an
+  expert, weighted by the router), so later blocks see the model's true activations.
+* ``"routed"``: every expert is called on its routed rows only, possibly none.
+
+``routed_counts`` (when not None) accumulates how many tokens the router sent to each expert.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CALIBRATION_MODES = ("all", "routed")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one family stores routed experts.
+
+    names: the per-expert Linears (gate, up, down), as on disk.
+    disk_renames: (in memory, on disk) substrings of tensor names (Mixtral's ``.mlp.`` is
+    ``.block_sparse_moe.`` on disk).
+    routers: module names (relative to the experts' parent, e.g. ``mlp``) that route tokens or
+    gate a shared expert; kept dense.
+    unsupported: why the family's experts are not linearized (None: they are).
+    """
+
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    disk_renames: tuple[tuple[str, str], ...] = ()
+    routers: tuple[str, ...] = ("gate", "shared_expert_gate")
+    unsupported: str | None = None
+
+
+QWEN_STYLE = ExpertLayout()
+MIXTRAL = ExpertLayout(names=("w1", "w3", "w2"), disk_renames=((".mlp.", ".block_sparse_moe."),))
+_FUSED_ON_DISK = "its checkpoints store the experts fused ({}), which has no per-expert quantized export yet"
+
+LAYOUTS: dict[str, ExpertLayout] = {
+    "qwen2_moe": QWEN_STYLE,
+    "qwen3_moe": QWEN_STYLE,
+    "olmoe": QWEN_STYLE,
+    "deepseek_v2": QWEN_STYLE,
+    "deepseek_v3": QWEN_STYLE,
+    "glm4_moe": QWEN_STYLE,
+    "mixtral": MIXTRAL,
+    "gpt_oss": ExpertLayout(routers=("router",), unsupported=_FUSED_ON_DISK.format("gate_up_proj [E, H, 2I], interleaved, with biases")),
+    "granitemoe": ExpertLayout(routers=("router",), unsupported=_FUSED_ON_DISK.format("input_linear / output_linear")),
+}
+
+
+def layout_of(model: nn.Module) -> ExpertLayout:
+    """The declared layout of ``model``'s family; undeclared families get the Qwen-style names
+    (the layout transformers' own conversion uses for most MoE families)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    return LAYOUTS.get(model_type, QWEN_STYLE)
+
+
+def is_fused_experts(mod: nn.Module) -> bool:
+    """A transformers 5 fused experts module: 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+
+
+def _standard_shapes(mod: nn.Module) -> str | None:
+    """None when ``mod`` is laid out as gate_up [E, 2I, H] (gate rows first), down [E, H, I],
+    without biases; else what differs."""
+    e, two_i, h = mod.gate_up_proj.shape
+    if any(isinstance(getattr(mod, b, None), torch.Tensor) for b in ("gate_up_proj_bias", "down_proj_bias")):
+        return "the experts have biases"
+    if two_i % 2 or tuple(mod.down_proj.shape) != (e, h, two_i // 2):
+        return f"gate_up_proj {tuple(mod.gate_up_proj.shape)} and down_proj {tuple(mod.down_proj.shape)} are not [E, 2I, H] and [E, H, I]"
+    if not callable(getattr(mod, "act_fn", None)):
+        return "the experts module has no act_fn"
+    return None
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))`` with its Linears named as on disk."""
+
+    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int, act_fn, device=None, dtype=None):
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        self.add_module(gate, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
+        self.add_module(up, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
+        self.add_module(down, nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype))
+        self.act_fn = act_fn
+
+    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        return tuple(getattr(self, n) for n in self.names)  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.linears()
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class LinearExperts(nn.ModuleList):
+    """Routed experts as a list of ``ExpertMLP``; the fused module's call signature
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+
+    def __init__(self, experts: list[ExpertMLP]):
+        super().__init__(experts)
+        self.calibration: str | None = None
+        self.routed_counts: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        out = torch.zeros_like(hidden_states)
+        flat = top_k_index.reshape(-1)
+        counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)
+        if self.routed_counts is not None:
+            self.routed_counts += counts.to(self.routed_counts.device)
+        mode = self.calibration
+        for e in range(n):
+            if mode is None and counts[e] == 0:
+                continue
+            tok, pos = torch.where(top_k_index == e)
+            if mode == "all":
+                y = self[e](hidden_states)[tok]  # every expert reads the same tensor: shared statistics
+            else:
+                y = self[e](hidden_states[tok])
+            out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+        return out
+
+
+def linearize(fused: nn.Module, names: tuple[str, str, str]) -> LinearExperts:
+    """A ``LinearExperts`` with ``fused``'s weights (copied; meta stays meta)."""
+    e, two_i, h = fused.gate_up_proj.shape
+    inter = two_i // 2
+    w, d = fused.gate_up_proj, fused.down_proj
+    experts = []
+    for i in range(e):
+        mlp = ExpertMLP(names, h, inter, fused.act_fn, device=w.device, dtype=w.dtype)
+        if not w.is_meta:
+            gate, up, down = mlp.linears()
+            with torch.no_grad():
+                gate.weight.copy_(w[i, :inter])
+                up.weight.copy_(w[i, inter:])
+                down.weight.copy_(d[i])
+        experts.append(mlp)
+    return LinearExperts(experts)
+
+
+def linearize_experts(model: nn.Module, calibration: str | None = None) -> list[str]:
+    """Replace every fused experts module of ``model`` that its family's layout supports by a
+    ``LinearExperts`` (in place, weights copied, fused parameters freed); returns their names.
+    ``calibration``: the mode set on each (module docstring)."""
+    if calibration not in (None, *CALIBRATION_MODES):
+        raise ValueError(f"calibration mode {calibration!r}: choose from {CALIBRATION_MODES}")
+    layout = layout_of(model)
+    done = []
+    if layout.unsupported:
+        return done
+    for name, mod in list(model.named_modules()):
+        if not is_fused_experts(mod) or _standard_shapes(mod) is not None:
+            continue
+        linear = linearize(mod, layout.names)
+        linear.calibration = calibration
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear)
+        done.append(name)
+    return done
+
+
+def fused_experts_left(model: nn.Module) -> dict[str, str]:
+    """{name: reason} of the fused experts modules that stay as they are (dense)."""
+    layout = layout_of(model)
+    out = {}
+    for name, mod in model.named_modules():
+        if is_fused_experts(mod):
+            model_type = getattr(model.config, "model_type", "?")
+            why = layout.unsupported or _standard_shapes(mod) or "not linearized"
+            out[name] = f"fused routed experts of {model_type!r} kept dense: {why}"
+    return out
+
+
+def router_names(model: nn.Module) -> dict[str, str]:
+    """{name: reason} of the routers (and shared-expert gates) beside each experts module."""
+    layout = layout_of(model)
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LinearExperts) or is_fused_experts(mod):
+            parent = name.rpartition(".")[0]
+            for r in layout.routers:
+                full = f"{parent}.{r}" if parent else r
+                try:
+                    model.get_submodule(full)
+                except AttributeError:
+                    continue
+                out[full] = "MoE router: kept dense (it picks the experts; engines keep it unquantized)"
+    return out
+
+
+def experts_modules(module: nn.Module) -> dict[str, LinearExperts]:
+    """{name: LinearExperts} inside ``module``."""
+    return {n: m for n, m in module.named_modules() if isinstance(m, LinearExperts)}
+
+
+def set_calibration(model: nn.Module, mode: str | None) -> None:
+    """Set every LinearExperts' calibration mode (None: inference routing)."""
+    for mod in experts_modules(model).values():
+        mod.calibration = mode
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Tensor names in memory <-> on disk (identity for families without renames)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def to_disk(self, key: str) -> str:
+        for mem, disk in self.renames:
+            key = key.replace(mem, disk)
+        return key
+
+    def to_memory(self, key: str) -> str:
+        for mem, disk in self.renames:
+            key = key.replace(disk, mem)
+        return key
+
+    def state_to_disk(self, state: dict) -> dict:
+        return {self.to_disk(k): v for k, v in state.items()} if self.renames else state
+
+    def pattern_to_disk(self, pattern: str) -> str:
+        """A regex over names (as quantization configs hold) renamed like ``to_disk``."""
+        for mem, disk in self.renames:
+            pattern = pattern.replace(re.escape(mem), re.escape(disk)).replace(mem, disk)
+        return pattern
+
+
+def key_map(model: nn.Module) -> KeyMap:
+    """The memory <-> disk renames of ``model``'s family (only when its experts are linearized)."""
+    layout = layout_of(model)
+    if not layout.disk_renames or not experts_modules(model):
+        return KeyMap()
+    return KeyMap(layout.disk_renames)
