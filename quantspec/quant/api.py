@@ -36,12 +36,14 @@ def quantize_model(
     from ..formats import get_format
     from ..kernels.quant_linear import QuantLinear
     from ..models.conv1d import linearize_conv1d
+    from ..models.experts import linearize_experts
     from .job import prepare, run
     from .pipeline import resolve_recipe
 
     recipe = resolve_recipe(recipe)
     fmt = get_format(recipe.format)
     linearize_conv1d(model)
+    linearize_experts(model)  # MoE: one Linear per expert (models/experts.py)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     job = prepare(model, tokenizer, recipe, fmt, dev, overrides)
     layers: dict[str, dict] = {}
