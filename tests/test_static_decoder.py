@@ -111,6 +111,22 @@ def test_cache_grows_past_its_first_capacity():
     assert torch.allclose(last[:, -1], full, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_moe_blocks_match_transformers(arch, quantized):
+    """MoE blocks (the model's router, then each active expert's product) in the static decoder:
+    fused experts, and experts linearized and quantized (W4, reference backend)."""
+    from quantspec.models.experts import linearize_experts
+
+    model = tiny_model(arch)
+    if quantized:
+        linearize_experts(model)
+        model, _ = quantize_in_memory(model, QuantScheme(bits=4, group_size=32), backend="reference")
+    assert all(b.moe is not None for b in StaticDecoder(model).blocks)
+    with torch.inference_mode():
+        _compare(model, [torch.arange(5, 17), torch.arange(30, 34)])
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
 def test_undeclared_families_are_refused_and_fall_back(arch):
     model = tiny_model(arch)

@@ -141,10 +141,14 @@ def run(args) -> int:
     )
     rep = outcome.report
     n_q = sum(1 for v in rep["layers"].values() if v.get("status") == "quantized")
+    n_experts = sum(1 for n, v in rep["layers"].items() if v.get("status") == "quantized" and ".experts." in n)
+    fallback = sum(1 for v in rep["layers"].values() if v.get("fallback"))
     print(
         f"wrote {outcome.out}  ({recipe.name}: {recipe.method}, {recipe.format}, "
-        f"{recipe.scheme.short_name}; {n_q} layers quantized, {len(rep['dense_layers'])} dense, "
-        f"{len(rep['regrouped_layers'])} regrouped; {rep['quantize_seconds']:.1f} s)"
+        f"{recipe.scheme.short_name}; {n_q} layers quantized"
+        f"{f' ({n_experts} of them expert Linears)' if n_experts else ''}, {len(rep['dense_layers'])} dense, "
+        f"{len(rep['regrouped_layers'])} regrouped{f', {fallback} rounded to nearest (see the report)' if fallback else ''}; "
+        f"{rep['quantize_seconds']:.1f} s)"
     )
     summary = {
         "out": str(outcome.out),

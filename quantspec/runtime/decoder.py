@@ -28,7 +28,7 @@ from ..errors import QuantspecError
 from ..kernels.dense import fast_linear
 from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
-from .families import DecoderFamily, family_of
+from .families import DecoderFamily, family_of, is_moe_block
 from .protocol import Decoder
 
 
@@ -46,8 +46,9 @@ class _Block:
     qkv: Siblings
     out: Callable[[torch.Tensor], torch.Tensor]
     mlp_norm: torch.Tensor
-    gate_up: Siblings
-    down: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Siblings | None
+    down: Callable[[torch.Tensor], torch.Tensor] | None
+    moe: nn.Module | None  # a MoE block's sparse MLP (router + experts), called as a whole
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     window: int | None  # sliding-window attention of this block, in positions
@@ -84,15 +85,17 @@ class StaticDecoder(Decoder):
         get = block.get_submodule
         qn, kn = (get(n).weight for n in fam.qk_norm) if fam.qk_norm else (None, None)
         window = getattr(get(fam.out.rsplit(".", 1)[0]), "sliding_window", None)
-        if window is None and getattr(config, "model_type", "") == "mistral":
+        if window is None and getattr(config, "model_type", "") in ("mistral", "mixtral"):
             window = getattr(config, "sliding_window", None)
+        moe = get(fam.moe) if is_moe_block(block, fam) else None
         return _Block(
             attn_norm=get(fam.attn_norm).weight,
             qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),
             out=fast_linear(get(fam.out)),
             mlp_norm=get(fam.mlp_norm).weight,
-            gate_up=Siblings([get(n) for n in fam.gate_up], fuse=self.fuse),
-            down=fast_linear(get(fam.down)),
+            gate_up=None if moe is not None else Siblings([get(n) for n in fam.gate_up], fuse=self.fuse),
+            down=None if moe is not None else fast_linear(get(fam.down)),
+            moe=moe,
             q_norm=qn,
             k_norm=kn,
             window=int(window) if window else None,
@@ -209,8 +212,12 @@ class StaticDecoder(Decoder):
                     attn_mask=masks[blk.window], enable_gqa=h != kv,
                 ).transpose(1, 2).reshape(b, t, h * d)
             x = x + blk.out(o)
-            gate, up = blk.gate_up(rms_norm(x, blk.mlp_norm, self.eps))
-            x = x + blk.down(silu_mul(gate, up))
+            y = rms_norm(x, blk.mlp_norm, self.eps)
+            if blk.moe is not None:
+                x = x + blk.moe(y)
+            else:
+                gate, up = blk.gate_up(y)
+                x = x + blk.down(silu_mul(gate, up))
         self.width = hi
         if keep:
             x = x[:, -keep:]

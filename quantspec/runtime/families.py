@@ -7,6 +7,11 @@ transformers implements is honoured). ``qk_norm`` adds Qwen3's per-head RMSNorm 
 before rope. Names are those of ``quant.arch`` (blocks, embedding, final norm, lm_head) plus the
 block-relative ones below. Gemma (offset norms, scaled embeddings, soft-capping) and Phi-3 (fused
 projections) are not declared: they run through transformers.
+
+Mixture-of-experts families (Qwen3-MoE, Mixtral): a block whose ``moe`` module holds routed
+experts (``models.experts.LinearExperts``) runs that module as its MLP half (the model's own
+router, then each active expert's packed product, results weighted back; dense blocks keep
+gate/up/down).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class DecoderFamily:
     mlp_norm: str = "post_attention_layernorm"
     rotary: str = "model.rotary_emb"
     qk_norm: tuple[str, str] | None = None  # per-head norms of q and k (Qwen3)
+    moe: str | None = None  # the sparse MLP module of a MoE block (called as a whole)
 
 
 FAMILIES: dict[str, DecoderFamily] = {
@@ -37,7 +43,18 @@ FAMILIES: dict[str, DecoderFamily] = {
     "mistral": DecoderFamily(ARCHS["mistral"]),
     "qwen2": DecoderFamily(ARCHS["qwen2"]),
     "qwen3": DecoderFamily(ARCHS["qwen3"], qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
+    "qwen3_moe": DecoderFamily(ARCHS["qwen3_moe"], qk_norm=("self_attn.q_norm", "self_attn.k_norm"), moe="mlp"),
+    "mixtral": DecoderFamily(ARCHS["mixtral"], moe="mlp"),
 }
+
+
+def is_moe_block(block: nn.Module, family: DecoderFamily) -> bool:
+    """Whether ``block``'s MLP half is the family's sparse MoE module (routed experts, fused or
+    one Linear per expert)."""
+    from ..models.experts import experts_modules, is_fused_experts
+
+    mlp = submodule_or_none(block, family.moe) if family.moe else None
+    return mlp is not None and (bool(experts_modules(mlp)) or any(is_fused_experts(m) for m in mlp.modules()))
 
 
 def family_of(model: nn.Module) -> DecoderFamily:
@@ -54,11 +71,11 @@ def family_of(model: nn.Module) -> DecoderFamily:
     arch = family.arch
     missing = [n for n in (arch.blocks, arch.embed, arch.final_norm, arch.lm_head, family.rotary)
                if submodule_or_none(model, n) is None]
-    names = [*family.qkv, family.out, *family.gate_up, family.down, family.attn_norm, family.mlp_norm]
-    names += list(family.qk_norm or ())
+    names = [*family.qkv, family.out, family.attn_norm, family.mlp_norm, *(family.qk_norm or ())]
     blocks = submodule_or_none(model, arch.blocks)
     for i, block in enumerate(blocks if isinstance(blocks, nn.ModuleList) else []):
-        missing += [f"{arch.block_name(i)}.{n}" for n in names if submodule_or_none(block, n) is None]
+        mlp = [] if is_moe_block(block, family) else [*family.gate_up, family.down]
+        missing += [f"{arch.block_name(i)}.{n}" for n in names + mlp if submodule_or_none(block, n) is None]
     if missing:
         raise QuantspecError(f"{model_type} model lacks {', '.join(missing)}", fix)
     return family
