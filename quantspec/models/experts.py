@@ -126,23 +126,31 @@ class LinearExperts(nn.ModuleList):
         self.routed_counts: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        n = len(self)
-        out = torch.zeros_like(hidden_states)
+        n, rows, k = len(self), hidden_states.shape[0], top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)
         if self.routed_counts is not None:
             self.routed_counts += counts.to(self.routed_counts.device)
-        mode = self.calibration
-        for e in range(n):
-            if mode is None and counts[e] == 0:
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        tokens, slots = order // k, order % k
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        mode, start = self.calibration, 0
+        for e, c in enumerate(counts.tolist()):
+            tok, slot = tokens[start : start + c], slots[start : start + c]
+            start += c
+            if c == 0 and mode is None:
                 continue
-            tok, pos = torch.where(top_k_index == e)
-            if mode == "all":
-                y = self[e](hidden_states)[tok]  # every expert reads the same tensor: shared statistics
+            if mode == "all":  # every expert reads the same tensor: shared statistics
+                y = self[e](hidden_states)[tok]
             else:
-                y = self[e](hidden_states[tok])
-            out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
-        return out
+                y = self[e](hidden_states if c == rows == 1 else hidden_states[tok])
+            y = y.float() * top_k_weights[tok, slot, None].float()
+            if rows == 1:  # decoding one token: a plain add (index_add_ costs ~100x more here)
+                if c:
+                    out.add_(y)
+            else:
+                out.index_add_(0, tok, y)
+        return out.to(hidden_states.dtype)
 
 
 def linearize(fused: nn.Module, names: tuple[str, str, str]) -> LinearExperts:
