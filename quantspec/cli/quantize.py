@@ -139,6 +139,8 @@ def run(args) -> int:
         args.model, recipe, args.out, overwrite=args.overwrite, device=args.device,
         resume=args.resume, progress=args.progress, streaming=args.streaming,
     )
+    if not outcome.written:  # a data-parallel helper process (torchrun rank > 0)
+        return 0
     rep = outcome.report
     n_q = sum(1 for v in rep["layers"].values() if v.get("status") == "quantized")
     n_experts = sum(1 for n, v in rep["layers"].items() if v.get("status") == "quantized" and ".experts." in n)

@@ -106,12 +106,18 @@ class GPTQMethod(BlockMethod):
     """GPTQ as a BlockMethod: per-layer details (including ``rel_mse``) in the output's info,
     and the block's output with quantized weights as the next inputs when the single pass ran."""
 
+    data_parallel = True  # Hessians reduced across processes (BlockContext.reducer)
+
     def __init__(self, options: GPTQOptions | None = None, scale_dtype: torch.dtype = torch.float16):
         super().__init__(options or GPTQOptions(), scale_dtype)
         self.info: dict[str, dict] = {}
         self._batches: dict[tuple, bool] = {}
 
-    def _single_pass_ok(self, block, inputs, kwargs) -> bool:
+    def _single_pass_ok(self, block, inputs, kwargs, reducer) -> bool:
+        """Whether the single pass applies (the same answer in every process)."""
+        return reducer.all_true(self._single_pass_fits(block, inputs, kwargs))
+
+    def _single_pass_fits(self, block, inputs, kwargs) -> bool:
         if single_pass_bytes(dict(block.named_modules()), inputs) > self.options.single_pass_gb * 2**30:
             return False
         if inputs.shape[0] < 2:
@@ -128,9 +134,9 @@ class GPTQMethod(BlockMethod):
             self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))
         return self._batches[key]
 
-    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan) -> BlockOutput:
+    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer) -> BlockOutput:
         results: dict[str, QuantResult] = {}
-        last: list = [None, None]  # (input tensor, its Hessian): kept alive, shared by q/k/v
+        last: list = [None, None, 0]  # (input tensor, its Hessian, rows): kept alive, shared by q/k/v
 
         def hook(name: str):
             def pre(mod, args):
@@ -141,8 +147,9 @@ class GPTQMethod(BlockMethod):
                     H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0)
                     if not torch.isfinite(H).all():  # cheaper than scanning x; NaN/Inf in x reach H
                         check_finite(x, block_name, f"the input of {name}")
-                    last[0], last[1] = x, H
-                results[name] = self._quantize(name, mod, last[1], plan[name], x.numel() // max(x.shape[-1], 1))
+                    last[0] = x
+                    last[1], last[2] = reducer.hessian(H, x.numel() // max(x.shape[-1], 1))
+                results[name] = self._quantize(name, mod, last[1], plan[name], last[2])
 
             return pre
 
@@ -165,13 +172,14 @@ class GPTQMethod(BlockMethod):
         dense = {n: m.weight.detach().clone() for n, m in modules.items()}
         results: dict[str, QuantResult] = {}
         try:
-            if self._single_pass_ok(block, inputs, kwargs):
-                return self._single_pass(block, block_name, inputs, kwargs, modules, plan)
+            if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
+                return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer)
             for group in block_groups(block, block_name, plan, ctx.arch):
                 rows: dict[str, int] = {}
                 hessians = collect_hessians(
                     block, block_name, inputs, kwargs, {n: modules[n] for n in group}, rows
                 )
+                hessians, rows = _reduced(hessians, rows, group, ctx.reducer)
                 for name in group:
                     if name not in hessians:
                         raise _never_called(name)
@@ -207,6 +215,23 @@ class GPTQMethod(BlockMethod):
         return res
 
 
+def _reduced(hessians: dict[str, torch.Tensor], rows: dict[str, int], group: list[str], reducer):
+    """Each distinct Hessian of ``group`` (q/k/v share one) reduced across processes, in the
+    group's order (the same in every process)."""
+    if not reducer.active:
+        return hessians, rows
+    done: dict[int, tuple[torch.Tensor, int]] = {}
+    out_h, out_rows = {}, {}
+    for name in group:  # a Linear the forward never called is missing in every process alike
+        if name not in hessians:
+            continue
+        H = hessians[name]
+        if id(H) not in done:
+            done[id(H)] = reducer.hessian(H, rows[name])
+        out_h[name], out_rows[name] = done[id(H)]
+    return out_h, out_rows
+
+
 def gptq_from_recipe(recipe: "Recipe") -> GPTQMethod:
     """The GPTQ BlockMethod for a Recipe (``recipe.gptq`` options)."""
     return GPTQMethod(recipe.gptq)
@@ -217,6 +242,7 @@ class RTNMethod(BlockMethod):
     calibration data, the engine still replays the block and measures each layer's error)."""
 
     needs_calibration = False
+    data_parallel = True  # nothing to reduce
 
     def __init__(self, scale_dtype: torch.dtype = torch.float16):
         super().__init__(None, scale_dtype)

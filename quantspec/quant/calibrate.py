@@ -31,6 +31,7 @@ from ..errors import QuantspecError
 from .arch import ArchSpec
 from .block_ops import apply_results, block_forward, check_finite
 from .capture import capture_inputs
+from .distributed import Reducer
 from .heap import reuse_freed_memory
 from .method import BlockContext, BlockMethod, BlockOutput, FinishContext
 from .moe import routed_tokens
@@ -146,6 +147,7 @@ def run_blockwise(
     report: dict | None = None,
     source: ResidentSource | None = None,
     sink: Sink | None = None,
+    reducer: Reducer | None = None,
 ) -> dict[str, QuantResult]:
     """Quantize the planned Linears of ``model`` block by block; returns the results by full
     name when the sink keeps them (the default ``MemorySink``), else an empty dict.
@@ -161,7 +163,8 @@ def run_blockwise(
     ``sink``: where results go (default: kept in memory). ``resume_dir``: wrap the sink in a
     journal there (``resume.JournaledSink``); a rerun restores the finished blocks (each checked
     against the digest of the float weights it was quantized from) and marks their report
-    entries ``"resumed"``.
+    entries ``"resumed"``. ``reducer``: data-parallel calibration (``distributed.py``): this
+    process calibrates on its share of ``calib_ids`` and the method reduces its statistics.
     """
     from tqdm.auto import tqdm
 
@@ -172,6 +175,14 @@ def run_blockwise(
             f"{None if calib_ids is None else tuple(calib_ids.shape)}.",
             "pass a 2-D LongTensor.",
         )
+    reducer = reducer or Reducer()
+    if reducer.active and not method.data_parallel:
+        raise QuantspecError(f"{type(method).__name__} cannot split calibration across processes.",
+                             "run it in one process (without torchrun), or use --method gptq.")
+    if reducer.active and resume_dir is not None:
+        raise QuantspecError("resume and data-parallel calibration do not combine.", "drop --resume under torchrun.")
+    if calibrated:
+        calib_ids = reducer.shard(calib_ids)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     source = source or ResidentSource()
     kept = sink = sink or MemorySink()
@@ -185,7 +196,7 @@ def run_blockwise(
         ids = calib_ids if calib_ids is not None else torch.zeros(0, 0, dtype=torch.long)
         sink = journal = JournaledSink(sink, ResumeState(resume_dir, fingerprint(model, arch, plan, method.describe(), ids)))
     ctx = lambda i, inputs, kwargs: BlockContext(blocks[i], arch.block_name(i), i, inputs, kwargs,  # noqa: E731
-                                                 per_block[i], arch)
+                                                 per_block[i], arch, reducer)
     with torch.no_grad(), reuse_freed_memory():
         inputs, kwargs = None, [{} for _ in blocks]
         if calibrated:
@@ -212,6 +223,7 @@ def run_blockwise(
             try:
                 t0 = time.perf_counter()
                 routed = routed_tokens(block, name, inputs, kwargs[i]) if calibrated and per_block[i] else {}
+                routed = dict(zip(routed, reducer.sum_ints(list(routed.values()))))
                 out = _process(method, ctx(i, inputs, kwargs[i]))
                 seconds = time.perf_counter() - t0
                 inputs, errors = _advance(block, name, inputs, kwargs[i], out, calibrated)

@@ -78,14 +78,14 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
 
 
 def run(model: nn.Module, job: Job, *, device: torch.device, progress: bool, report: dict,
-        resume_dir=None, source=None, sink=None) -> tuple[dict[str, QuantResult], dict[str, QuantResult]]:
+        resume_dir=None, source=None, sink=None, reducer=None) -> tuple[dict[str, QuantResult], dict[str, QuantResult]]:
     """(block results as the sink keeps them, results of the Linears outside the blocks); each
     layer's details in ``report``."""
     results = {}
     if job.arch is not None:
         try:
             results = run_blockwise(model, job.arch, job.ids, job.method, job.block_plan, device=device, progress=progress,
-                                    resume_dir=resume_dir, report=report, source=source, sink=sink)
+                                    resume_dir=resume_dir, report=report, source=source, sink=sink, reducer=reducer)
         finally:
             set_calibration(model, None)  # MoE experts back to routed inference
     outside = job.outside_plan

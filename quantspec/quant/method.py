@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .arch import ArchSpec
+from .distributed import Reducer
 from .scheme import QuantResult, QuantScheme
 
 
@@ -45,6 +46,7 @@ class BlockContext:
     kwargs: dict[str, Any]
     plan: dict[str, QuantScheme]
     arch: ArchSpec
+    reducer: Reducer = field(default_factory=Reducer)  # data-parallel statistics (distributed.py)
 
     def relative_plan(self) -> dict[str, QuantScheme]:
         """The plan by name relative to the block (``mlp.up_proj``)."""
@@ -91,12 +93,15 @@ class BlockMethod:
 
     Declarations: ``needs_calibration`` (False: no data is captured or replayed, inputs are
     None); ``needs_smoothing`` (the method folds scales into smoothing pairs: a model without
-    any is refused before calibrating). ``options`` (the method's typed settings) and
-    ``scale_dtype`` identify its behaviour (``describe``, the resume fingerprint).
+    any is refused before calibrating); ``data_parallel`` (its statistics go through
+    ``BlockContext.reducer``, so it runs under torchrun with the samples split across
+    processes). ``options`` (the method's typed settings) and ``scale_dtype`` identify its
+    behaviour (``describe``, the resume fingerprint).
     """
 
     needs_calibration: ClassVar[bool] = True
     needs_smoothing: ClassVar[bool] = False
+    data_parallel: ClassVar[bool] = False
 
     def __init__(self, options: Any = None, scale_dtype: torch.dtype = torch.float16):
         self.options = options

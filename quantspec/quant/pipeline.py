@@ -32,6 +32,7 @@ class QuantizeOutcome:
     out: Path
     report: dict[str, Any]
     recipe: Recipe
+    written: bool = True  # False in a data-parallel helper process (rank > 0), which writes nothing
 
 
 def resolve_recipe(recipe: Recipe | str | Path | None) -> Recipe:
@@ -102,7 +103,8 @@ def quantize(
     ``out`` and continue from it after an interruption (either path; removed once the
     checkpoint is written); the report's ``resumed_blocks`` counts the blocks reused.
     Bad input (unknown model, impossible scheme, existing output folder) raises QuantspecError
-    before any long work starts.
+    before any long work starts. Under ``torchrun --nproc-per-node N`` the calibration samples
+    are split across the N processes (``distributed.py``) and rank 0 writes the checkpoint.
     """
     from ..checkpoint.atomic import atomic_folder, check_destination
     from ..checkpoint.checksums import write_manifest
@@ -110,6 +112,7 @@ def quantize(
     from ..formats import get_format
     from ..models import dense_folder, model_slug, resolve_device
     from ..models.experts import key_map
+    from .distributed import from_environment, local_device
     from .job import prepare, run
     from .opened import Lazy, Resident
     from .pack import checkpoint_config, checkpoint_state
@@ -118,13 +121,24 @@ def quantize(
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
     check_destination(out, overwrite)
-    dev = resolve_device(device)
+    reducer = from_environment()
+    dev = local_device(reducer, resolve_device(device))
     lazy = want_streaming(streaming, dense_folder(model))
     opened = Lazy.open(model) if lazy else Resident.open(model)
     dense = opened.model
     job = prepare(dense, opened.tokenizer, recipe, fmt, dev)
+    if reducer.active and not job.method.data_parallel:
+        raise QuantspecError(f"{recipe.method} cannot split its calibration across processes (torchrun).",
+                             "run it in one process, or use --method gptq or rtn.")
     if lazy:
         opened.read_outside(job.arch, keep_head=job.method.uses_model_head(job.block_plan) or bool(job.outside_plan))
+    if reducer.rank != 0:  # a helper process: calibrates its share of the samples, writes nothing
+        from .sinks import MemorySink
+
+        layers: dict[str, Any] = {}
+        run(dense, job, device=dev, progress=False, report=layers, source=opened.source(job.arch),
+            sink=MemorySink(), reducer=reducer)
+        return QuantizeOutcome(out=out, report={"layers": layers}, recipe=recipe, written=False)
     save_dtype = save_dtype_for(dense.config)
     report: dict[str, Any] = {"layers": {}}
     resume_dir = resume_folder(out) if resume else None
@@ -132,7 +146,7 @@ def quantize(
         t0 = time.perf_counter()
         sink = opened.sink(tmp, job.arch, fmt, save_dtype, bool(job.outside_plan))
         results, rest = run(dense, job, device=dev, progress=progress, report=report["layers"],
-                            resume_dir=resume_dir, source=opened.source(job.arch), sink=sink)
+                            resume_dir=resume_dir, source=opened.source(job.arch), sink=sink, reducer=reducer)
         seconds = time.perf_counter() - t0
         if lazy:
             sink.write_rest(dense, rest, opened.weights, job.inside)
@@ -140,7 +154,8 @@ def quantize(
             state = checkpoint_state(dense, {**results, **rest}, fmt, save_dtype)
             write_safetensors(tmp, key_map(dense).state_to_disk(state))
         fill_report(report, recipe, fmt, job.plan, job.calib, seconds, dev, model=opened.name,
-                    source=str(opened.path), load_seconds=opened.load_seconds, streaming=lazy)
+                    source=str(opened.path), load_seconds=opened.load_seconds, streaming=lazy,
+                    processes=reducer.world)
         write_metadata(tmp, checkpoint_config(dense, recipe, job.plan, fmt, save_dtype), tokenizer=opened.tokenizer,
                        generation_config=getattr(dense, "generation_config", None),
                        recipe_yaml=recipe.to_yaml(), report=report)
