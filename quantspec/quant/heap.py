@@ -45,3 +45,13 @@ def reuse_freed_memory() -> Iterator[None]:
         libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_MMAP)
         libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM)
         libc.malloc_trim(0)
+
+
+def release_heap() -> None:
+    """Return the heap's free memory to the system now (glibc ``malloc_trim``; elsewhere a
+    no-op). The streaming path calls it after each block: without it, glibc keeps the freed
+    pages of every block it has processed (fragmentation across blocks), and the resident size
+    of a streamed model grows by most of a block per block."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)

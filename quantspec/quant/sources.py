@@ -34,8 +34,7 @@ class LazyWeights:
 
         key = self.names.to_disk(key)
         with safe_open(str(self.reader.file_of(key)), framework="pt") as h:
-            t = h.get_tensor(key)
-        return t.to(dtype) if t.is_floating_point() else t
+            return _owned(h.get_tensor(key), dtype)
 
     def load_into(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
         """Assign every parameter/buffer of ``module`` (named ``prefix.*`` in the files)."""
@@ -53,9 +52,18 @@ class LazyWeights:
         for f, rels in wanted.items():
             with safe_open(str(f), framework="pt") as h:
                 for rel in rels:
-                    t = h.get_tensor(self.names.to_disk(f"{prefix}.{rel}" if prefix else rel))
-                    state[rel] = t.to(dtype) if t.is_floating_point() else t
+                    state[rel] = _owned(h.get_tensor(self.names.to_disk(f"{prefix}.{rel}" if prefix else rel)), dtype)
         module.load_state_dict(state, strict=False, assign=True)
+
+
+def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (floating tensors cast to ``dtype``) in memory of its own. safetensors hands out
+    tensors over a private mapping of the whole file: writing one (the engine swaps dequantized
+    values in) dirties copy-on-write pages that stay resident as long as anything read from that
+    file lives, so a streamed model's every block would stay in memory."""
+    if t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t.clone()
 
 
 def empty_model(folder: Path, dtype: torch.dtype) -> nn.Module:
@@ -114,7 +122,10 @@ class LazySource:
         self.weights.load_into(block, self.arch.block_name(index), self.dtype)
 
     def release(self, index: int, block: nn.Module) -> None:
+        from .heap import release_heap
+
         block.to("meta")
+        release_heap()
 
 
 def release_tensor(module: nn.Module, attr: str) -> None:
