@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
     p.add_argument("--calib-seqlen", type=int)
+    p.add_argument("--calib-experts", choices=["all", "routed"],
+                   help="MoE models: all (default) sends every calibration token through every expert "
+                        "for its statistics (the block output stays routed); routed: each expert sees only "
+                        "its routed tokens, an expert with none is rounded to nearest (reported)")
     p.add_argument("--seed", type=int)
     p.add_argument("--alpha", type=float, help="SmoothQuant migration strength")
     p.add_argument("--save-scales", help="AWQ: save the searched scales to this file")
@@ -98,7 +102,7 @@ def recipe_from_args(args):
         k: v
         for k, v in {
             "data": args.calib, "samples": args.calib_samples,
-            "seqlen": args.calib_seqlen, "seed": args.seed,
+            "seqlen": args.calib_seqlen, "seed": args.seed, "experts": args.calib_experts,
         }.items()
         if v is not None
     }
