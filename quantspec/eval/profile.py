@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .machine import describe_machine, gpu_names
+from .machine import describe_machine
 
 CLASSES = ("dequant-GEMM", "GEMM", "attention", "norms+elementwise", "sampling", "other")
 SCOPE_QLINEAR = "quantspec::quant_linear"

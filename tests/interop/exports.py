@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
