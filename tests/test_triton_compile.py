@@ -126,3 +126,19 @@ def test_w8a8_compiles(target_name):
 def test_every_config_compiles(family, target_name):
     for cfg in configs.configs_for(family, _cuda_or_hip(TARGETS[target_name][0])):
         _compile_family(family, target_name, "fp16-w4g128-sym", cfg)
+
+
+@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
+@pytest.mark.parametrize("act,bits,zeros", [("bf16", 4, False), ("fp16", 4, True), ("bf16", 8, True)])
+def test_grouped_moe_kernel_compiles(act, bits, zeros, target_name):
+    """The grouped MoE GEMM (kernels/triton/moe_gemm.py) with the launcher's tiles."""
+    from quantspec.kernels.triton import moe_gemm
+
+    types = {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": PTR[act],
+             "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "code_mask": "i32"}
+    consts = dict(FB=wq_gemm.field_bits(bits), GROUP=128, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros,
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
+    kernel = _compile(moe_gemm._moe_wq_kernel, types, consts, triton.Config({}, num_warps=4, num_stages=1),
+                      target_name)
+    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")

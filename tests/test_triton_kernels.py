@@ -337,8 +337,8 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
 @interp
 def test_moe_experts_run_on_the_triton_backend(tk):
     """A quantized Qwen3-MoE (experts one QuantLinear each, ``models.experts.LinearExperts``) on
-    the Triton backend: logits within 1e-5 (fp32, relative to the largest) of the reference
-    backend's, every expert's product through the Triton kernel."""
+    the Triton backend, through the grouped path (``kernels.moe``: two grouped launches per MoE
+    block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's."""
     import quantspec
     from helpers import tiny_model
     from quantspec.quant.recipe import Recipe
@@ -350,7 +350,33 @@ def test_moe_experts_run_on_the_triton_backend(tk):
         model, report = quantspec.quantize_model(tiny_model("qwen3_moe"), recipe, backend=backend)
         assert set(report["backends"].values()) == {backend}
         assert sum(".experts." in n for n in report["backends"]) == 48
+        assert len(report["grouped_experts"]) == (2 if backend == "triton" else 0)
         with torch.no_grad():
             logits[backend] = model(ids).logits
     ref = logits["reference"]
     assert (logits["triton"] - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@interp
+@pytest.mark.parametrize("scheme,dtype", [(S(4, 32, True), torch.float32), (S(4, 32, False), torch.float16),
+                                          (S(4, -1, True), torch.float32), (S(8, 64, False), torch.float32)])
+def test_grouped_moe_gemm_matches_each_experts_product(tk, scheme, dtype):
+    """Rows grouped by expert (one expert with none, one with more than a row tile), each
+    expert's weight its own: the grouped kernel equals each expert's reference product."""
+    from quantspec.kernels.moe import _stack
+    from quantspec.kernels.triton.moe_gemm import moe_wq_linear
+
+    n, k, counts = 48, 64, [3, 0, 21, 1]
+    backend, ref = tk.backend.TritonBackend(), ReferenceBackend()
+    results = [make_case(scheme, n, k, 1, dtype, seed=e)[0] for e in range(len(counts))]
+    x = torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    stacked = _stack([(backend.prepare(r, dtype),) for r in results])
+    y = moe_wq_linear(x, counts, *stacked, scheme.bits, scheme.group_size)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = x[start : start + c]
+            want = ref.linear(rows, ref.prepare(results[e], dtype), scheme, n, k, None)
+            check_close(y[start : start + c], want, dtype)
+        start += c
+    assert y.shape == (sum(counts), n)

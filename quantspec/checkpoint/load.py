@@ -155,6 +155,9 @@ def load_quantized(
         if isinstance(mod, QuantLinear):
             backends[name] = mod.prepare(backend)
     model.quantspec_backends = backends
+    from ..kernels.moe import attach_grouped
+
+    model.quantspec_grouped_experts = attach_grouped(model)
     model.quantspec_format = fmt.name
     model.name_or_path = str(path)
     return model

@@ -22,6 +22,8 @@ Calibration modes (``LinearExperts.calibration``):
 * ``"routed"``: every expert is called on its routed rows only, possibly none.
 
 ``routed_counts`` (when not None) accumulates how many tokens the router sent to each expert.
+``runner`` (when set, in inference): a kernel path for the whole routed output (the grouped
+Triton GEMM, ``kernels.moe``), else each active expert's Linears run in turn.
 """
 
 from __future__ import annotations
@@ -124,8 +126,12 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         self.calibration: str | None = None
         self.routed_counts: torch.Tensor | None = None
+        # a kernel path computing the routed output in inference (kernels.moe.attach_grouped)
+        self.runner = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.runner is not None and self.calibration is None and self.routed_counts is None:
+            return self.runner(hidden_states, top_k_index, top_k_weights)
         n, rows, k = len(self), hidden_states.shape[0], top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)

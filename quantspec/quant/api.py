@@ -55,7 +55,11 @@ def quantize_model(
         backends[name] = qlin.prepare(backend)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qlin)
+    from ..kernels.moe import attach_grouped
+
+    grouped = attach_grouped(model)
     report = {
+        "grouped_experts": grouped,
         "layers": layers,
         "quantized": {n: s.short_name for n, s in job.plan.quantize.items()},
         "dense": dict(job.plan.dense),

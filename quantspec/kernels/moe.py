@@ -1,0 +1,82 @@
+"""The grouped expert path: a quantized ``LinearExperts`` (``models/experts.py``) whose experts
+all run on the Triton backend computes its routed output with two grouped launches instead of
+three products per active expert: the tokens are gathered in expert order, every active
+expert's gate and up in one grouped GEMM (``triton/moe_gemm.py``; gate and up stacked along N),
+SiLU-and-multiply, every active expert's down in a second one, and the results scattered back
+weighted by the router.
+
+``attach_grouped(model)`` binds it to each LinearExperts that qualifies (every expert Linear a
+QuantLinear prepared for "triton" with one scheme, no act-order layout); the others keep the
+per-expert path, which runs on any backend. The stacked copy is made once, at attach time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.experts import LinearExperts, experts_modules
+from .quant_linear import QuantLinear
+
+
+class GroupedExperts:
+    """Stacked Triton layouts of one LinearExperts and its forward (same signature)."""
+
+    def __init__(self, experts: LinearExperts):
+        mlps = list(experts)
+        gate, up, down = ([m.linears()[i] for m in mlps] for i in range(3))
+        self.scheme = gate[0].scheme
+        self.act_fn = mlps[0].act_fn
+        self.n_experts = len(mlps)
+        self.gate_up = _stack([(g.prepared(), u.prepared()) for g, u in zip(gate, up)])
+        self.down = _stack([(d.prepared(),) for d in down])
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        from .triton.moe_gemm import moe_wq_linear
+
+        n, k = self.n_experts, top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        keep = (flat >= 0) & (flat < n)
+        order = torch.argsort(torch.where(keep, flat, n), stable=True)[: int(keep.sum())]
+        counts = torch.bincount(flat[keep], minlength=n).tolist()
+        tok, slot = order // k, order % k
+        bits, group = self.scheme.bits, self.scheme.group_size
+        gu = moe_wq_linear(hidden[tok].contiguous(), counts, *self.gate_up, bits, group)
+        inter = gu.shape[1] // 2
+        h = (self.act_fn(gu[:, :inter]) * gu[:, inter:]).contiguous()
+        y = moe_wq_linear(h, counts, *self.down, bits, group)
+        y = y.float() * top_k_weights[tok, slot, None].float()
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        out.index_add_(0, tok, y)
+        return out.to(hidden.dtype)
+
+
+def _stack(layers: list[tuple[dict, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qweight [E, KW, N], scales [E, G, N], zeros or None) from each expert's prepared
+    layouts, the layouts of one expert side by side along N."""
+    def cat(key):
+        if any(key not in p for parts in layers for p in parts):
+            return None
+        return torch.stack([torch.cat([p[key] for p in parts], dim=1) for parts in layers]).contiguous()
+
+    return cat("qweight"), cat("scales"), cat("zeros")
+
+
+def _qualifies(experts: LinearExperts) -> bool:
+    lins = [lin for mlp in experts for lin in mlp.linears()]
+    if not all(isinstance(m, QuantLinear) and m.backend_name == "triton" for m in lins):
+        return False
+    schemes = {m.scheme for m in lins}
+    if len(schemes) != 1 or next(iter(schemes)).act_order or next(iter(schemes)).activations:
+        return False
+    return not any({"perm", "g_idx"} & set(m.prepared()) for m in lins)
+
+
+def attach_grouped(model: nn.Module) -> list[str]:
+    """Bind the grouped path to every qualifying LinearExperts of ``model``; returns their names."""
+    bound = []
+    for name, experts in experts_modules(model).items():
+        if _qualifies(experts):
+            experts.runner = GroupedExperts(experts)
+            bound.append(name)
+    return bound
