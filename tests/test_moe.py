@@ -55,27 +55,40 @@ def test_linearized_experts_compute_the_fused_output(arch):
     model = tiny_model(arch)
     ids = _ids()
     with torch.no_grad():
+        for m in model.modules():  # GPT-OSS initializes its expert biases to zero: make them count
+            for b in ("gate_up_proj_bias", "down_proj_bias"):
+                if hasattr(m, b):
+                    getattr(m, b).normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
         ref = model(ids).logits
-        fused = {n: (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+        fused = {n: {k: t.detach().clone() for k, t in m.named_parameters()}
                  for n, m in model.named_modules() if hasattr(m, "gate_up_proj")}
         names = linearize_experts(model)
         assert names == list(fused) and names
         assert not any(p.dim() == 3 for p in model.parameters())  # no fused copy left behind
-        for name, (gate_up, down) in fused.items():
+        for name, params in fused.items():
             experts = model.get_submodule(name)
-            assert isinstance(experts, LinearExperts) and len(experts) == gate_up.shape[0]
-            inter = gate_up.shape[1] // 2
+            assert isinstance(experts, LinearExperts) and len(experts) == params["gate_up_proj"].shape[0]
             for e, mlp in enumerate(experts):
-                gate, up, dn = mlp.linears()
-                assert torch.equal(gate.weight, gate_up[e, :inter]) and torch.equal(up.weight, gate_up[e, inter:])
-                assert torch.equal(dn.weight, down[e])
+                for lin, (weight, bias) in zip(mlp.linears(), _expert_slices(params, e, arch)):
+                    assert torch.equal(lin.weight, weight)
+                    assert (lin.bias is None and bias is None) or torch.equal(lin.bias, bias)
         for mode in (None, "all", "routed"):
             set_calibration(model, mode)
             out = model(ids).logits
             assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), mode
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "granitemoe"])
+def _expert_slices(params: dict, e: int, arch: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of expert e's gate, up and down as the fused tensors hold them."""
+    gu, down = params["gate_up_proj"][e], params["down_proj"][e]
+    if arch == "gpt_oss":  # [H, 2I] with gate/up columns interleaved, biases
+        b = params["gate_up_proj_bias"][e]
+        return [(gu[:, 0::2].t(), b[0::2]), (gu[:, 1::2].t(), b[1::2]), (down.t(), params["down_proj_bias"][e])]
+    inter = gu.shape[0] // 2
+    return [(gu[:inter], None), (gu[inter:], None), (down, None)]
+
+
+@pytest.mark.parametrize("arch", ["granitemoe"])
 def test_experts_fused_on_disk_are_reported_dense_with_the_reason(arch, tmp_path):
     model = tiny_model(arch)
     assert linearize_experts(model) == []
@@ -91,6 +104,7 @@ def test_experts_fused_on_disk_are_reported_dense_with_the_reason(arch, tmp_path
 CASES = [(a, "gptq", "gptq") for a in MOE_ARCHS] + [
     ("qwen3_moe", "awq", "awq"), ("mixtral", "awq", "compressed-tensors"), ("deepseek_v3", "awq", "gptq"),
     ("qwen2_moe", "rtn", "compressed-tensors"), ("mixtral", "gptq", "compressed-tensors"),
+    ("gpt_oss", "awq", "compressed-tensors"),
 ]
 
 
@@ -108,8 +122,11 @@ def test_every_expert_is_quantized_exported_and_loaded(arch, method, fmt, tmp_pa
     qkey = "weight_packed" if fmt == "compressed-tensors" else "qweight"
     on_disk = {k.rpartition(".")[0] for k in tensors if k.endswith(qkey)}
     disk_names = {k.rpartition(".")[0] for k in load_file(str(folder / "model.safetensors")) if k.endswith(".weight")}
-    experts = [n for n in disk_names if ".experts." in n]
     n_fused = sum(m.gate_up_proj.shape[0] for m in dense_model.modules() if hasattr(m, "gate_up_proj"))
+    experts = [n for n in disk_names if ".experts." in n]
+    if arch == "gpt_oss":  # fused on disk too: vLLM's loader takes mlp.experts.{e}.gate_proj as well
+        experts = [f"{m}.{e}.{p}" for m in experts_modules_of(dense_model) for e in range(8)
+                   for p in ("gate_proj", "up_proj", "down_proj")]
     assert len(experts) == 3 * n_fused
     assert set(experts) <= on_disk  # every routed expert, named as the original checkpoint names it
     shared = [n for n in disk_names if "shared_expert." in n or "shared_experts." in n]
@@ -157,8 +174,17 @@ def _fake_quant_fused(model, loaded):
                 experts = loaded.get_submodule(name)
                 for e, mlp in enumerate(experts):
                     g, u, d = (deq[f"{name}.{e}.{n}"] for n in mlp.names)
-                    mod.gate_up_proj[e].copy_(torch.cat([g, u]))
-                    mod.down_proj[e].copy_(d)
+                    if hasattr(mod, "gate_up_proj_bias"):  # GPT-OSS: [H, 2I] interleaved, biases
+                        mod.gate_up_proj[e][:, 0::2].copy_(g.t())
+                        mod.gate_up_proj[e][:, 1::2].copy_(u.t())
+                        mod.down_proj[e].copy_(d.t())
+                        gl, ul, dl = mlp.linears()
+                        mod.gate_up_proj_bias[e][0::2].copy_(gl.bias)
+                        mod.gate_up_proj_bias[e][1::2].copy_(ul.bias)
+                        mod.down_proj_bias[e].copy_(dl.bias)
+                    else:
+                        mod.gate_up_proj[e].copy_(torch.cat([g, u]))
+                        mod.down_proj[e].copy_(d)
             elif isinstance(mod, torch.nn.Linear) and name in deq:
                 mod.weight.copy_(deq[name])
     return model.eval()
@@ -195,10 +221,11 @@ def test_transformers_loads_a_compressed_tensors_moe_export(tmp_path):
     assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_moe_smoothing_folds_are_exact_and_leave_routers_unchanged(arch):
     """The declared pairs fold exactly: the post-attention norm into the router (a follower),
-    every expert's gate/up and the shared experts; each expert's up into its down."""
+    every expert's gate/up and the shared experts; each expert's up into its down (not in
+    GPT-OSS, whose clamped SwiGLU is not linear in up)."""
     model = tiny_model(arch)
     linearize_experts(model)
     arch_spec = get_arch(model)
@@ -209,10 +236,10 @@ def test_moe_smoothing_folds_are_exact_and_leave_routers_unchanged(arch):
     n_experts = len(next(iter(experts_modules(block).values())))
     assert sum(".experts." in n for n in norm_pair.linear_names) == 2 * n_experts
     assert len(norm_pair.followers) >= 1
-    assert sum(p.prev_name.startswith("mlp.experts.") for p in pairs) == n_experts
+    assert sum(p.prev_name.startswith("mlp.experts.") for p in pairs) == (0 if arch == "gpt_oss" else n_experts)
     ids = _ids()
     router_out = {}
-    router = block.get_submodule("mlp.gate")
+    router = block.get_submodule("mlp.router" if arch == "gpt_oss" else "mlp.gate")
     handle = router.register_forward_hook(lambda m, a, o: router_out.setdefault(len(router_out), o))
     with torch.no_grad():
         ref = model(ids).logits

@@ -2,11 +2,11 @@
 all run on the Triton backend computes its routed output with two grouped launches instead of
 three products per active expert: the tokens are gathered in expert order, every active
 expert's gate and up in one grouped GEMM (``triton/moe_gemm.py``; gate and up stacked along N),
-SiLU-and-multiply, every active expert's down in a second one, and the results scattered back
+the gated activation, every active expert's down in a second one, and the results scattered back
 weighted by the router.
 
 ``attach_grouped(model)`` binds it to each LinearExperts that qualifies (every expert Linear a
-QuantLinear prepared for "triton" with one scheme, no act-order layout); the others keep the
+QuantLinear prepared for "triton" with one scheme, no act-order layout, no bias); the others keep the
 per-expert path, which runs on any backend. The stacked copy is made once, at attach time.
 """
 
@@ -26,7 +26,7 @@ class GroupedExperts:
         mlps = list(experts)
         gate, up, down = ([m.linears()[i] for m in mlps] for i in range(3))
         self.scheme = gate[0].scheme
-        self.act_fn = mlps[0].act_fn
+        self.glu = mlps[0].glu
         self.n_experts = len(mlps)
         self.gate_up = _stack([(g.prepared(), u.prepared()) for g, u in zip(gate, up)])
         self.down = _stack([(d.prepared(),) for d in down])
@@ -43,7 +43,7 @@ class GroupedExperts:
         bits, group = self.scheme.bits, self.scheme.group_size
         gu = moe_wq_linear(hidden[tok].contiguous(), counts, *self.gate_up, bits, group)
         inter = gu.shape[1] // 2
-        h = (self.act_fn(gu[:, :inter]) * gu[:, inter:]).contiguous()
+        h = self.glu(gu[:, :inter], gu[:, inter:]).contiguous()
         y = moe_wq_linear(h, counts, *self.down, bits, group)
         y = y.float() * top_k_weights[tok, slot, None].float()
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -64,7 +64,7 @@ def _stack(layers: list[tuple[dict, ...]]) -> tuple[torch.Tensor, torch.Tensor, 
 
 def _qualifies(experts: LinearExperts) -> bool:
     lins = [lin for mlp in experts for lin in mlp.linears()]
-    if not all(isinstance(m, QuantLinear) and m.backend_name == "triton" for m in lins):
+    if not all(isinstance(m, QuantLinear) and m.backend_name == "triton" and m.bias is None for m in lins):
         return False
     schemes = {m.scheme for m in lins}
     if len(schemes) != 1 or next(iter(schemes)).act_order or next(iter(schemes)).activations:

@@ -46,18 +46,27 @@ class ExpertLayout:
     ``.block_sparse_moe.`` on disk).
     routers: module names (relative to the experts' parent, e.g. ``mlp``) that route tokens or
     gate a shared expert; kept dense.
+    fused: the in-memory layout. "concat": ``gate_up_proj`` [E, 2I, H] (gate rows, then up
+    rows), ``down_proj`` [E, H, I], no biases, ``act_fn(gate) * up``. "gpt_oss": ``gate_up_proj``
+    [E, H, 2I] with gate and up columns interleaved, ``down_proj`` [E, I, H], biases, and the
+    clamped SwiGLU of GPT-OSS (``ClampedSwiGLU``).
+    fused_on_disk: the family's checkpoints keep the fused tensors too (GPT-OSS), so the model
+    is read whole (resident) and linearized in memory rather than streamed per expert.
     unsupported: why the family's experts are not linearized (None: they are).
     """
 
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     disk_renames: tuple[tuple[str, str], ...] = ()
     routers: tuple[str, ...] = ("gate", "shared_expert_gate")
+    fused: str = "concat"
+    fused_on_disk: bool = False
     unsupported: str | None = None
 
 
 QWEN_STYLE = ExpertLayout()
 MIXTRAL = ExpertLayout(names=("w1", "w3", "w2"), disk_renames=((".mlp.", ".block_sparse_moe."),))
-_FUSED_ON_DISK = "its checkpoints store the experts fused ({}), which has no per-expert quantized export yet"
+# vLLM's GPT-OSS loader takes per-expert tensors (mlp.experts.{e}.gate_proj.weight/.bias) too
+GPT_OSS = ExpertLayout(routers=("router",), fused="gpt_oss", fused_on_disk=True)
 
 LAYOUTS: dict[str, ExpertLayout] = {
     "qwen2_moe": QWEN_STYLE,
@@ -67,8 +76,10 @@ LAYOUTS: dict[str, ExpertLayout] = {
     "deepseek_v3": QWEN_STYLE,
     "glm4_moe": QWEN_STYLE,
     "mixtral": MIXTRAL,
-    "gpt_oss": ExpertLayout(routers=("router",), unsupported=_FUSED_ON_DISK.format("gate_up_proj [E, H, 2I], interleaved, with biases")),
-    "granitemoe": ExpertLayout(routers=("router",), unsupported=_FUSED_ON_DISK.format("input_linear / output_linear")),
+    "gpt_oss": GPT_OSS,
+    "granitemoe": ExpertLayout(routers=("router",), unsupported=(
+        "its checkpoints store the experts fused (input_linear / output_linear), which has no per-expert "
+        "quantized export that an engine reads")),
 }
 
 
@@ -85,37 +96,69 @@ def is_fused_experts(mod: nn.Module) -> bool:
     return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
 
 
-def _standard_shapes(mod: nn.Module) -> str | None:
-    """None when ``mod`` is laid out as gate_up [E, 2I, H] (gate rows first), down [E, H, I],
-    without biases; else what differs."""
-    e, two_i, h = mod.gate_up_proj.shape
-    if any(isinstance(getattr(mod, b, None), torch.Tensor) for b in ("gate_up_proj_bias", "down_proj_bias")):
+def _layout_problem(mod: nn.Module, layout: ExpertLayout) -> str | None:
+    """None when ``mod``'s parameters are laid out as ``layout.fused`` says; else what differs."""
+    gu, down = tuple(mod.gate_up_proj.shape), tuple(mod.down_proj.shape)
+    biases = [isinstance(getattr(mod, b, None), torch.Tensor) for b in ("gate_up_proj_bias", "down_proj_bias")]
+    if layout.fused == "gpt_oss":
+        e, h, two_i = gu
+        if two_i % 2 or down != (e, two_i // 2, h) or not all(biases):
+            return f"gate_up_proj {gu} and down_proj {down} (with biases) are not [E, H, 2I] and [E, I, H]"
+        if not all(isinstance(getattr(mod, a, None), float) for a in ("alpha", "limit")):
+            return "the experts module has no alpha/limit of its clamped SwiGLU"
+        return None
+    e, two_i, h = gu
+    if any(biases):
         return "the experts have biases"
-    if two_i % 2 or tuple(mod.down_proj.shape) != (e, h, two_i // 2):
-        return f"gate_up_proj {tuple(mod.gate_up_proj.shape)} and down_proj {tuple(mod.down_proj.shape)} are not [E, 2I, H] and [E, H, I]"
+    if two_i % 2 or down != (e, h, two_i // 2):
+        return f"gate_up_proj {gu} and down_proj {down} are not [E, 2I, H] and [E, H, I]"
     if not callable(getattr(mod, "act_fn", None)):
         return "the experts module has no act_fn"
     return None
 
 
-class ExpertMLP(nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))`` with its Linears named as on disk."""
+class SiluGLU:
+    """``act(gate) * up`` (SwiGLU with the model's activation)."""
 
-    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int, act_fn, device=None, dtype=None):
+    def __init__(self, act_fn):
+        self.act_fn = act_fn
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate) * up
+
+
+class ClampedSwiGLU:
+    """GPT-OSS: gate clamped above at ``limit``, up to [-limit, limit], then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(glu(gate(x), up(x)))`` with its Linears named as on disk."""
+
+    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int, glu, bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         self.names = names
         gate, up, down = names
-        self.add_module(gate, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
-        self.add_module(up, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
-        self.add_module(down, nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype))
-        self.act_fn = act_fn
+        self.add_module(gate, nn.Linear(hidden, inter, bias=bias, device=device, dtype=dtype))
+        self.add_module(up, nn.Linear(hidden, inter, bias=bias, device=device, dtype=dtype))
+        self.add_module(down, nn.Linear(inter, hidden, bias=bias, device=device, dtype=dtype))
+        self.glu = glu
 
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         return tuple(getattr(self, n) for n in self.names)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears()
-        return down(self.act_fn(gate(x)) * up(x))
+        return down(self.glu(gate(x), up(x)))
 
 
 class LinearExperts(nn.ModuleList):
@@ -159,20 +202,34 @@ class LinearExperts(nn.ModuleList):
         return out.to(hidden_states.dtype)
 
 
-def linearize(fused: nn.Module, names: tuple[str, str, str]) -> LinearExperts:
+def linearize(fused: nn.Module, layout: ExpertLayout) -> LinearExperts:
     """A ``LinearExperts`` with ``fused``'s weights (copied; meta stays meta)."""
-    e, two_i, h = fused.gate_up_proj.shape
-    inter = two_i // 2
     w, d = fused.gate_up_proj, fused.down_proj
+    gpt_oss = layout.fused == "gpt_oss"
+    if gpt_oss:
+        e, h, two_i = w.shape
+        glu = ClampedSwiGLU(float(fused.alpha), float(fused.limit))
+    else:
+        e, two_i, h = w.shape
+        glu = SiluGLU(fused.act_fn)
+    inter = two_i // 2
     experts = []
     for i in range(e):
-        mlp = ExpertMLP(names, h, inter, fused.act_fn, device=w.device, dtype=w.dtype)
+        mlp = ExpertMLP(layout.names, h, inter, glu, bias=gpt_oss, device=w.device, dtype=w.dtype)
         if not w.is_meta:
             gate, up, down = mlp.linears()
             with torch.no_grad():
-                gate.weight.copy_(w[i, :inter])
-                up.weight.copy_(w[i, inter:])
-                down.weight.copy_(d[i])
+                if gpt_oss:
+                    gate.weight.copy_(w[i][:, 0::2].t())
+                    up.weight.copy_(w[i][:, 1::2].t())
+                    down.weight.copy_(d[i].t())
+                    gate.bias.copy_(fused.gate_up_proj_bias[i][0::2])
+                    up.bias.copy_(fused.gate_up_proj_bias[i][1::2])
+                    down.bias.copy_(fused.down_proj_bias[i])
+                else:
+                    gate.weight.copy_(w[i, :inter])
+                    up.weight.copy_(w[i, inter:])
+                    down.weight.copy_(d[i])
         experts.append(mlp)
     return LinearExperts(experts)
 
@@ -188,9 +245,9 @@ def linearize_experts(model: nn.Module, calibration: str | None = None) -> list[
     if layout.unsupported:
         return done
     for name, mod in list(model.named_modules()):
-        if not is_fused_experts(mod) or _standard_shapes(mod) is not None:
+        if not is_fused_experts(mod) or _layout_problem(mod, layout) is not None:
             continue
-        linear = linearize(mod, layout.names)
+        linear = linearize(mod, layout)
         linear.calibration = calibration
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, linear)
@@ -205,7 +262,7 @@ def fused_experts_left(model: nn.Module) -> dict[str, str]:
     for name, mod in model.named_modules():
         if is_fused_experts(mod):
             model_type = getattr(model.config, "model_type", "?")
-            why = layout.unsupported or _standard_shapes(mod) or "not linearized"
+            why = layout.unsupported or _layout_problem(mod, layout) or "not linearized"
             out[name] = f"fused routed experts of {model_type!r} kept dense: {why}"
     return out
 

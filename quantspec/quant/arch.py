@@ -192,6 +192,13 @@ MOE_ARCHS = {
     "mixtral": _moe("mixtral", _GQA, _GQA_SMOOTH, ("w1", "w3", "w2")),
     "deepseek_v2": _moe("deepseek_v2", _MLA, _MLA_SMOOTH),
     "deepseek_v3": _moe("deepseek_v3", _MLA, _MLA_SMOOTH),
+    # GPT-OSS: biased experts behind a clamped SwiGLU (up -> down is not linear: no pair there)
+    "gpt_oss": ArchSpec(
+        name="gpt_oss", patterns=True,
+        sequential=(*_GQA, ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"), ("mlp.experts.*.down_proj",)),
+        smooth=(*_GQA_SMOOTH, SmoothPair("post_attention_layernorm", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
+                                         followers=("mlp.router",))),
+    ),
 }
 
 ARCHS: dict[str, ArchSpec] = {

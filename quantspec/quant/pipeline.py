@@ -66,21 +66,25 @@ def save_dtype_for(config) -> torch.dtype:
 
 
 def want_streaming(streaming: bool | None, folder: Path) -> bool:
-    """Stream when asked; by default whenever it can: the weights are safetensors files and the
+    """Stream when asked; by default whenever it can: the weights are safetensors files, the
     architecture has a declaration (the generic fallback needs a real forward to find its
-    groups, which the meta-device model of the streaming path cannot run)."""
+    groups, which the meta-device model of the streaming path cannot run), and MoE experts, if
+    any, are stored one per expert (GPT-OSS keeps them fused on disk: read whole)."""
     if streaming is not None:
         return streaming
     import json
 
     from .arch import ARCHS
 
+    from ..models.experts import LAYOUTS
+
     folder = Path(folder)
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return False
-    return model_type in ARCHS and any(folder.glob("*.safetensors"))
+    fused = model_type in LAYOUTS and LAYOUTS[model_type].fused_on_disk  # experts split in memory only
+    return model_type in ARCHS and not fused and any(folder.glob("*.safetensors"))
 
 
 def quantize(
