@@ -302,3 +302,25 @@ def test_routed_calibration_is_refused_for_smoothing_methods(tmp_path):
         quantspec.quantize(str(folder), recipe, tmp_path / "q", progress=False)
     with pytest.raises(QuantspecError, match="experts"):
         CalibrationConfig(experts="some")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_one_token_and_batched_routing_equal_the_fused_experts(arch, rows):
+    """The decode path (one token: its k experts summed directly) and the grouped path, called
+    as transformers calls the experts module, against the fused module on the same routing."""
+    from quantspec.models.experts import layout_of, linearize
+
+    model = tiny_model(arch)
+    fused = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for b in ("gate_up_proj_bias", "down_proj_bias"):
+            if hasattr(fused, b):
+                getattr(fused, b).normal_(0, 0.05, generator=gen)
+        x = torch.randn(rows, fused.gate_up_proj.shape[1 if arch == "gpt_oss" else 2], generator=gen)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(rows)])
+        w = torch.softmax(torch.randn(rows, 2, generator=gen), dim=-1)
+        want = fused(x, idx, w)
+        got = linearize(fused, layout_of(model))(x, idx, w)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
