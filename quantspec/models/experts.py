@@ -152,13 +152,16 @@ class ExpertMLP(nn.Module):
         self.add_module(up, nn.Linear(hidden, inter, bias=bias, device=device, dtype=dtype))
         self.add_module(down, nn.Linear(inter, hidden, bias=bias, device=device, dtype=dtype))
         self.glu = glu
+        # gate and up as one product (a ``kernels.siblings.Siblings``), set for fast inference
+        self.gate_up = None
 
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         return tuple(getattr(self, n) for n in self.names)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears()
-        return down(self.glu(gate(x), up(x)))
+        g, u = self.gate_up(x) if self.gate_up is not None else (gate(x), up(x))
+        return down(self.glu(g, u))
 
 
 class LinearExperts(nn.ModuleList):

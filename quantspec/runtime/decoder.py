@@ -88,6 +88,13 @@ class StaticDecoder(Decoder):
         if window is None and getattr(config, "model_type", "") in ("mistral", "mixtral"):
             window = getattr(config, "sliding_window", None)
         moe = get(fam.moe) if is_moe_block(block, fam) else None
+        if moe is not None and self.fuse:  # each expert's gate and up as one product
+            from ..models.experts import experts_modules
+
+            for experts in experts_modules(moe).values():
+                for mlp in experts:
+                    gate, up, _ = mlp.linears()
+                    mlp.gate_up = Siblings([gate, up], fuse=True)
         return _Block(
             attn_norm=get(fam.attn_norm).weight,
             qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),
