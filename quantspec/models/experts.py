@@ -9,9 +9,10 @@ of per-expert MLPs (``ExpertMLP``: gate, up, down Linears) computing the same ro
 so that planning, calibration, packing and loading treat experts like any other Linear.
 
 Families are declared as data (``LAYOUTS``, by ``config.model_type``): the per-expert Linear
-names and the renames between module names in memory and tensor names on disk. A family whose
-experts are fused on disk too (GPT-OSS, Granite-MoE) or laid out differently is not linearized;
-``fused_experts_left`` names those modules with the reason, for the report.
+names, the in-memory layout (GPT-OSS: interleaved, transposed, biased, clamped SwiGLU), the
+renames between module names in memory and tensor names on disk. A family declared unsupported
+(Granite-MoE: fused on disk with no per-expert form an engine reads) or laid out otherwise is
+not linearized; ``fused_experts_left`` names those modules with the reason, for the report.
 
 Calibration modes (``LinearExperts.calibration``):
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
+from .distributed import Reducer
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
@@ -113,9 +114,9 @@ class GPTQMethod(BlockMethod):
         self.info: dict[str, dict] = {}
         self._batches: dict[tuple, bool] = {}
 
-    def _single_pass_ok(self, block, inputs, kwargs, reducer) -> bool:
+    def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
         """Whether the single pass applies (the same answer in every process)."""
-        return reducer.all_true(self._single_pass_fits(block, inputs, kwargs))
+        return (reducer or Reducer()).all_true(self._single_pass_fits(block, inputs, kwargs))
 
     def _single_pass_fits(self, block, inputs, kwargs) -> bool:
         if single_pass_bytes(dict(block.named_modules()), inputs) > self.options.single_pass_gb * 2**30:
