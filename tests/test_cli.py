@@ -123,3 +123,18 @@ def test_awq_flags_reach_the_recipe():
     assert r.awq.clip is True and r.awq.duo_scaling is False and r.awq.save_scales == "s.safetensors"
     assert r.awq.search_dtype == "bfloat16" and r.awq.clip_min_gain == 0.0
     assert r.scheme == base.scheme and r.awq.grid == base.awq.grid
+
+
+def test_no_act_order_alone_turns_static_groups_off_and_experts_flag_reaches_the_recipe():
+    """``--no-act-order`` on GPTQ's default scheme (act-order with static groups) used to fail
+    ("static_groups only has a meaning together with act_order"); an explicit
+    ``--static-groups`` with it still fails, as asked."""
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+    from quantspec.errors import QuantspecError
+
+    parse = build_parser().parse_args
+    r = recipe_from_args(parse(["quantize", "--method", "gptq", "--no-act-order", "--calib-experts", "routed"]))
+    assert not r.scheme.act_order and not r.scheme.static_groups and r.calibration.experts == "routed"
+    with pytest.raises(QuantspecError, match="static_groups"):
+        recipe_from_args(parse(["quantize", "--method", "gptq", "--no-act-order", "--static-groups"]))

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from helpers import make_tiny_model
 
-ARGS = ["--calib-samples", "4", "--calib-seqlen", "32", "--no-act-order", "--no-static-groups", "--no-progress", "--no-compare"]
+ARGS = ["--calib-samples", "4", "--calib-seqlen", "32", "--no-act-order", "--no-progress", "--no-compare"]
 
 
 def _free_port() -> int:

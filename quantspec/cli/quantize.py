@@ -88,6 +88,8 @@ def recipe_from_args(args):
     }
     if args.w8a8:
         scheme_fields.update(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
+    if args.act_order is False and args.static_groups is None:
+        scheme_fields["static_groups"] = False  # static groups only mean something with act-order
     changes = {k: v for k, v in scheme_fields.items() if v is not None}
     top: dict = {}
     if args.method:
