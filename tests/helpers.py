@@ -136,3 +136,21 @@ def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def calib_text(folder: Path) -> Path:
+    """A small plain-text calibration file (repeating words, any tokenizer encodes it) in
+    ``folder``: ``calibration.data`` for tests that calibrate offline."""
+    text = Path(folder) / "calib.txt"
+    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(3000)))
+    return text
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers import make_tiny_model
+from helpers import calib_text, checkpoint_tensors, make_tiny_model
 
 ARGS = ["--calib-samples", "4", "--calib-seqlen", "32", "--no-act-order", "--no-progress", "--no-compare"]
 
@@ -43,18 +42,9 @@ def _quantize(folder: Path, out: Path, calib: Path, method: str, processes: int)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 @pytest.fixture
 def calib(tmp_path) -> Path:
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(3000)))
-    return text
+    return calib_text(tmp_path)
 
 
 def test_two_gloo_processes_give_the_one_process_checkpoint(tmp_path, calib):
@@ -64,7 +54,7 @@ def test_two_gloo_processes_give_the_one_process_checkpoint(tmp_path, calib):
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes and reports
-    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    a, b = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     assert a.keys() == b.keys()
     differ = sum(int((a[k] != b[k]).sum()) for k in a if a[k].dtype == torch.int32)
     words = sum(a[k].numel() for k in a if a[k].dtype == torch.int32)

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 import quantspec
-from helpers import MOE_ARCHS, make_tiny_model, make_tiny_tokenizer, tiny_model
+from helpers import MOE_ARCHS, calib_text, checkpoint_tensors, make_tiny_model, make_tiny_tokenizer, tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.models.experts import (
     LinearExperts,
@@ -32,16 +32,7 @@ W4 = QuantScheme(4, 32, False)
 
 
 def _calib(tmp_path, samples=4, seqlen=32, **kw) -> CalibrationConfig:
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(3000)))
-    return CalibrationConfig(data=str(text), samples=samples, seqlen=seqlen, **kw)
-
-
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return CalibrationConfig(data=str(calib_text(tmp_path)), samples=samples, seqlen=seqlen, **kw)
 
 
 def _ids(n=2, length=16, seed=1) -> torch.Tensor:
@@ -117,7 +108,7 @@ def test_every_expert_is_quantized_exported_and_loaded(arch, method, fmt, tmp_pa
     folder = make_tiny_model(tmp_path, arch)
     recipe = Recipe(name="t", method=method, scheme=W4, format=fmt, calibration=_calib(tmp_path))
     outcome = quantspec.quantize(str(folder), recipe, tmp_path / "q", progress=False)
-    tensors = _tensors(outcome.out)
+    tensors = checkpoint_tensors(outcome.out)
     dense_model = tiny_model(arch)
     qkey = "weight_packed" if fmt == "compressed-tensors" else "qweight"
     on_disk = {k.rpartition(".")[0] for k in tensors if k.endswith(qkey)}
@@ -196,7 +187,7 @@ def test_mixtral_exports_use_the_on_disk_names_engines_load(tmp_path):
     folder = make_tiny_model(tmp_path, "mixtral")
     recipe = Recipe(name="t", method="rtn", scheme=W4, format="compressed-tensors")
     out = quantspec.quantize(str(folder), recipe, tmp_path / "q", progress=False).out
-    keys = set(_tensors(out))
+    keys = set(checkpoint_tensors(out))
     assert "model.layers.0.block_sparse_moe.experts.7.w2.weight_packed" in keys
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys
     assert not any(".mlp." in k for k in keys)

@@ -10,10 +10,9 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 import quantspec
-from helpers import make_tiny_model, make_tiny_tokenizer
+from helpers import calib_text, checkpoint_tensors, make_tiny_model, make_tiny_tokenizer
 from quantspec.errors import QuantspecError
 from quantspec.quant import registry
 from quantspec.quant.block_methods import GPTQMethod, RTNMethod
@@ -28,16 +27,7 @@ W8A8 = QuantScheme(8, -1, True, activations="int8-token-dynamic")
 
 
 def _calib(tmp_path, samples=4, seqlen=32) -> CalibrationConfig:
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(3000)))
-    return CalibrationConfig(data=str(text), samples=samples, seqlen=seqlen)
-
-
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return CalibrationConfig(data=str(calib_text(tmp_path)), samples=samples, seqlen=seqlen)
 
 
 def test_cli_choices_and_recipe_validation_read_the_registry():
@@ -88,7 +78,7 @@ def test_smoothquant_gptq_from_the_cli_equals_the_composed_steps(tmp_path, monke
     assert rc == 0
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors"
-    written = _tensors(out)
+    written = checkpoint_tensors(out)
     dense = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     recipe = Recipe(method="smoothquant+gptq", format="compressed-tensors", calibration=cal)
     ids, _ = calibration(make_tiny_tokenizer(), recipe, torch.device("cpu"))
@@ -126,7 +116,7 @@ def test_a_new_method_is_one_registry_entry(tmp_path, monkeypatch):
     out = quantspec.quantize(str(folder), Recipe(method="half-rtn"), tmp_path / "half", progress=False)
     plain = quantspec.quantize(str(folder), Recipe(method="rtn", scheme=QuantScheme()), tmp_path / "rtn",
                                progress=False)
-    a, b = _tensors(out.out), _tensors(plain.out)
+    a, b = checkpoint_tensors(out.out), checkpoint_tensors(plain.out)
     assert a.keys() == b.keys()
     scales = [k for k in a if k.endswith(".scales")]
     assert scales and all(torch.allclose(a[k].float() * 2, b[k].float(), rtol=2e-3) for k in scales)
@@ -168,7 +158,7 @@ def test_resume_on_an_undeclared_architecture(tmp_path, monkeypatch):
     assert json.loads((tmp_path / ".out.resume" / "manifest.json").read_text())["done"] == 2
     resumed = quantspec.quantize(str(folder), recipe, out, progress=False, resume=True)
     assert resumed.report["resumed_blocks"] == 2
-    a, b = _tensors(clean.out), _tensors(resumed.out)
+    a, b = checkpoint_tensors(clean.out), checkpoint_tensors(resumed.out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -179,7 +169,7 @@ def test_quantize_model_in_memory_matches_the_checkpoint(tmp_path):
 
     folder = make_tiny_model(tmp_path, "llama")
     recipe = Recipe(name="t", method="gptq", scheme=QuantScheme(4, 32, True), calibration=_calib(tmp_path))
-    written = _tensors(quantspec.quantize(str(folder), recipe, tmp_path / "ckpt", progress=False).out)
+    written = checkpoint_tensors(quantspec.quantize(str(folder), recipe, tmp_path / "ckpt", progress=False).out)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model, report = quantspec.quantize_model(model, recipe, tokenizer=make_tiny_tokenizer(), backend="reference")
     swapped = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.experts import LinearExperts, experts_modules
+from ..models.experts import LinearExperts, experts_modules, routing_order
 from .quant_linear import QuantLinear
 
 
@@ -34,12 +34,7 @@ class GroupedExperts:
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from .triton.moe_gemm import moe_wq_linear
 
-        n, k = self.n_experts, top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        keep = (flat >= 0) & (flat < n)
-        order = torch.argsort(torch.where(keep, flat, n), stable=True)[: int(keep.sum())]
-        counts = torch.bincount(flat[keep], minlength=n).tolist()
-        tok, slot = order // k, order % k
+        tok, slot, counts = routing_order(top_k_index, self.n_experts)
         bits, group = self.scheme.bits, self.scheme.group_size
         gu = moe_wq_linear(hidden[tok].contiguous(), counts, *self.gate_up, bits, group)
         inter = gu.shape[1] // 2

@@ -179,18 +179,15 @@ class LinearExperts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.runner is not None and self.calibration is None and self.routed_counts is None:
             return self.runner(hidden_states, top_k_index, top_k_weights)
-        n, rows, k = len(self), hidden_states.shape[0], top_k_index.shape[-1]
+        n, rows = len(self), hidden_states.shape[0]
         if rows == 1 and self.calibration is None and self.routed_counts is None:
             return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
-        flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)
+        tokens, slots, counts = routing_order(top_k_index, n)
         if self.routed_counts is not None:
-            self.routed_counts += counts.to(self.routed_counts.device)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        tokens, slots = order // k, order % k
+            self.routed_counts += torch.tensor(counts, device=self.routed_counts.device)
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         mode, start = self.calibration, 0
-        for e, c in enumerate(counts.tolist()):
+        for e, c in enumerate(counts):
             tok, slot = tokens[start : start + c], slots[start : start + c]
             start += c
             if c == 0 and mode is None:
@@ -217,6 +214,18 @@ class LinearExperts(nn.ModuleList):
                 y = self[e](x).float() * weights[j].float()
                 out = y if out is None else out.add_(y)
         return torch.zeros_like(x) if out is None else out.to(x.dtype)
+
+
+def routing_order(top_k_index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, slot) pairs of a top-k routing [T, k] grouped by expert: (tokens, slots,
+    counts), expert e's pairs being the ``counts[e]`` after the first ``sum(counts[:e])``;
+    indices outside [0, n) (dropped tokens) are left out."""
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    keep = (flat >= 0) & (flat < n)
+    order = torch.argsort(torch.where(keep, flat, n), stable=True)[: int(keep.sum())]
+    counts = torch.bincount(flat[keep], minlength=n).tolist()
+    return order // k, order % k, counts
 
 
 def linearize(fused: nn.Module, layout: ExpertLayout) -> LinearExperts:
