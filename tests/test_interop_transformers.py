@@ -30,7 +30,7 @@ import torch
 import quantspec
 from helpers import make_tiny_model
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import SCHEME_PRESETS, QuantScheme
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 
@@ -39,7 +39,15 @@ CASES = {
     "w8g32-sym": (QuantScheme(bits=8, group_size=32, symmetric=True), 1e-3),
     "w4g128-regrouped": (QuantScheme(bits=4, group_size=128, symmetric=True), 1e-3),  # K=64 -> g64
     "w8a8": (QuantScheme(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic"), 2e-2),
+    # FP8 weights (and FP8 per-token activations): the same E4M3 grid on both sides, fp32
+    "fp8-weight": (SCHEME_PRESETS["fp8-weight"], 1e-3),
+    "fp8-dynamic": (SCHEME_PRESETS["fp8-dynamic"], 1e-3),
 }
+# FP4: compressed-tensors 0.20.1 decompresses E2M1 weights to bf16 whatever the model's dtype,
+# so an fp32 model fails in its first matmul (test_transformers_fp4_needs_bf16); both sides run
+# in bf16, and the bound is our own bf16-vs-fp32 drift on that export, measured first, times 3
+# (two independent bf16 paths, each about one drift from the exact result, plus margin).
+FP4_CASES = ("nvfp4", "mxfp4")
 
 # transformers 5.x + compressed-tensors <= 0.20.1 size the module's weight_zero_point as the
 # unpacked [N, G] but asymmetric pack-quantized checkpoints (ours and llm-compressor's alike:
@@ -65,11 +73,46 @@ def ids():
     return torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def _export(tiny: Path, out: Path, case: str, scheme: QuantScheme) -> tuple[Path, torch.Tensor]:
+def _export(tiny: Path, out: Path, case: str, scheme: QuantScheme,
+            dtype: torch.dtype = torch.float32) -> tuple[Path, torch.Tensor]:
     """Our RTN compressed-tensors export of ``tiny`` and its logits through our reference loader."""
     recipe = Recipe(name=case, method="rtn", format="compressed-tensors", scheme=scheme)
     ckpt = quantspec.quantize(str(tiny), recipe, out, progress=False).out
-    return ckpt, quantspec.load_quantized(ckpt, dtype=torch.float32, backend="reference")
+    return ckpt, quantspec.load_quantized(ckpt, dtype=dtype, backend="reference")
+
+
+@pytest.mark.parametrize("case", FP4_CASES)
+def test_transformers_loads_fp4_export(tiny, tmp_path, ids, case):
+    from transformers import AutoModelForCausalLM
+
+    out, ours16 = _export(tiny, tmp_path / "ckpt", case, SCHEME_PRESETS[case], torch.bfloat16)
+    ours32 = quantspec.load_quantized(out, dtype=torch.float32, backend="reference")
+    with torch.no_grad():
+        a16, a32 = ours16(input_ids=ids).logits.float(), ours32(input_ids=ids).logits
+    tol = 3 * (a16 - a32).abs().max().item()  # fixed before transformers runs
+    assert 0 < tol < 0.05 * a32.abs().max().item()
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    assert any(hasattr(m, "quantization_scheme") for m in theirs.modules())
+    with torch.no_grad():
+        b = theirs(input_ids=ids).logits.float()
+    err = (a32 - b).abs().max().item()
+    assert err <= tol, f"{case}: max |logit diff| {err:.3g} > {tol:.3g} (3x our bf16 drift)"
+
+
+@pytest.mark.parametrize("case", FP4_CASES)
+def test_transformers_fp4_needs_bf16(tiny, tmp_path, case):
+    """The engine's limit, not ours: only the fp32 load-and-run raises. When it stops raising,
+    fp32 joins the comparison above."""
+    from transformers import AutoModelForCausalLM
+
+    out, ours = _export(tiny, tmp_path / "ckpt", case, SCHEME_PRESETS[case])
+    ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(ours(input_ids=ids).logits).all()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        with torch.no_grad():
+            theirs(input_ids=ids)
 
 
 @pytest.mark.parametrize("case", list(CASES))

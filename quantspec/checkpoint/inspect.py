@@ -43,6 +43,7 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
             layers[name] = {
                 "bits": mod.scheme.bits,
                 "group_size": mod.scheme.group_size,
+                "scheme": mod.scheme.short_name,
                 "symmetric": mod.scheme.symmetric,
                 "act_order": mod.scheme.act_order,
                 "shape": [mod.out_features, mod.in_features],

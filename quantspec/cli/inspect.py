@@ -23,14 +23,15 @@ def run(args) -> int:
     s = info["scheme"]
     print(f"{info['path']}: {info['format']} format, model_type {info['model_type']}, "
           f"{info['size_bytes'] / 1e6:.1f} MB of weights")
-    print(f"scheme: {s['bits']}-bit, group {s['group_size']}, "
+    number = f"{s['weights']} ({s['bits']}-bit float)" if s.get("weights") else f"{s['bits']}-bit"
+    print(f"scheme: {number}, group {s['group_size']}, "
           f"{'symmetric' if s['symmetric'] else 'asymmetric'}"
           f"{', act-order' if s['act_order'] else ''}"
-          f"{', W8A8 ' + s['activations'] if s.get('activations') else ''}")
+          f"{', activations ' + s['activations'] if s.get('activations') else ''}")
     quant = {n: v for n, v in info["layers"].items() if not v.get("dense")}
-    kinds = Counter((v["bits"], v["group_size"], v["backend"]) for v in quant.values())
-    for (bits, g, backend), n in sorted(kinds.items()):
-        print(f"  {n:4d} layers: {bits}-bit group {g} -> backend {backend}")
+    kinds = Counter((v["scheme"], v["backend"]) for v in quant.values())
+    for (scheme, backend), n in sorted(kinds.items()):
+        print(f"  {n:4d} layers: {scheme} -> backend {backend}")
     for name, e in info["experts"].items():
         left = f", dense: experts {e['dense_experts']}" if e["dense_experts"] else ""
         print(f"  {name}: {e['quantized']} of {e['experts']} experts quantized{left}")

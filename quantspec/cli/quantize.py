@@ -15,6 +15,7 @@ from ._common import write_json
 def add_parser(sub) -> None:
     from ..formats import FORMAT_NAMES
     from ..quant.registry import METHODS
+    from ..quant.scheme import SCHEME_PRESETS
 
     p = sub.add_parser(
         "quantize",
@@ -31,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None, help="GPTQ desc_act")
     p.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--w8a8", action="store_true", help="int8 weights and dynamic per-token int8 activations")
+    p.add_argument("--scheme", choices=list(SCHEME_PRESETS),
+                   help="a float scheme (compressed-tensors format): fp8-weight (E4M3 per channel, weight-only), "
+                        "fp8-dynamic (and FP8 activations per token), nvfp4, mxfp4; --bits/--group-size name the "
+                        "integer schemes")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
@@ -75,8 +80,10 @@ def recipe_from_args(args):
     from ..quant.pipeline import resolve_recipe
     from dataclasses import asdict
 
+    from ..errors import QuantspecError
     from ..quant.recipe import default_recipe_name
     from ..quant.registry import METHODS, default_scheme
+    from ..quant.scheme import SCHEME_PRESETS
 
     recipe = resolve_recipe(args.recipe)
     scheme_fields = {
@@ -88,6 +95,14 @@ def recipe_from_args(args):
     }
     if args.w8a8:
         scheme_fields.update(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
+    if args.scheme:
+        given = [flag for flag, v in (("--bits", args.bits), ("--group-size", args.group_size), ("--sym", args.sym),
+                                      ("--w8a8", args.w8a8 or None)) if v is not None]
+        if given:
+            raise QuantspecError(f"--scheme {args.scheme} fixes the number format; {', '.join(given)} name integer "
+                                 "schemes.", f"drop {', '.join(given)} (or --scheme).")
+        scheme_fields.update(SCHEME_PRESETS[args.scheme].to_dict())
+        scheme_fields.update(act_order=bool(args.act_order), static_groups=bool(args.act_order))
     if args.act_order is False and args.static_groups is None:
         scheme_fields["static_groups"] = False  # static groups only mean something with act-order
     changes = {k: v for k, v in scheme_fields.items() if v is not None}
@@ -96,7 +111,7 @@ def recipe_from_args(args):
         top["method"] = args.method
     if args.format:
         top["format"] = args.format
-    elif args.w8a8:
+    elif args.w8a8 or args.scheme:
         top["format"] = "compressed-tensors"
     elif args.method and args.recipe is None:  # the method's own default format
         top["format"] = METHODS[args.method].default_format

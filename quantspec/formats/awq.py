@@ -65,6 +65,8 @@ class AWQFormat:
     name = "awq"
 
     def cannot_hold(self, scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
+        if scheme.is_float:
+            return f"AWQ checkpoints hold integer codes; {scheme.weights} needs the compressed-tensors format"
         if scheme.activations is not None:
             return "AWQ checkpoints are weight-only; W8A8 needs the compressed-tensors format"
         if scheme.bits != 4:

@@ -25,6 +25,8 @@ W8A8, format "int-quantized" (scheme.activations == "int8-token-dynamic"): ``wei
 [N, K] = code - 128, ``weight_scale`` [N, 1]; activations quantized per token, dynamically,
 symmetric int8 (config_groups ... input_activations).
 
+Float weights (FP8, NVFP4, MXFP4): ``ct_float.py``.
+
 Dequantization: ``w[n, k] = weight_scale[n, g] * (q[n, k] - zero[n, g])``, g = g_idx[k].
 
 What it cannot hold (``cannot_hold``): K not divisible by the group size; K*b not a multiple of
@@ -49,6 +51,7 @@ import torch
 from ..errors import QuantspecError
 from ..quant.scheme import QuantResult, QuantScheme
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
+from . import ct_float
 from .base import FormatConfig
 from .bitpack import pack_int32, pack_multiple, packed_len, unpack_int32
 
@@ -90,6 +93,8 @@ class CompressedTensorsFormat:
     name = "compressed-tensors"
 
     def cannot_hold(self, scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
+        if scheme.is_float:
+            return ct_float.cannot_hold(scheme, out_features, in_features)
         reason = group_rule(scheme, in_features)
         if reason or scheme.activations is not None:
             return reason  # int-quantized stores the plain int8 matrix: any shape
@@ -114,6 +119,8 @@ class CompressedTensorsFormat:
         scale_dtype: torch.dtype = torch.float16,
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         n, k, b = out_features, in_features, scheme.bits
+        if scheme.is_float:
+            return ct_float.tensor_specs(scheme, n, k)
         g = scheme.num_groups(k)
         if scheme.activations is not None:
             return {"weight": ((n, k), torch.int8), "weight_scale": ((n, 1), scale_dtype)}
@@ -135,6 +142,8 @@ class CompressedTensorsFormat:
         if reason:
             raise QuantspecError(f"compressed-tensors cannot hold this layer: {reason}.", "leave it dense.")
         result.validate()
+        if scheme.is_float:
+            return ct_float.pack(result)
         g_idx, _ = g_idx_to_store(result, "compressed-tensors")
         if scheme.activations is not None:
             signed = result.qweight.to(torch.int16) - scheme.sym_zero
@@ -159,6 +168,10 @@ class CompressedTensorsFormat:
     ) -> QuantResult:
         n, k, b = out_features, in_features, scheme.bits
         specs = self.tensor_specs(scheme, n, k)
+        if scheme.is_float:
+            check_tensors("compressed-tensors", tensors, specs,
+                          float_names=("weight_scale",) if scheme.weights == "fp8" else ())
+            return ct_float.unpack(tensors, scheme, n, k)
         check_tensors("compressed-tensors", tensors, specs, float_names=("weight_scale",))
         if scheme.activations is not None:
             codes = (tensors["weight"].to(torch.int16) + scheme.sym_zero).to(torch.uint8)
@@ -182,11 +195,16 @@ class CompressedTensorsFormat:
         )
 
     def quantization_config(self, scheme: QuantScheme, ignore: list[str]) -> dict:
-        fmt = INT if scheme.activations is not None else PACKED
+        if scheme.is_float:
+            fmt = ct_float.format_name(scheme)
+            weights, inputs = ct_float.weights_args(scheme), ct_float.input_args(scheme)
+        else:
+            fmt = INT if scheme.activations is not None else PACKED
+            weights, inputs = _weights_args(scheme), dict(_TOKEN_INT8) if scheme.activations else None
         group = {
             "targets": ["Linear"],
-            "weights": _weights_args(scheme),
-            "input_activations": dict(_TOKEN_INT8) if scheme.activations else None,
+            "weights": weights,
+            "input_activations": inputs,
             "output_activations": None,
             "format": fmt,
         }
@@ -245,6 +263,8 @@ def _refuse_extras(config: dict) -> None:
 
 def _scheme_from_group(group: dict, fmt: str) -> QuantScheme:
     w = group.get("weights") or {}
+    if str(w.get("type", "int")).lower() == "float" and not group.get("output_activations"):
+        return ct_float.scheme_from_args(w, group.get("input_activations"), fmt)
     if str(w.get("type", "int")).lower() != "int":
         raise QuantspecError(
             f"compressed-tensors weights of type {w.get('type')!r} are not supported.", "use integer weights."

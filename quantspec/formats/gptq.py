@@ -110,6 +110,8 @@ class GPTQFormat:
         self.name = checkpoint_format
 
     def cannot_hold(self, scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
+        if scheme.is_float:
+            return f"GPTQ checkpoints hold integer codes; {scheme.weights} needs the compressed-tensors format"
         if scheme.activations is not None:
             return "GPTQ checkpoints are weight-only; W8A8 needs the compressed-tensors format"
         reason = group_rule(scheme, in_features)

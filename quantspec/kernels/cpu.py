@@ -304,6 +304,8 @@ class CpuBackend:
     name = "cpu"
 
     def cannot_run(self, scheme, out_features, in_features, device, dtype):
+        if scheme.is_float:
+            return f"{scheme.weights} weights run on the reference backend (no fused kernel yet)"
         if torch.device(device).type != "cpu":
             return f"runs on CPU tensors only, not {torch.device(device).type}"
         if dtype not in DTYPES:

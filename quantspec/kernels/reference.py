@@ -1,14 +1,17 @@
 """The reference backend: dequantize, then a dense matmul. Runs every scheme on any device.
 
 It is the oracle of every test: slow, simple, and obviously correct. W8A8 layers also quantize
-their activations per token (symmetric int8, dynamic) so the reference matches what the fast
-W8A8 kernels compute.
+their activations per token (symmetric int8, dynamic; FP8 E4M3 for fp8-dynamic) so the
+reference matches what the fast W8A8 kernels compute. Float weights (FP8, NVFP4, MXFP4) are
+decoded through their code tables (``quant/floatcodes.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..quant.floatcodes import dequantize_values
+from ..quant.floatgrid import quantize_per_token_fp8
 from ..quant.scheme import QuantResult, QuantScheme
 
 
@@ -28,12 +31,19 @@ class ReferenceBackend:
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         # Kept dequantized-on-the-fly from the canonical tensors; nothing dense is stored.
+        if result.scheme.is_float:
+            out = {"codes": result.qweight, "scales": result.scales}
+            if result.global_scale is not None:
+                out["global_scale"] = result.global_scale
+            return out
         out = {"codes": result.qweight, "scales": result.scales, "group": result.group_index()}
         if result.zeros is not None:
             out["zeros"] = result.zeros
         return out
 
     def linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
+        if scheme.is_float:
+            return self._float_linear(x, prepared, scheme, out_features, in_features, bias)
         g = prepared["group"]
         s = prepared["scales"].to(torch.float32)[:, g]
         if "zeros" in prepared:
@@ -51,3 +61,16 @@ class ReferenceBackend:
         if bias is not None:
             y = y + bias.to(torch.float32)
         return y.to(x.dtype)
+
+    def _float_linear(self, x, prepared, scheme: QuantScheme, out_features, in_features, bias):
+        w = dequantize_values(prepared["codes"], prepared["scales"], scheme.weights,
+                              scheme.group_len(in_features), prepared.get("global_scale"))
+        flat = x.reshape(-1, in_features)
+        if scheme.activations == "fp8-token-dynamic":
+            qx, sx = quantize_per_token_fp8(flat)
+            y = (qx @ w.T) * sx
+        else:
+            y = flat.to(torch.float32) @ w.T
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.reshape(*x.shape[:-1], out_features).to(x.dtype)

@@ -81,6 +81,8 @@ class TritonBackend:
         device: torch.device, dtype: torch.dtype,
     ) -> str | None:
         device = torch.device(device)
+        if scheme.is_float:
+            return f"{scheme.weights} weights run on the reference backend (no fused kernel yet)"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"activations must be fp16, bf16 or fp32, not {dtype}"
         if device.type == "cpu":

@@ -7,7 +7,8 @@ Cholesky factor of the damped inverse Hessian (the paper's Algorithm 1, with laz
 updates of ``block_size`` columns). The grid is RTN's (``rtn.qparams`` / ``quantize_codes``).
 
 Group parameters are found from the *current* (error-updated) columns of a group when the group
-starts. Blocks are split at group starts so that every column of the group is up to date at that
+starts (float schemes: FP8 / FP4 scales, ``floatgrid.py``, and the nearest value of their
+non-uniform grid for each column). Blocks are split at group starts so that every column of the group is up to date at that
 moment, which makes the blocked algorithm equal to the unblocked column-by-column one (the
 reference implementation reads partly stale columns when group_size < block_size).
 
@@ -20,6 +21,8 @@ import torch
 
 from ..errors import QuantspecError
 from .hessian import accumulate_hessian, make_empty_hessian
+from .floatcodes import code_values, decode_scales, encode
+from .floatgrid import global_scale, group_scales
 from .rtn import qparams
 from .scheme import QuantResult, QuantScheme
 
@@ -70,11 +73,21 @@ def _group_starts(k: int, glen: int, block_size: int, dynamic_groups: bool) -> l
     return sorted(starts)
 
 
+def _params(
+    W: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, gscale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored scale [N], zero [N] | None) of the group ``W`` ([N, L]): RTN's grid, or a float
+    scheme's scales (``floatgrid.group_scales``, no zero)."""
+    if scheme.is_float:
+        return group_scales(W, scheme, gscale), None
+    return qparams(W, scheme, scale_dtype)
+
+
 def _static_params(
-    W: torch.Tensor, scheme: QuantScheme, glen: int, scale_dtype: torch.dtype
+    W: torch.Tensor, scheme: QuantScheme, glen: int, scale_dtype: torch.dtype, gscale: torch.Tensor | None
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(scale [N], zero [N] | None) of each natural contiguous group of ``W`` ([N, K])."""
-    return [qparams(W[:, s : s + glen], scheme, scale_dtype) for s in range(0, W.shape[1], glen)]
+    return [_params(W[:, s : s + glen], scheme, scale_dtype, gscale) for s in range(0, W.shape[1], glen)]
 
 
 def _quantize_columns(
@@ -86,14 +99,17 @@ def _quantize_columns(
     static: list | None,
     perm: torch.Tensor | None,
     scale_dtype: torch.dtype,
+    gscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list, float]:
     """The GPTQ column loop on (permuted) ``W`` [N, K] with factor ``U`` [K, K].
 
     Returns codes uint8 [N, K], dequantized values fp32 [N, K] (both in W's column order),
     the (scale, zero) of each group in processing order (empty when ``static``), and the loss
-    ``sum((w - q)^2 / U_cc^2) / 2``.
+    ``sum((w - q)^2 / U_cc^2) / 2``. Float schemes round each column to the nearest value of
+    their grid (``floatcodes.encode``) instead of ``round(w / s) + z``.
     """
     n, k = W.shape
+    values = code_values(scheme.weights, W.device) if scheme.is_float else None
     codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)
     deq = torch.empty(n, k, dtype=torch.float32, device=W.device)
     groups: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -104,7 +120,7 @@ def _quantize_columns(
     for b, i1 in enumerate(starts):
         i2 = starts[b + 1] if b + 1 < len(starts) else k
         if static is None and i1 % glen == 0:
-            scale, zero = qparams(W[:, i1 : i1 + glen], scheme, scale_dtype)
+            scale, zero = _params(W[:, i1 : i1 + glen], scheme, scale_dtype, gscale)
             groups.append((scale, zero))
         # The block transposed: column i of W is row i here (contiguous for the rank-1 updates).
         W1 = W[:, i1:i2].t().contiguous()
@@ -119,11 +135,16 @@ def _quantize_columns(
                 scale, zero = static[int(perm[col] if perm is not None else col) // glen]
                 s = z = None
             if s is None:
-                s = scale.to(torch.float32)
+                s = decode_scales(scale, scheme.weights, gscale) if values is not None else scale.to(torch.float32)
                 z = float(scheme.sym_zero) if zero is None else zero.to(torch.float32)
             w = W1[i]
-            q = torch.div(w, s, out=Q1[i]).round_().add_(z).clamp_(0, scheme.maxq)
-            dq = torch.sub(q, z, out=D1[i]).mul_(s)
+            if values is not None:
+                c = encode(w / s, scheme.weights)
+                Q1[i] = c
+                dq = torch.mul(values[c.long()], s, out=D1[i])
+            else:
+                q = torch.div(w, s, out=Q1[i]).round_().add_(z).clamp_(0, scheme.maxq)
+                dq = torch.sub(q, z, out=D1[i]).mul_(s)
             err = torch.sub(w, dq, out=Err1[i]).div_(diag[col])
             if i + 1 < i2 - i1:
                 W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1.0)
@@ -152,7 +173,8 @@ def gptq_quantize_with_values(
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     glen = scheme.group_len(k)
-    static = _static_params(W, scheme, glen, scale_dtype) if scheme.static_groups else None
+    gscale = global_scale(W) if scheme.weights == "nvfp4" else None
+    static = _static_params(W, scheme, glen, scale_dtype, gscale) if scheme.static_groups else None
     perm = None
     if scheme.act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
@@ -160,7 +182,7 @@ def gptq_quantize_with_values(
     U, damp, retries = inverse_hessian_factor(H, damp_percent)
     del H
     codes, deq, groups, loss = _quantize_columns(
-        W, U, scheme, glen, block_size, static, perm, scale_dtype
+        W, U, scheme, glen, block_size, static, perm, scale_dtype, gscale
     )
     params = static if static is not None else groups
     scales = torch.stack([s for s, _ in params], dim=1)
@@ -171,7 +193,8 @@ def gptq_quantize_with_values(
         codes, deq = codes[:, inv], deq[:, inv]
         if static is None and len(params) > 1:
             g_idx = (torch.arange(k, device=W.device) // glen)[inv].to(torch.int32)
-    result = QuantResult(qweight=codes, scales=scales, zeros=zeros, g_idx=g_idx, scheme=scheme)
+    result = QuantResult(qweight=codes, scales=scales, zeros=zeros, g_idx=g_idx, scheme=scheme,
+                         global_scale=gscale)
     info = {
         "damp_percent": damp,
         "retries": retries,

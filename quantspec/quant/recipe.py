@@ -58,6 +58,18 @@ class Recipe:
                 f"{self.method} is a W8A8 method but the scheme has no activation quantization.",
                 "set scheme.bits=8, group_size=-1, activations='int8-token-dynamic'.",
             )
+        if self.scheme.is_float and self.format != "compressed-tensors":
+            raise QuantspecError(
+                f"{self.scheme.weights} weights cannot be written in the {self.format!r} format "
+                "(it holds integer codes).",
+                "use --format compressed-tensors.",
+            )
+        if self.scheme.is_float and spec.activations:
+            raise QuantspecError(
+                f"{self.method} computes int8 activation scales; {self.scheme.weights} weights do not use them.",
+                f"use one of {[m for m, sp in METHODS.items() if not sp.activations]} with --scheme "
+                f"{self.scheme.short_name}.",
+            )
         if self.scheme.activations is not None and self.format != "compressed-tensors":
             raise QuantspecError(
                 f"W8A8 cannot be written in the {self.format!r} format.",
@@ -71,6 +83,7 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["scheme"] = self.scheme.to_dict()
         d["targets"] = list(self.targets)
         d["ignore"] = list(self.ignore)
         return d

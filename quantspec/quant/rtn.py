@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .floatgrid import rtn_float
 from .scheme import QuantResult, QuantScheme
 
 
@@ -70,8 +71,11 @@ def rtn(
     """Round-to-nearest quantization of a [N, K] weight, group by group along K.
 
     A last group shorter than ``group_size`` (K not divisible) is quantized on its own; whether
-    a format can store it is the format's question, not the algorithm's.
+    a format can store it is the format's question, not the algorithm's. Float schemes (FP8,
+    FP4) round onto their grids (``floatgrid.rtn_float``; their scales ignore ``scale_dtype``).
     """
+    if scheme.is_float:
+        return rtn_float(weight, scheme)
     n, k = weight.shape
     glen = scheme.group_len(k)
     full = (k // glen) * glen

@@ -9,6 +9,10 @@ Conventions (shared by every algorithm, format and kernel):
 * Asymmetric schemes store integer zeros ``z in [0, 2**bits - 1]`` as ``torch.uint8``.
 * ``scales`` are stored in the dtype the checkpoint will hold (``torch.float16`` by default),
   and algorithms quantize with those rounded scales, so ``unpack(pack(r)) == r`` is exact.
+
+Float schemes (``weights`` "fp8", "nvfp4", "mxfp4") keep the same result type with float codes
+and scales as ``floatgrid.py`` describes (codes are E4M3 bytes or E2M1 nibbles, symmetric,
+no zeros; NVFP4 adds a per-tensor ``global_scale``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,18 @@ import torch
 
 from ..errors import QuantspecError
 from ..strict import reject_unknown
+from .floatcodes import dequantize_values
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
-ACTIVATION_SCHEMES = (None, "int8-token-dynamic")
+# per weight type: its bits and the group sizes it allows (None: SUPPORTED_GROUP_SIZES)
+WEIGHT_TYPES: dict[str, tuple[int | None, tuple[int, ...] | None]] = {
+    "int": (None, None),
+    "fp8": (8, (-1,)),  # E4M3FN, one fp32 scale per output channel
+    "nvfp4": (4, (16,)),  # E2M1, E4M3 scale per 16 values, fp32 global scale
+    "mxfp4": (4, (32,)),  # E2M1, E8M0 (power-of-two) scale per 32 values
+}
+ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic")
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,16 @@ class QuantScheme:
     act_order: bool = False
     static_groups: bool = False
     activations: str | None = None
+    weights: str = "int"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_TYPES:
+            raise QuantspecError(
+                f"weights={self.weights!r} is not a weight type.", f"use one of {list(WEIGHT_TYPES)}."
+            )
+        if self.is_float:
+            self._check_float()
+            return
         if self.bits not in SUPPORTED_BITS:
             raise QuantspecError(
                 f"bits={self.bits} is not supported.", f"use one of {list(SUPPORTED_BITS)}."
@@ -58,6 +78,10 @@ class QuantScheme:
             raise QuantspecError(
                 f"activations={self.activations!r} is not supported.",
                 "use null (weight-only) or 'int8-token-dynamic'.",
+            )
+        if self.activations == "fp8-token-dynamic":
+            raise QuantspecError(
+                "fp8 activations need fp8 weights.", "set weights='fp8' (e.g. --scheme fp8-dynamic)."
             )
         if self.activations is not None and (self.bits != 8 or not self.symmetric):
             raise QuantspecError(
@@ -73,6 +97,36 @@ class QuantScheme:
                 "static_groups only has a meaning together with act_order.",
                 "set act_order=true or static_groups=false.",
             )
+
+    def _check_float(self) -> None:
+        bits, groups = WEIGHT_TYPES[self.weights]
+        if self.bits != bits:
+            raise QuantspecError(f"{self.weights} weights have {bits} bits, not {self.bits}.", f"set bits={bits}.")
+        if self.group_size not in groups:
+            raise QuantspecError(
+                f"{self.weights} weights take group_size {list(groups)}, not {self.group_size}.",
+                f"set group_size={groups[0]}.",
+            )
+        if not self.symmetric:
+            raise QuantspecError(f"{self.weights} weights are symmetric (no zero point).", "set symmetric=true.")
+        if self.act_order and not self.static_groups:
+            raise QuantspecError(
+                f"{self.weights} checkpoints store no g_idx: act-order needs static groups.",
+                "set static_groups=true (or drop act_order).",
+            )
+        if self.activations not in (None, "fp8-token-dynamic") or (
+            self.activations is not None and (self.weights != "fp8" or self.group_size != -1)
+        ):
+            raise QuantspecError(
+                f"activations={self.activations!r} do not go with {self.weights} weights "
+                f"(group_size {self.group_size}).",
+                "use fp8-token-dynamic with per-channel fp8 weights, or weight-only.",
+            )
+
+    @property
+    def is_float(self) -> bool:
+        """FP8 / FP4 weights (``floatgrid.py``) rather than integer codes."""
+        return self.weights != "int"
 
     @property
     def maxq(self) -> int:
@@ -93,7 +147,10 @@ class QuantScheme:
 
     @property
     def short_name(self) -> str:
-        """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``."""
+        """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``, ``fp8``, ``fp8-dynamic``, ``nvfp4``."""
+        if self.is_float:
+            name = self.weights + ("-dynamic" if self.activations else "")
+            return name + ("-actorder" if self.act_order else "")
         if self.activations:
             return "w8a8"
         g = "pc" if self.group_size == -1 else str(self.group_size)
@@ -105,12 +162,27 @@ class QuantScheme:
         return name
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict; ``weights`` only when not "int", so that integer schemes read
+        (recipes, reports, resume and scales-file fingerprints) as they did before float types."""
+        d = asdict(self)
+        if d["weights"] == "int":
+            del d["weights"]
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "QuantScheme":
         reject_unknown(cls, data, "scheme")
         return cls(**data)
+
+
+# The float schemes by the names the CLI's --scheme takes (compressed-tensors' presets:
+# FP8 weight-only, FP8_DYNAMIC, NVFP4A16, MXFP4A16).
+SCHEME_PRESETS: dict[str, QuantScheme] = {
+    "fp8-weight": QuantScheme(bits=8, group_size=-1, weights="fp8"),
+    "fp8-dynamic": QuantScheme(bits=8, group_size=-1, weights="fp8", activations="fp8-token-dynamic"),
+    "nvfp4": QuantScheme(bits=4, group_size=16, weights="nvfp4"),
+    "mxfp4": QuantScheme(bits=4, group_size=32, weights="mxfp4"),
+}
 
 
 @dataclass
@@ -121,6 +193,7 @@ class QuantResult:
     scales:  [N, G] floating (the dtype the checkpoint stores, fp16 by default).
     zeros:   uint8 [N, G] integer zero points, or None for symmetric schemes.
     g_idx:   int32 [K] group of each input column, or None for ``k // group_len``.
+    global_scale: fp32 [1], NVFP4 only (``floatgrid.py``); None otherwise.
     """
 
     qweight: torch.Tensor
@@ -128,6 +201,7 @@ class QuantResult:
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
     scheme: QuantScheme = field(default_factory=QuantScheme)
+    global_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -140,7 +214,8 @@ class QuantResult:
             return None if t is None else t.to(device)
 
         return replace(self, qweight=move(self.qweight), scales=move(self.scales),
-                       zeros=move(self.zeros), g_idx=move(self.g_idx))
+                       zeros=move(self.zeros), g_idx=move(self.g_idx),
+                       global_scale=move(self.global_scale))
 
     def group_index(self) -> torch.Tensor:
         """int64 [K]: the group of each input column."""
@@ -157,6 +232,11 @@ class QuantResult:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense [N, K] weight this result stands for (the reference)."""
+        if self.scheme.is_float:
+            k = self.qweight.shape[1]
+            return dequantize_values(
+                self.qweight, self.scales, self.scheme.weights, self.scheme.group_len(k), self.global_scale
+            ).to(dtype)
         gi = self.group_index()
         s = self.scales.to(torch.float32)[:, gi]
         z = self.zero_points()[:, gi]
@@ -168,7 +248,14 @@ class QuantResult:
         g = self.scheme.num_groups(k) if self.g_idx is None else int(self.g_idx.max()) + 1
         if self.qweight.dtype != torch.uint8:
             raise ValueError(f"qweight must be uint8, got {self.qweight.dtype}")
-        if int(self.qweight.max()) > self.scheme.maxq:
+        if self.scheme.weights in ("nvfp4", "mxfp4") and int(self.qweight.max()) > 15:
+            raise ValueError("fp4 codes exceed 4 bits")
+        if (self.scheme.weights == "nvfp4") != (self.global_scale is not None):
+            raise ValueError("global_scale must be set exactly for nvfp4")
+        if self.scheme.is_float:
+            if self.zeros is not None or self.g_idx is not None:
+                raise ValueError("float schemes have no zeros and no g_idx")
+        elif int(self.qweight.max()) > self.scheme.maxq:
             raise ValueError(f"codes exceed {self.scheme.bits} bits")
         if self.scales.shape != (n, g):
             raise ValueError(f"scales shape {tuple(self.scales.shape)} != {(n, g)}")
@@ -185,7 +272,11 @@ class QuantResult:
         def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
             if a is None or b is None:
                 return a is None and b is None
-            return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            if a.dtype.is_floating_point and a.dtype.itemsize == 1:  # float8: torch.equal lacks it
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            return torch.equal(a, b)
 
         return (
             self.scheme == other.scheme
@@ -193,4 +284,5 @@ class QuantResult:
             and same(self.scales, other.scales)
             and same(self.zeros, other.zeros)
             and same(self.g_idx, other.g_idx)
+            and same(self.global_scale, other.global_scale)
         )

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..floatcodes import code_values, decode_scales, encode
+from ..floatgrid import global_scale, group_scales
 from ..rtn import dequantize_codes, qparams, quantize_codes, rtn
 from ..scheme import QuantResult, QuantScheme
 
@@ -38,10 +40,18 @@ def grouped(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return w.reshape(n, g, glen)
 
 
-def _fake_quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Quantize-dequantize each row of [R, L] on its own min/max grid (fp32)."""
+def _fake_quantize_rows(w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize each row of [R, L] on its own min/max grid (fp32); float schemes on
+    their grid with the row's scale (NVFP4: under the tensor's global scale ``gscale``)."""
+    if scheme.is_float:
+        s = decode_scales(group_scales(w, scheme, gscale), scheme.weights, gscale).unsqueeze(1)
+        return code_values(scheme.weights, w.device)[encode(w / s, scheme.weights).long()] * s
     s, z = qparams(w, scheme)
     return dequantize_codes(quantize_codes(w, s, z, scheme), s, z, scheme)
+
+
+def _global_scale(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor | None:
+    return global_scale(weight.float()) if scheme.weights == "nvfp4" else None
 
 
 def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -49,7 +59,7 @@ def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     a partial last group is quantized on its own."""
     n, k = weight.shape
     w = grouped(weight, scheme)
-    q = _fake_quantize_rows(w.reshape(-1, w.shape[-1]), scheme).reshape(w.shape)
+    q = _fake_quantize_rows(w.reshape(-1, w.shape[-1]), scheme, _global_scale(weight, scheme)).reshape(w.shape)
     return q.reshape(n, -1)[:, :k]
 
 
@@ -68,6 +78,7 @@ def clip_error_curve(
     G = number of groups, a partial last group included). Step 0 is the unclipped group.
     """
     xg = grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
+    gscale = _global_scale(weight, scheme)  # NVFP4: the unclipped tensor's
     steps = max(1, int(max_shrink * grid))
     errs, amaxes = [], []
     for r0 in range(0, weight.shape[0], row_chunk):
@@ -77,7 +88,7 @@ def clip_error_curve(
         for i in range(steps):
             m = (amax * (1 - i / grid)).unsqueeze(2)
             wc = torch.maximum(torch.minimum(w, m), -m)
-            q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme).reshape(w.shape)
+            q = _fake_quantize_rows(wc.reshape(-1, w.shape[2]), scheme, gscale).reshape(w.shape)
             rows.append(torch.bmm(xg, (w - q).permute(1, 2, 0)).pow(2).mean(dim=1).T)  # [n', G]
         errs.append(torch.stack(rows))
         amaxes.append(amax)

@@ -1,0 +1,154 @@
+"""compressed-tensors float formats: FP8 ("float-quantized" / "naive-quantized"), NVFP4
+("nvfp4-pack-quantized") and MXFP4 ("mxfp4-pack-quantized"), as compressed-tensors 0.20.1
+writes them (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``,
+``MXFP4PackedCompressor``; cross-checked by the tests when it is installed, never imported here).
+The codes and scales are those of ``quant/floatgrid.py``. One Linear [N, K]:
+
+==========================  ===========================  =====================================
+scheme                      tensors                      content
+==========================  ===========================  =====================================
+fp8 (weight-only, format    weight float8_e4m3fn [N, K]  the E4M3FN codes
+naive-quantized), fp8 with  weight_scale fp32 [N, 1]     per output channel
+fp8-token-dynamic
+(float-quantized)
+nvfp4                       weight_packed uint8 [N, K/2] E2M1 nibbles, column 2j in the low
+                                                         nibble of byte j, 2j+1 in the high
+                            weight_scale float8_e4m3fn   per 16 columns, divided by the global
+                            [N, K/16]                    scale: ``w = e2m1 * scale / global``
+                            weight_global_scale fp32 [1]
+mxfp4                       weight_packed uint8 [N, K/2] as nvfp4
+                            weight_scale uint8 [N, K/32] E8M0: ``2 ** (e - 127)``
+==========================  ===========================  =====================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import QuantspecError
+from ..quant.scheme import QuantResult, QuantScheme
+
+FP8_WEIGHT_ONLY = "naive-quantized"
+FP8_DYNAMIC = "float-quantized"
+NVFP4 = "nvfp4-pack-quantized"
+MXFP4 = "mxfp4-pack-quantized"
+FORMATS = (FP8_WEIGHT_ONLY, FP8_DYNAMIC, NVFP4, MXFP4)
+
+_STRATEGY = {"fp8": "channel", "nvfp4": "tensor_group", "mxfp4": "group"}
+_SCALE_DTYPE = {"nvfp4": "torch.float8_e4m3fn", "mxfp4": "torch.uint8"}
+_FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+              "strategy": "token", "dynamic": True}
+
+
+def format_name(scheme: QuantScheme) -> str:
+    if scheme.weights == "fp8":
+        return FP8_DYNAMIC if scheme.activations else FP8_WEIGHT_ONLY
+    return NVFP4 if scheme.weights == "nvfp4" else MXFP4
+
+
+def cannot_hold(scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
+    if scheme.weights != "fp8" and in_features % scheme.group_size:
+        return f"in_features={in_features} is not a multiple of {scheme.group_size} ({scheme.weights} groups)"
+    return None
+
+
+def tensor_specs(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if scheme.weights == "fp8":
+        return {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, 1), torch.float32)}
+    specs = {"weight_packed": ((n, k // 2), torch.uint8)}
+    if scheme.weights == "nvfp4":
+        specs["weight_scale"] = ((n, k // 16), torch.float8_e4m3fn)
+        specs["weight_global_scale"] = ((1,), torch.float32)
+    else:
+        specs["weight_scale"] = ((n, k // 32), torch.uint8)
+    return specs
+
+
+def pack(result: QuantResult) -> dict[str, torch.Tensor]:
+    scheme = result.scheme
+    if scheme.weights == "fp8":
+        return {"weight": result.qweight.contiguous().view(torch.float8_e4m3fn),
+                "weight_scale": result.scales.to(torch.float32).contiguous()}
+    codes = result.qweight
+    out = {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+           "weight_scale": result.scales.contiguous()}
+    if scheme.weights == "nvfp4":
+        out["weight_global_scale"] = result.global_scale.to(torch.float32).reshape(1).contiguous()
+    return out
+
+
+def unpack(tensors: dict[str, torch.Tensor], scheme: QuantScheme, n: int, k: int) -> QuantResult:
+    if scheme.weights == "fp8":
+        codes = tensors["weight"].contiguous().view(torch.uint8)
+        return QuantResult(codes, tensors["weight_scale"].to(torch.float32).contiguous(), None, None, scheme)
+    packed = tensors["weight_packed"]
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(n, k).contiguous()
+    gscale = tensors["weight_global_scale"].contiguous() if scheme.weights == "nvfp4" else None
+    return QuantResult(codes, tensors["weight_scale"].contiguous(), None, None, scheme, global_scale=gscale)
+
+
+def weights_args(scheme: QuantScheme) -> dict:
+    args = {
+        "num_bits": scheme.bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None if scheme.group_size == -1 else scheme.group_size,
+        "strategy": _STRATEGY[scheme.weights],
+        "dynamic": False,
+    }
+    if scheme.weights in _SCALE_DTYPE:
+        args["scale_dtype"] = _SCALE_DTYPE[scheme.weights]
+    if scheme.act_order:
+        args["actorder"] = "weight"
+    return args
+
+
+def input_args(scheme: QuantScheme) -> dict | None:
+    return dict(_FP8_TOKEN) if scheme.activations == "fp8-token-dynamic" else None
+
+
+def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
+    """The float QuantScheme of a config group's ``weights`` / ``input_activations``."""
+    bits = int(w.get("num_bits", 8))
+    strategy = str(w.get("strategy") or "").lower()
+    group = w.get("group_size")
+    if bits == 8 and strategy == "channel":
+        weights, group_size = "fp8", -1
+    elif bits == 4 and group == 16 and strategy in ("tensor_group", "group"):
+        weights, group_size = "nvfp4", 16
+    elif bits == 4 and group == 32 and strategy == "group":
+        weights, group_size = "mxfp4", 32
+    else:
+        raise QuantspecError(
+            f"compressed-tensors float weights ({bits} bits, strategy {strategy!r}, group {group}) "
+            "are not supported.",
+            "use FP8 per channel, NVFP4 (group 16) or MXFP4 (group 32); per-tensor and block FP8 "
+            "are not read yet.",
+        )
+    if not w.get("symmetric", True):
+        raise QuantspecError("asymmetric float weights are not supported.", "use symmetric FP8/FP4.")
+    activations = None
+    if acts:
+        if not _same_token_fp8(acts):
+            raise QuantspecError(
+                f"compressed-tensors float input_activations {acts} are not supported.",
+                "quantspec runs FP8 activations per token, dynamically (FP8_DYNAMIC).",
+            )
+        activations = "fp8-token-dynamic"
+    expected = format_name(QuantScheme(bits=bits, group_size=group_size, weights=weights, activations=activations))
+    if fmt != expected and not (weights == "fp8" and fmt in (FP8_WEIGHT_ONLY, FP8_DYNAMIC)):
+        raise QuantspecError(f"compressed-tensors format {fmt!r} does not hold {weights} weights.",
+                             f"expected {expected!r}.")
+    actorder = w.get("actorder")
+    if actorder not in (None, False, "weight", "static"):
+        raise QuantspecError(f"float weights with actorder {actorder!r} (a stored g_idx) are not supported.",
+                             "use actorder 'weight' (static groups) or none.")
+    actorder = actorder or None
+    return QuantScheme(bits=bits, group_size=group_size, weights=weights, activations=activations,
+                       act_order=actorder is not None, static_groups=actorder is not None)
+
+
+def _same_token_fp8(acts: dict) -> bool:
+    return (str(acts.get("type")).lower() == "float" and int(acts.get("num_bits", 0)) == 8
+            and str(acts.get("strategy", "")).lower() == "token" and acts.get("dynamic") is True
+            and bool(acts.get("symmetric", True)))

@@ -1,0 +1,75 @@
+"""Float element codes: FP8 E4M3FN bytes and FP4 E2M1 nibbles, their values, and the decoding
+of stored group scales. Pure functions keyed by the weight type ("fp8", "nvfp4", "mxfp4");
+what the codes and scales of a float ``QuantResult`` mean is in ``floatgrid.py``.
+
+Rounding is to nearest, ties to even (the IEEE rule, which torch's float8 casts apply); values
+beyond the grid saturate at its largest finite value (448 for E4M3FN, 6 for E2M1). Zero is
+always the all-zero code (a negative value rounding to zero is not written as -0), so each
+value has one code and a code read back re-encodes to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # E4M3FN
+FP8_FNUZ_MAX = 240.0  # E4M3FNUZ (MI300, gfx942)
+FP4_MAX = 6.0  # E2M1
+E8M0_BIAS = 127
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# |x| between consecutive magnitudes: ties go to the even index (even mantissa)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def code_values(weights: str, device=None) -> torch.Tensor:
+    """fp32 table: the value of every code of a weight type's element ([256] or [16])."""
+    if weights == "fp8":
+        codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+        values = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        return torch.nan_to_num(values, nan=0.0)  # 0x7F / 0xFF (NaN) are never written
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code of each element of ``x`` (already divided by its scale) -> uint8."""
+    x = x.to(torch.float32)
+    a = x.abs().clamp(max=FP4_MAX)
+    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    down = torch.bucketize(a, mids, right=False)  # a tie at a midpoint goes to the lower index
+    up = torch.bucketize(a, mids, right=True)
+    idx = torch.where(down % 2 == 0, down, up)
+    negative = ((x < 0) & (idx > 0)).to(idx.dtype)  # zero is always code 0, never -0
+    return (idx | negative << 3).to(torch.uint8)
+
+
+def fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E4M3FN byte of each element of ``x`` (already divided by its scale) -> uint8."""
+    x = x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX)
+    codes = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(codes == 0x80, torch.zeros_like(codes), codes)  # zero is 0x00, never -0 (0x80)
+
+
+def encode(x: torch.Tensor, weights: str) -> torch.Tensor:
+    """Codes of ``x`` on a weight type's element grid (x is in units of the scale)."""
+    return fp8_codes(x) if weights == "fp8" else e2m1_codes(x)
+
+
+def decode_scales(stored: torch.Tensor, weights: str, gscale: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 scales that stored ``scales`` stand for (same shape)."""
+    if weights == "mxfp4":
+        return torch.exp2(stored.to(torch.float32) - E8M0_BIAS)
+    if weights == "nvfp4":
+        return stored.to(torch.float32) / gscale.to(torch.float32)
+    return stored.to(torch.float32)
+
+
+def dequantize_values(
+    codes: torch.Tensor, stored: torch.Tensor, weights: str, group_len: int, gscale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 [N, K] weight from uint8 codes [N, K] and stored scales [N, K / group_len]."""
+    values = code_values(weights, codes.device)[codes.long()]
+    scale = decode_scales(stored, weights, gscale)
+    return values * scale.repeat_interleave(group_len, dim=1)[:, : codes.shape[1]]
+
+

@@ -1,0 +1,97 @@
+"""Float number grids: FP8 E4M3 and FP4 E2M1 codes, their group scales, and RTN onto them.
+
+Pure tensor functions. A float scheme's ``QuantResult`` holds
+
+* ``qweight``: uint8 codes, the FP8 E4M3FN byte (``fp8``) or the E2M1 nibble (``nvfp4``,
+  ``mxfp4``: bits 0-2 the magnitude index into 0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign);
+* ``scales``: as the checkpoint stores them: float32 [N, G] (``fp8``), float8_e4m3fn [N, K/16]
+  to be divided by the per-tensor ``global_scale`` (``nvfp4``), uint8 E8M0 exponents
+  [N, K/32] meaning ``2 ** (e - 127)`` (``mxfp4``);
+* ``global_scale``: float32 [1], ``nvfp4`` only.
+
+``w[n, k] = value(code[n, k]) * decoded_scale[n, g]`` with ``g = k // group_len``.
+
+Scales (element codes and rounding: ``floatcodes.py``):
+``fp8`` amax / 448; ``nvfp4`` the global scale ``448 * 6 / amax(W)`` maps the largest group scale
+to E4M3's top, each group's ``amax / 6`` is stored as ``E4M3(amax / 6 * global)``; ``mxfp4``
+tries the two power-of-two exponents around ``amax / 6`` (the OCP rule ``floor(log2 amax) - 2``,
+which may clip the group max, and the next one, which never clips) and keeps the one with the
+smaller squared error of the group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, e2m1_codes, encode
+from .scheme import QuantResult, QuantScheme
+
+
+def global_scale(weight: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor scale: fp32 [1], ``448 * 6 / amax`` (1 for an all-zero tensor)."""
+    amax = weight.detach().abs().amax().to(torch.float32)
+    if not bool(amax > 0) or not bool(torch.isfinite(amax)):
+        return torch.ones(1, dtype=torch.float32, device=weight.device)
+    return (FP8_MAX * FP4_MAX / amax).reshape(1)
+
+
+def group_scales(
+    w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The stored scale of each row of ``w`` ([R, L] groups -> [R]) for a float scheme."""
+    w = w.to(torch.float32)
+    amax = w.abs().amax(dim=1)
+    if scheme.weights == "fp8":
+        scale = amax / FP8_MAX
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+    if scheme.weights == "nvfp4":
+        tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
+        scaled = (amax / FP4_MAX * gscale.to(torch.float32)).clamp(tiny, FP8_MAX)
+        return scaled.to(torch.float8_e4m3fn)
+    # mxfp4: the OCP exponent (may clip the max) or the next one (never clips), by squared error
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    low = torch.floor(torch.log2(safe)) - 2
+    best, best_err = None, None
+    for e in (low, low + 1):
+        s = torch.exp2(e).unsqueeze(1)
+        err = (code_values("mxfp4", w.device)[e2m1_codes(w / s).long()] * s - w).pow(2).sum(dim=1)
+        if best is None:
+            best, best_err = e, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, e, best), torch.where(better, err, best_err)
+    return (best + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+
+
+def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
+    """Round-to-nearest of a [N, K] weight onto ``scheme``'s float grid, group by group."""
+    n, k = weight.shape
+    glen = scheme.group_len(k)
+    if k % glen:
+        raise ValueError(f"{scheme.weights}: K={k} is not a multiple of the group size {glen}")
+    w = weight.detach().to(torch.float32)
+    gs = global_scale(w) if scheme.weights == "nvfp4" else None
+    groups = w.reshape(-1, glen)
+    stored = group_scales(groups, scheme, gs)
+    scale = decode_scales(stored, scheme.weights, gs).unsqueeze(1)
+    codes = encode(groups / scale, scheme.weights).reshape(n, k)
+    return QuantResult(codes, stored.reshape(n, -1), None, None, scheme, global_scale=gs)
+
+
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, 1] (absmax / 448, dynamic)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.to(torch.float32), scale
+
+
+def e4m3fn_to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An E4M3FN weight (uint8 bytes) and its scales as MI300's E4M3FNUZ computes them.
+
+    The same byte read as E4M3FNUZ (exponent bias 8, not 7) is worth half as much, so the bytes
+    are kept and the scales doubled: ``fnuz(b) * 2s == fn(b) * s`` exactly for every finite
+    byte. The one exception is 0x80 (-0 in FN, NaN in FNUZ), which becomes 0x00.
+    """
+    codes = torch.where(codes == 0x80, torch.zeros_like(codes), codes)
+    return codes, scales.to(torch.float32) * 2.0

@@ -1,0 +1,324 @@
+"""FP8 / NVFP4 / MXFP4 weights: element codes, scales, GPTQ on the non-uniform grid, the
+compressed-tensors layouts (cross-checked with compressed-tensors' own compressors), the
+reference kernel, bad input. Engines: test_interop_transformers.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import make_tiny_model
+from quantspec.errors import QuantspecError
+from quantspec.formats import get_format, read_quantization_config
+from quantspec.kernels.reference import ReferenceBackend
+from quantspec.quant.awq.clip import fake_quantize
+from quantspec.quant.floatcodes import code_values, e2m1_codes, fp8_codes
+from quantspec.quant.floatgrid import e4m3fn_to_fnuz, group_scales, quantize_per_token_fp8
+from quantspec.quant.gptq import gptq_quantize
+from quantspec.quant.recipe import Recipe
+from quantspec.quant.rtn import rtn
+from quantspec.quant.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
+
+PRESETS = list(SCHEME_PRESETS)
+CT = get_format("compressed-tensors")
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _weight(n=48, k=256, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # heavy-ish tails and per-row spread, as real weights have
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * (1 + 3 * torch.rand(n, k, generator=g) ** 8)
+
+
+# --------------------------------------------------------------------------- element codes
+
+
+def test_fp8_table_is_torch_e4m3fn_and_codes_round_trip():
+    table = code_values("fp8")
+    finite = [b for b in range(256) if b not in (0x7F, 0xFF)]
+    ref = torch.tensor(finite, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(table[finite], ref)
+    # every finite byte re-encodes to itself, but -0 (0x80) to +0: one code per value
+    assert torch.equal(fp8_codes(ref), torch.tensor([0 if b == 0x80 else b for b in finite], dtype=torch.uint8))
+    assert e2m1_codes(torch.tensor([-0.0, -0.1, 0.1])).tolist() == [0, 0, 0]
+    # saturation, not NaN: beyond 448 the largest finite byte
+    assert fp8_codes(torch.tensor([1e4, -1e4])).tolist() == [0x7E, 0xFE]
+
+
+def test_e2m1_nearest_ties_to_even():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.3, -5.0, 0.26, 4.9])
+    vals = code_values("nvfp4")[e2m1_codes(x).long()]
+    assert vals.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -4.0, 0.5, 4.0]
+    # off the midpoints: the nearest grid value (brute force)
+    r = torch.empty(10000).uniform_(-7, 7, generator=torch.Generator().manual_seed(1))
+    grid = torch.tensor(E2M1 + [-v for v in E2M1])
+    nearest = grid[(r[:, None] - grid[None, :]).abs().argmin(dim=1)]
+    assert torch.equal(code_values("nvfp4")[e2m1_codes(r).long()].abs(), nearest.abs())
+    assert torch.equal(code_values("nvfp4")[e2m1_codes(r).long()] != 0, nearest != 0)
+
+
+def test_fnuz_conversion_exact_for_every_byte():
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)[None, :]
+    scales = torch.tensor([[0.37]])
+    fn = codes.view(torch.float8_e4m3fn).float() * scales
+    c2, s2 = e4m3fn_to_fnuz(codes, scales)
+    fnuz = c2.view(torch.float8_e4m3fnuz).float() * s2
+    assert torch.isfinite(fnuz).all()
+    assert torch.equal(fnuz, fn)
+    assert fnuz.abs().max() == (448 * scales).max() and c2.view(torch.float8_e4m3fnuz).float().abs().max() == 224
+
+
+# --------------------------------------------------------------------------- scales and RTN
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rtn_result_shapes_and_error(preset):
+    scheme = SCHEME_PRESETS[preset]
+    w = _weight()
+    r = rtn(w, scheme)
+    r.validate()
+    rel = ((r.dequantize() - w).pow(2).sum() / w.pow(2).sum()).item()
+    # FP8 keeps ~3 mantissa bits (rel. MSE ~1e-3); FP4 in groups of 16/32 ~1e-2
+    assert rel < (2e-3 if scheme.weights == "fp8" else 3e-2), rel
+    assert torch.equal(fake_quantize(w, scheme), r.dequantize())  # AWQ's fake quant is the same grid
+
+
+def test_nvfp4_scales_fill_fp8_range_and_mxfp4_keeps_the_better_exponent():
+    w = _weight()
+    r = rtn(w, SCHEME_PRESETS["nvfp4"])
+    # the largest group scale lands on E4M3's top (448): global = 448 * 6 / amax
+    assert r.scales.float().max().item() == 448.0
+    assert torch.allclose(r.global_scale, torch.tensor([448 * 6 / w.abs().max().item()]))
+    # MXFP4: each group's exponent is at least as good as both the OCP rule and the one above
+    mx = SCHEME_PRESETS["mxfp4"]
+    groups = w.reshape(-1, 32)
+    e = group_scales(groups, mx).float() - 127
+    def err(exp):
+        s = torch.exp2(exp)[:, None]
+        return (code_values("mxfp4")[e2m1_codes(groups / s).long()] * s - groups).pow(2).sum(1)
+    ocp = torch.floor(torch.log2(groups.abs().amax(1))) - 2
+    assert (err(e) <= err(ocp)).all() and (err(e) <= err(ocp + 1)).all()
+    assert (e != ocp).any() and (e == ocp).any()  # both choices occur on this weight
+
+
+# --------------------------------------------------------------------------- GPTQ
+
+
+@pytest.mark.parametrize("preset", ["fp8-weight", "nvfp4", "mxfp4"])
+def test_gptq_on_float_grid_beats_rtn_on_correlated_inputs(preset):
+    scheme = SCHEME_PRESETS[preset]
+    g = torch.Generator().manual_seed(3)
+    k = 256
+    mix = torch.randn(k, k, generator=g) / k**0.5 + torch.eye(k)
+    x = torch.randn(4096, k, generator=g) @ mix  # correlated inputs, as activations are
+    H = 2 * x.T @ x / x.shape[0]
+    w = _weight(k=k)
+    out_err = lambda r: ((x @ (r.dequantize() - w).T).pow(2).mean() / (x @ w.T).pow(2).mean()).item()  # noqa: E731
+    res, info = gptq_quantize(w, H, scheme)
+    res.validate()
+    assert res.scheme == scheme and (res.global_scale is not None) == (scheme.weights == "nvfp4")
+    # the error feedback must pay: at least 15% less output error than rounding to nearest
+    assert out_err(res) < 0.85 * out_err(rtn(w, scheme)), (out_err(res), out_err(rtn(w, scheme)))
+    ordered = QuantScheme(**{**scheme.to_dict(), "act_order": True, "static_groups": True})
+    res2, _ = gptq_quantize(w, H, ordered)
+    assert res2.g_idx is None and out_err(res2) < out_err(rtn(w, scheme))
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def _random_float_result(scheme: QuantScheme, n=32, k=128, seed=0) -> QuantResult:
+    g = torch.Generator().manual_seed(seed)
+    if scheme.weights == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8)  # no NaN bytes
+        return QuantResult(codes, torch.rand(n, 1, generator=g) + 0.01, None, None, scheme)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
+    gsz = scheme.group_size
+    if scheme.weights == "nvfp4":
+        scales = (torch.rand(n, k // gsz, generator=g) * 440 + 1).to(torch.float8_e4m3fn)
+        return QuantResult(codes, scales, None, None, scheme, global_scale=torch.tensor([123.5]))
+    scales = torch.randint(100, 140, (n, k // gsz), generator=g, dtype=torch.int64).to(torch.uint8)
+    return QuantResult(codes, scales, None, None, scheme)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_pack_unpack_exact(preset):
+    scheme = SCHEME_PRESETS[preset]
+    for r in (_random_float_result(scheme), rtn(_weight(k=128), scheme)):
+        t = CT.pack(r)
+        specs = CT.tensor_specs(scheme, *r.shape)
+        assert {n: (tuple(v.shape), v.dtype) for n, v in t.items()} == specs
+        assert CT.unpack(t, scheme, *r.shape).equal(r)
+        fmt, parsed = read_quantization_config(CT.quantization_config(scheme, ["lm_head"]))
+        assert parsed.scheme == scheme and parsed.ignore == ["lm_head"]
+
+
+def test_fp4_nibble_order_by_hand():
+    scheme = SCHEME_PRESETS["mxfp4"]
+    codes = torch.arange(32, dtype=torch.uint8).remainder(16)[None, :]
+    r = QuantResult(codes, torch.tensor([[127]], dtype=torch.uint8), None, None, scheme)
+    packed = CT.pack(r)["weight_packed"]
+    assert packed[0, :3].tolist() == [0x10, 0x32, 0x54]  # column 2j low nibble, 2j+1 high
+
+
+def test_integer_schemes_serialise_as_before():
+    # recipes, reports, resume and AWQ scales-file fingerprints of integer schemes are unchanged
+    assert "weights" not in QuantScheme().to_dict()
+    assert "weights" not in Recipe().to_dict()["scheme"]
+    assert SCHEME_PRESETS["nvfp4"].to_dict()["weights"] == "nvfp4"
+    assert QuantScheme.from_dict(SCHEME_PRESETS["mxfp4"].to_dict()) == SCHEME_PRESETS["mxfp4"]
+
+
+def _ct_compress(result: QuantResult) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own ModelCompressor on ``result.dequantize()`` with our scales."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    n, k = result.shape
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
+    apply_quantization_config(model, QuantizationConfig.model_validate(CT.quantization_config(result.scheme, [])))
+    lin = model[0]
+    with torch.no_grad():
+        lin.weight.copy_(result.dequantize())
+        if result.scheme.weights == "mxfp4":
+            lin.weight_scale.copy_(torch.exp2(result.scales.float() - 127))
+        else:
+            lin.weight_scale.copy_(result.scales.float())
+        if result.global_scale is not None:
+            lin.weight_global_scale.copy_(result.global_scale)
+    ModelCompressor.from_pretrained_model(model).compress_model(model)
+    return {name.split(".", 1)[1]: t for name, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cross_check_compressed_tensors_compress(preset):
+    pytest.importorskip("compressed_tensors")
+    scheme = SCHEME_PRESETS[preset]
+    r = rtn(_weight(k=128), scheme)
+    ours, theirs = CT.pack(r), _ct_compress(r)
+    assert set(theirs) == set(ours)
+    for name, t in ours.items():
+        a, b = t, theirs[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.dtype.itemsize == 1 and a.dtype.is_floating_point:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cross_check_compressed_tensors_decompress(preset):
+    """compressed-tensors' decompressors read our tensors as we do. They dequantize FP4 in
+    bf16 (values and scales exact in bf16, the product and the division by the global scale
+    rounded), so FP4 agrees to two bf16 roundings (2 * 2^-8 relative); FP8 exactly."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = SCHEME_PRESETS[preset]
+    r = rtn(_weight(k=128), scheme)
+    cfg = CT.quantization_config(scheme, [])
+    group = cfg["config_groups"]["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(cfg["format"])
+    out = compressor.decompress(CT.pack(r), QuantizationScheme.model_validate(group))
+    w = out["weight"].float()
+    ref = r.dequantize()
+    if scheme.weights == "fp8":
+        assert torch.equal(w, ref)
+    else:
+        assert torch.allclose(w, ref, rtol=2 * 2**-8, atol=0)
+
+
+def test_config_reads_llm_compressor_presets():
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    for preset, ours in (("FP8_DYNAMIC", "fp8-dynamic"), ("NVFP4A16", "nvfp4"), ("MXFP4A16", "mxfp4")):
+        group = preset_name_to_scheme(preset, ["Linear"]).model_dump(mode="json")
+        fmt = CT.quantization_config(SCHEME_PRESETS[ours], [])["format"]
+        cfg = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+               "config_groups": {"group_0": {**group, "format": fmt}}}
+        assert read_quantization_config(cfg)[1].scheme == SCHEME_PRESETS[ours], preset
+    # FP8 static (per-tensor weights and activations) is not read yet: refused by name
+    group = preset_name_to_scheme("FP8", ["Linear"]).model_dump(mode="json")
+    cfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": group}}
+    with pytest.raises(QuantspecError, match="strategy 'tensor'"):
+        read_quantization_config(cfg)
+
+
+# --------------------------------------------------------------------------- reference kernel
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_reference_backend(preset):
+    scheme = SCHEME_PRESETS[preset]
+    r = rtn(_weight(n=40, k=128), scheme)
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(40)
+    be = ReferenceBackend()
+    y = be.linear(x, be.prepare(r, torch.float32), scheme, 40, 128, bias)
+    w = r.dequantize()
+    if scheme.activations:
+        q, s = quantize_per_token_fp8(x.reshape(-1, 128))
+        assert q.abs().max() == 448  # each token's largest entry maps to E4M3's top
+        expect = (q @ w.T) * s + bias
+        assert not torch.allclose(expect, x.reshape(-1, 128) @ w.T + bias, rtol=1e-4, atol=0)
+    else:
+        expect = x.reshape(-1, 128) @ w.T + bias
+    assert torch.allclose(y.reshape(-1, 40), expect, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_schemes_fail_at_once():
+    with pytest.raises(QuantspecError, match="group_size"):
+        QuantScheme(bits=4, group_size=32, weights="nvfp4")
+    with pytest.raises(QuantspecError, match="symmetric"):
+        QuantScheme(bits=8, group_size=-1, weights="fp8", symmetric=False)
+    with pytest.raises(QuantspecError, match="fp8 weights"):
+        QuantScheme(bits=8, group_size=-1, activations="fp8-token-dynamic")
+    with pytest.raises(QuantspecError, match="compressed-tensors"):
+        Recipe(method="rtn", format="gptq", scheme=SCHEME_PRESETS["nvfp4"])
+    with pytest.raises(QuantspecError, match="compressed-tensors"):
+        Recipe(method="awq", format="awq", scheme=SCHEME_PRESETS["mxfp4"])
+    with pytest.raises(QuantspecError, match="int8 activation"):
+        Recipe(method="smoothquant", format="compressed-tensors", scheme=SCHEME_PRESETS["fp8-dynamic"])
+    assert "integer codes" in get_format("gptq").cannot_hold(SCHEME_PRESETS["fp8-weight"], 64, 64)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--scheme", "nvfp4", "--format", "gptq"], "compressed-tensors"),
+    (["--scheme", "mxfp4", "--bits", "4"], "--bits"),
+    (["--scheme", "fp8-dynamic", "--method", "smoothquant"], "int8 activation"),
+])
+def test_cli_refuses_before_work(tmp_path, extra, expect):
+    r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(tmp_path / "no-model"), *extra,
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
+    import quantspec
+
+    model = make_tiny_model(tmp_path, arch="llama")
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(model), "--method", "gptq",
+                        "--scheme", "nvfp4", "--calib", "pydoc", "--calib-samples", "8", "--calib-seqlen", "64",
+                        "--out", str(out), "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "nvfp4" in r.stdout and "compressed-tensors" in r.stdout
+    qm = quantspec.load_quantized(out, dtype=torch.float32)
+    lin = qm.get_submodule("model.layers.0.mlp.down_proj")
+    assert lin.scheme == SCHEME_PRESETS["nvfp4"] and lin.backend_name == "reference"
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = qm(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    shown = subprocess.run([sys.executable, "-m", "quantspec", "inspect", str(out)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "nvfp4" in shown.stdout, shown.stdout + shown.stderr
