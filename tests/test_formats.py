@@ -462,7 +462,7 @@ def _ct(**over):
         (_ct(format="pack-quantized", config_groups={"group_0": {"targets": ["Linear"], "format": "pack-quantized",
           "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}), "does not hold mxfp4"),
         (_ct(config_groups={"a": {"targets": ["Linear"]}, "b": {"targets": ["Linear"]}}), "config_groups"),
-        (_ct(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (_ct(kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True}), "kv_cache_scheme"),
         (_ct(config_groups={"group_0": {"targets": ["Linear"], "format": "pack-quantized",
           "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
           "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}), "input_activations"),

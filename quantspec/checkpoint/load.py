@@ -147,6 +147,8 @@ def load_quantized(
             "rewrite the checkpoint; it may be truncated or mislabelled.",
         )
     state = reader.load_all(model, dtype, names)
+    kv = fcfg.extra.get("kv_cache")
+    kv_state = {n: state.pop(n) for n in [n for n in state if n.endswith((".k_scale", ".v_scale"))]}
     _assign(model, state, path)
     model.to(device)
     model.eval()
@@ -159,8 +161,22 @@ def load_quantized(
 
     model.quantspec_grouped_experts = attach_grouped(model)
     model.quantspec_format = fmt.name
+    model.quantspec_kv_cache = _kv_cache(model, kv, kv_state, path)
     model.name_or_path = str(path)
     return model
+
+
+def _kv_cache(model: nn.Module, kv, tensors: dict[str, torch.Tensor], path: Path):
+    """(KVCacheConfig, per-layer scales) of a checkpoint with a kv_cache_scheme, else None;
+    ``eval.perplexity`` and the KV decoders run attention on the cache it describes."""
+    from ..quant.kv_config import scales_from_tensors
+
+    if kv is None:
+        if tensors:
+            raise QuantspecError(f"{path} holds KV-cache scales ({sorted(tensors)[0]}, ...) but its "
+                                 "quantization_config has no kv_cache_scheme.", "rewrite the checkpoint.")
+        return None
+    return kv, scales_from_tensors(tensors)
 
 
 def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:

@@ -27,6 +27,12 @@ def add_parser(sub) -> None:
                         "run on the reference backend); auto: the fastest (on CPU: rounded activations for "
                         "weight-only layers, a speed option that moves accuracy); or reference, cpu, triton. "
                         "--speed always times the fastest")
+    p.add_argument("--kv-cache", choices=["checkpoint", "off", "fp8", "int8"], default="checkpoint",
+                   help="the KV cache attention reads in --ppl: the checkpoint's (its calibrated scales; "
+                        "unquantized without), off, or fp8/int8 with --kv-scales")
+    p.add_argument("--kv-scales", choices=["calibrated", "unit", "dynamic"], default="calibrated",
+                   help="calibrated (the checkpoint's k_scale/v_scale), unit (1.0, an engine's default "
+                        "without them) or dynamic (each cache write's own amax)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(func=run)
@@ -60,16 +66,17 @@ def run(args) -> int:
         for data in datas:
             r = perplexity(
                 model, tok, data, seqlen=args.seqlen, windows=args.windows or None,
-                stride=args.stride, progress=args.progress,
+                stride=args.stride, progress=args.progress, kv_cache=args.kv_cache, kv_scales=args.kv_scales,
             )
             out["ppl"][data] = r["ppl"]
             out.update({"seqlen": r["seqlen"], "windows": r["windows"], "tokens": r["tokens"],
-                        "kernels": r["kernels"]})
+                        "kernels": r["kernels"], "kv_cache": r["kv_cache"]})
             out.setdefault("ppl_details", {})[data] = r
             print(
                 f"{label}: ppl {r['ppl']:.3f} on {r['data']} "
                 f"(seqlen {r['seqlen']}, {r['windows']} windows, {r['tokens']} tokens; "
-                f"backend {r['kernels']['backend']}, activations {r['kernels']['activations']})"
+                f"backend {r['kernels']['backend']}, activations {r['kernels']['activations']}"
+                f"{'' if r['kv_cache'] is None else ', KV cache ' + r['kv_cache']['kind'] + ' ' + r['kv_cache']['scales']})"
             )
         del model
     if args.tasks:

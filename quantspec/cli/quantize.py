@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
                         "fp8-dynamic (and FP8 activations per token), nvfp4, mxfp4; --bits/--group-size name the "
                         "integer schemes")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
+    p.add_argument("--kv-cache", choices=["fp8", "int8"],
+                   help="calibrate KV-cache scales (keys after RoPE, values) on the calibration data and write them "
+                        "(compressed-tensors kv_cache_scheme, k_scale/v_scale per layer, as vLLM reads them)")
+    p.add_argument("--kv-cache-strategy", choices=["tensor", "head"], default=None,
+                   help="one KV scale per layer (tensor, the default, what vLLM reads) or per KV head")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
@@ -127,6 +132,12 @@ def recipe_from_args(args):
                              "clip": args.clip, "clip_min_gain": args.clip_min_gain, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling),
                              "search_dtype": args.awq_search_dtype}.items()
            if v is not None}
+    if args.kv_cache_strategy and not args.kv_cache:
+        raise QuantspecError("--kv-cache-strategy needs --kv-cache.", "add --kv-cache fp8 (or int8).")
+    if args.kv_cache:
+        top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor"}
+        if not args.format:
+            top["format"] = "compressed-tensors"
     if changes or top or calib or args.alpha is not None or awq:
         data = recipe.to_dict()
         if "method" in top and args.recipe is None:  # the new method's own default scheme

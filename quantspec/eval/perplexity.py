@@ -31,6 +31,8 @@ from ..data.tokens import cached_token_ids
 from ..errors import QuantspecError
 from ..kernels.backend import computes_declared_scheme
 from ..kernels.quant_linear import QuantLinear
+from ..runtime.kv import cache_kwarg
+from ..runtime.kv_quant import QuantKVCache, resolve_kv
 
 AS_DECLARED = "as declared"
 
@@ -92,8 +94,13 @@ def window_nll(logits: torch.Tensor, ids: torch.Tensor, scored: int) -> torch.Te
 
 @torch.inference_mode()
 def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, windows: int | None = 40,
-               stride: int | None = None, progress: bool = True, batch_size: int = 1) -> dict:
+               stride: int | None = None, progress: bool = True, batch_size: int = 1,
+               kv_cache: str = "checkpoint", kv_scales: str = "calibrated") -> dict:
     """Perplexity of ``model`` on ``data`` (a load_text name/path or a TextSource).
+
+    kv_cache / kv_scales: the KV cache attention reads (``runtime.kv_quant.resolve_kv``): by
+    default what the checkpoint declares (its calibrated FP8/int8 scales, else unquantized);
+    the result's ``kv_cache`` names it.
 
     Returns {"ppl", "nll" (mean per scored token), "seqlen", "windows" (used), "stride",
     "tokens" (scored tokens), "data" (label), "seconds", "kernels" (``kernels_used``)}. Raises
@@ -108,6 +115,7 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
         raise QuantspecError(f"'{source.label}' has {ids.numel()} tokens, fewer than one window of {seqlen}.",
                              "lower seqlen or use a longer text.")
     device = _model_device(model)
+    kv = resolve_kv(model, kv_cache, kv_scales)
     was_training = getattr(model, "training", False)
     model.eval()
     total_nll, total_tokens = 0.0, 0
@@ -117,7 +125,8 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
         for b in range(0, len(starts), batch_size):
             chunk = starts[b : b + batch_size]
             batch = torch.stack([ids[s : s + seqlen] for s in chunk]).to(device)
-            logits = model(input_ids=batch).logits
+            extra = {} if kv is None else {cache_kwarg(model): QuantKVCache(*kv, config=model.config), "use_cache": True}
+            logits = model(input_ids=batch, **extra).logits
             for row, s in enumerate(chunk):
                 scored = seqlen - 1 if s == 0 or stride >= seqlen else stride
                 total_nll += float(window_nll(logits[row : row + 1], batch[row : row + 1], scored))
@@ -130,7 +139,8 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
     nll = total_nll / total_tokens
     return {"ppl": math.exp(nll), "nll": nll, "seqlen": seqlen, "windows": len(starts), "stride": stride,
             "tokens": total_tokens, "data": source.label, "seconds": round(time.perf_counter() - start_time, 3),
-            "kernels": kernels_used(model)}
+            "kernels": kernels_used(model),
+            "kv_cache": None if kv is None else {"kind": kv[0].kind, "scales": kv[0].scales}}
 
 
 def _progress(total: int, label: str, seqlen: int, enabled: bool):

@@ -51,6 +51,7 @@ import torch
 from ..errors import QuantspecError
 from ..quant.scheme import QuantResult, QuantScheme
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
+from ..quant.kv_config import parse_kv_cache_scheme
 from . import ct_float
 from .base import FormatConfig
 from .bitpack import pack_int32, pack_multiple, packed_len, unpack_int32
@@ -241,7 +242,8 @@ class CompressedTensorsFormat:
             format="compressed-tensors",
             scheme=scheme,
             ignore=list(config.get("ignore") or []),
-            extra={"format": fmt, "targets": list(group.get("targets") or [])},
+            extra={"format": fmt, "targets": list(group.get("targets") or []),
+                   "kv_cache": parse_kv_cache_scheme(config["kv_cache_scheme"]) if config.get("kv_cache_scheme") else None},
         )
 
 
@@ -253,7 +255,7 @@ def _refuse_extras(config: dict) -> None:
             "checkpoints hold packed weights.",
             "save the model compressed (llm-compressor save_compressed=True).",
         )
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config"):
         if config.get(key):
             raise QuantspecError(
                 f"compressed-tensors {key} is set; quantspec does not support it.",

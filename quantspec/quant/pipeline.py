@@ -134,6 +134,7 @@ def quantize(
     if reducer.active and not job.method.data_parallel:
         raise QuantspecError(f"{recipe.method} cannot split its calibration across processes (torchrun).",
                              "run it in one process, or use --method gptq or rtn.")
+    kv = _kv_inputs(dense, job, opened.tokenizer, dev) if recipe.kv_cache is not None else None
     if lazy:
         opened.read_outside(job.arch, keep_head=job.method.uses_model_head(job.block_plan) or bool(job.outside_plan))
     if reducer.rank != 0:  # a helper process: calibrates its share of the samples, writes nothing
@@ -163,12 +164,56 @@ def quantize(
         write_metadata(tmp, checkpoint_config(dense, recipe, job.plan, fmt, save_dtype), tokenizer=opened.tokenizer,
                        generation_config=getattr(dense, "generation_config", None),
                        recipe_yaml=recipe.to_yaml(), report=report)
+        if kv is not None:
+            _write_kv_scales(tmp, *kv, recipe, report, progress)
         write_manifest(tmp)
     if resume_dir is not None:
         import shutil
 
         shutil.rmtree(resume_dir, ignore_errors=True)
     return QuantizeOutcome(out=out, report=report, recipe=recipe)
+
+
+def _kv_inputs(model, job, tokenizer, device) -> tuple[torch.Tensor, list[str]]:
+    """Calibration ids and block names for the KV scales, checked before any long work
+    (attention modules, tokenizer)."""
+    from .job import calibration
+    from .kv_calibrate import attention_names
+
+    if job.arch is None:
+        raise QuantspecError("KV-cache scales need the model's decoder blocks, which were not found.",
+                             "drop --kv-cache for this architecture.")
+    blocks = [job.arch.block_name(i) for i in range(len(job.arch.block_list(model)))]
+    attention_names(model, blocks)
+    if job.ids is not None:
+        return job.ids, blocks
+    if tokenizer is None:
+        raise QuantspecError("KV-cache scales are calibrated on text, so they need a tokenizer.",
+                             "point at a model folder with its tokenizer, or drop --kv-cache.")
+    return calibration(tokenizer, job.recipe, device)[0], blocks
+
+
+def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, report: dict, progress: bool) -> None:
+    """Observe the written checkpoint's keys and values, add their scales and kv_cache_scheme."""
+    import json
+
+    from ..checkpoint.extra_tensors import add_tensors
+    from .kv_calibrate import calibrate_checkpoint_kv
+    from .kv_config import kv_cache_scheme
+
+    t0 = time.perf_counter()
+    cfg = recipe.kv_cache
+    tensors = calibrate_checkpoint_kv(folder, ids, cfg, blocks, progress)
+    add_tensors(folder, tensors, stem="kv-scales")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(cfg)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    report["kv_cache"] = {"kind": cfg.kind, "strategy": cfg.strategy, "samples": min(cfg.samples, len(ids)),
+                          "seconds": round(time.perf_counter() - t0, 2),
+                          "max_k_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("k_scale")),
+                          "max_v_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("v_scale"))}
+    (folder / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def resume_folder(out: Path) -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import QuantspecError
 from ..formats import FORMAT_NAMES
 from ..strict import from_dict_strict, reject_unknown
+from .kv_config import KVCacheConfig
 from .options import AWQOptions, CalibrationConfig, GPTQOptions, SmoothQuantOptions
 from .registry import METHODS, default_scheme
 from .scheme import QuantScheme
@@ -40,6 +41,7 @@ class Recipe:
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
     smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
+    kv_cache: KVCacheConfig | None = None  # calibrated KV-cache scales (compressed-tensors only)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -57,6 +59,11 @@ class Recipe:
             raise QuantspecError(
                 f"{self.method} is a W8A8 method but the scheme has no activation quantization.",
                 "set scheme.bits=8, group_size=-1, activations='int8-token-dynamic'.",
+            )
+        if self.kv_cache is not None and self.format != "compressed-tensors":
+            raise QuantspecError(
+                f"KV-cache scales are written in compressed-tensors' kv_cache_scheme, not the {self.format!r} format.",
+                "use --format compressed-tensors with --kv-cache.",
             )
         if self.scheme.is_float and self.format != "compressed-tensors":
             raise QuantspecError(
@@ -84,6 +91,8 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["scheme"] = self.scheme.to_dict()
+        if self.kv_cache is None:  # recipes without KV scales read as they did before the field
+            del d["kv_cache"]
         d["targets"] = list(self.targets)
         d["ignore"] = list(self.ignore)
         return d
@@ -98,9 +107,10 @@ class Recipe:
             "gptq": GPTQOptions,
             "awq": AWQOptions,
             "smoothquant": SmoothQuantOptions,
+            "kv_cache": KVCacheConfig,
         }
         for key, sub in nested.items():
-            if key in data and not isinstance(data[key], sub):
+            if key in data and data[key] is not None and not isinstance(data[key], sub):
                 if not isinstance(data[key], dict):
                     raise QuantspecError(
                         f"recipe field {key!r} must be a mapping.", f"write {key}: {{...}}."

@@ -1,0 +1,79 @@
+"""The KV-cache setting of a recipe and of a checkpoint: ``KVCacheConfig`` and compressed-tensors'
+``kv_cache_scheme`` (written, and read back), as vLLM reads it: {num_bits 8, type float|int,
+symmetric, strategy tensor|attn_head, dynamic false}, with per-layer ``k_scale`` / ``v_scale``
+tensors (``kv_calibrate.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuantspecError
+
+KV_MAX = {"fp8": 448.0, "int8": 127.0}  # the top code of each KV kind
+KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """A recipe's ``kv_cache``: kind "fp8" or "int8"; strategy "tensor" (one scale per layer
+    for keys and one for values) or "head" (one per KV head); samples: calibration samples
+    observed (the first ones of the recipe's calibration draw)."""
+
+    kind: str = "fp8"
+    strategy: str = "tensor"
+    samples: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_MAX:
+            raise QuantspecError(f"kv_cache kind {self.kind!r} is not supported.", f"use one of {list(KV_MAX)}.")
+        if self.strategy not in KV_STRATEGIES:
+            raise QuantspecError(f"kv_cache strategy {self.strategy!r} is unknown.",
+                                 f"use one of {list(KV_STRATEGIES)}.")
+        if self.samples < 1:
+            raise QuantspecError(f"kv_cache samples must be >= 1, got {self.samples}.", "use e.g. 32.")
+
+
+def kv_cache_scheme(cfg: KVCacheConfig) -> dict:
+    return {"num_bits": 8, "type": "float" if cfg.kind == "fp8" else "int", "symmetric": True,
+            "group_size": None, "strategy": KV_STRATEGIES[cfg.strategy], "dynamic": False}
+
+
+def parse_kv_cache_scheme(scheme: dict) -> KVCacheConfig:
+    """The KVCacheConfig of a checkpoint's ``kv_cache_scheme``; QuantspecError for what we
+    cannot run (dynamic or asymmetric KV quantization, other widths)."""
+    kind = {"float": "fp8", "int": "int8"}.get(str(scheme.get("type", "")).lower())
+    strategy = {v: k for k, v in KV_STRATEGIES.items()}.get(str(scheme.get("strategy", "tensor")).lower())
+    if (kind is None or strategy is None or int(scheme.get("num_bits", 0)) != 8 or scheme.get("dynamic")
+            or not scheme.get("symmetric", True)):
+        raise QuantspecError(f"kv_cache_scheme {scheme} is not supported.",
+                             "quantspec runs static, symmetric 8-bit KV scales (fp8 or int8) per tensor or head.")
+    return KVCacheConfig(kind=kind, strategy=strategy)
+
+
+def scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], attn: list[str]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors ``{attn}.k_scale`` / ``v_scale`` of each layer."""
+    out = {}
+    for layer, (k, v) in scales.items():
+        out[f"{attn[layer]}.k_scale"] = k.float().contiguous()
+        out[f"{attn[layer]}.v_scale"] = v.float().contiguous()
+    return out
+
+
+def scales_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of ``scale_tensors``, as QuantKVCache takes them (scalars or [kv_heads]): the
+    layer of ``...layers.{i}.self_attn.k_scale`` is i (its attention's ``layer_idx``)."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(?:.*\.)?(\d+)\.self_attn\.([kv])_scale", name)
+        if m is None:
+            raise QuantspecError(f"KV-cache scale {name} is not under a block's self_attn.", "rewrite the checkpoint.")
+        found.setdefault(int(m.group(1)), {})[m.group(2)] = t.float().reshape(-1)
+    if not found or sorted(found) != list(range(len(found))) or any(len(kv) != 2 for kv in found.values()):
+        raise QuantspecError(f"the checkpoint declares a kv_cache_scheme but its k_scale / v_scale tensors do not "
+                             f"cover every layer once (layers {sorted(found)[:8]}).",
+                             "requantize with --kv-cache, or remove kv_cache_scheme from config.json.")
+    return {layer: (kv["k"], kv["v"]) for layer, kv in found.items()}

@@ -1,0 +1,127 @@
+"""A quantized KV cache for transformers models, and the observer that calibrates its scales.
+
+Keys are observed and quantized after RoPE (as the attention module hands them to the cache,
+which is what an engine stores). A KV setting (``KVSetting``):
+
+* ``kind``: "fp8" (E4M3FN, max 448) or "int8" (symmetric, max 127);
+* ``scales``: "calibrated" (per layer from calibration data: one scale per tensor, or one per
+  KV head), "unit" (every scale 1.0, what an engine uses when a checkpoint has none), or
+  "dynamic" (each cache write takes its own per-tensor scale from its amax);
+* scale = amax / max code, so the largest calibrated value lands on the top code.
+
+``QuantKVCache`` quantize-dequantizes every key and value written into it (fp32 arithmetic),
+so any transformers forward that takes a cache (perplexity windows, generation) computes
+attention on the values a quantized cache would hold. ``KVObserver`` records per-layer,
+per-head absolute maxima. Pure tensor functions: ``fake_quant``, ``scales_from_amax``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import QuantspecError
+from ..quant.kv_config import KV_MAX
+KV_SCALES = ("calibrated", "unit", "dynamic")
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    kind: str = "fp8"
+    scales: str = "calibrated"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_MAX:
+            raise QuantspecError(f"KV cache kind {self.kind!r} is not supported.", f"use one of {list(KV_MAX)}.")
+        if self.scales not in KV_SCALES:
+            raise QuantspecError(f"KV cache scales {self.scales!r} are unknown.", f"use one of {list(KV_SCALES)}.")
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` [B, H, T, D] rounded to the ``kind`` grid under ``scale`` (a scalar or [H]), in x's
+    dtype (arithmetic in fp32)."""
+    s = scale.to(device=x.device, dtype=torch.float32)
+    if s.numel() > 1:
+        s = s.reshape(1, -1, 1, 1)
+    y = x.to(torch.float32) / s
+    top = KV_MAX[kind]
+    if kind == "fp8":
+        y = y.clamp(-top, top).to(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        y = torch.round(y).clamp(-top, top)
+    return (y * s).to(x.dtype)
+
+
+def scales_from_amax(amax: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scale(s) that map ``amax`` onto the top code (a zero amax gets scale 1)."""
+    s = amax.to(torch.float32) / KV_MAX[kind]
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+class KVObserver(DynamicCache):
+    """A DynamicCache that also records, per layer, each KV head's max |key| and max |value|."""
+
+    def __init__(self, config=None):
+        super().__init__(config=config)
+        self.amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k = key_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
+        v = value_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
+        if layer_idx in self.amax:
+            k0, v0 = self.amax[layer_idx]
+            k, v = torch.maximum(k0, k), torch.maximum(v0, v)
+        self.amax[layer_idx] = (k, v)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class QuantKVCache(DynamicCache):
+    """A DynamicCache whose stored keys and values are rounded to ``setting.kind``.
+
+    ``scales``: layer -> (k_scale, v_scale), each a scalar or [kv_heads] tensor, for
+    ``setting.scales == "calibrated"``; unused for "unit" and "dynamic"."""
+
+    def __init__(self, setting: KVSetting, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 config=None):
+        super().__init__(config=config)
+        if setting.scales == "calibrated" and not scales:
+            raise QuantspecError("calibrated KV scales were asked for, but none were given.",
+                                 "calibrate them (quantspec quantize --kv-cache) or use unit/dynamic scales.")
+        self.setting = setting
+        self.scales = scales or {}
+
+    def _scale(self, x: torch.Tensor, layer_idx: int, which: int) -> torch.Tensor:
+        if self.setting.scales == "unit":
+            return torch.ones(())
+        if self.setting.scales == "dynamic":
+            return scales_from_amax(x.detach().abs().amax().float(), self.setting.kind)
+        if layer_idx not in self.scales:
+            raise QuantspecError(f"no calibrated KV scale for layer {layer_idx}.",
+                                 "recalibrate the checkpoint's KV scales.")
+        return self.scales[layer_idx][which]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kind = self.setting.kind
+        k = fake_quant(key_states, self._scale(key_states, layer_idx, 0), kind)
+        v = fake_quant(value_states, self._scale(value_states, layer_idx, 1), kind)
+        return super().update(k, v, layer_idx, *args, **kwargs)
+
+
+def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
+               ) -> tuple[KVSetting, dict[int, tuple[torch.Tensor, torch.Tensor]] | None] | None:
+    """The KV cache a forward of ``model`` should run on: ``kind`` "checkpoint" (what the
+    checkpoint declares, none for a checkpoint without KV scales), "off", "fp8" or "int8";
+    ``scales`` "calibrated" (the checkpoint's), "unit" or "dynamic". None: a plain cache."""
+    ckpt = getattr(model, "quantspec_kv_cache", None)  # set by checkpoint.load_quantized
+    if kind == "off" or (kind == "checkpoint" and ckpt is None):
+        return None
+    if kind == "checkpoint":
+        kind = ckpt[0].kind
+    if scales != "calibrated":
+        return KVSetting(kind, scales), None
+    if ckpt is None:
+        raise QuantspecError("calibrated KV scales were asked for, but the model has none.",
+                             "quantize with --kv-cache fp8, or use --kv-scales unit or dynamic.")
+    return KVSetting(kind, "calibrated"), ckpt[1]

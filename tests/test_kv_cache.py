@@ -1,0 +1,164 @@
+"""Quantized KV cache: fake quantization, calibration of k/v scales (keys after RoPE), the
+checkpoint's kv_cache_scheme and k_scale / v_scale tensors, eval with each KV setting, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quantspec
+from helpers import make_tiny_model
+from quantspec.errors import QuantspecError
+from quantspec.formats.overrides import read_with_overrides
+from quantspec.quant.kv_calibrate import kv_scales, observe_kv
+from quantspec.quant.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
+from quantspec.quant.recipe import Recipe
+from quantspec.runtime.kv import cache_kwarg
+from quantspec.runtime.kv_quant import KVSetting, QuantKVCache, fake_quant
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_fake_quant_grids():
+    x = torch.tensor([[[[0.1, -0.26, 1000.0, 3.3]]]])
+    assert fake_quant(x, torch.tensor(0.5), "int8").flatten().tolist() == [0.0, -0.5, 63.5, 3.5]
+    y = fake_quant(x, torch.tensor(1.0), "fp8").flatten()
+    assert y.tolist() == [0.1015625, -0.25, 448.0, 3.25]  # E4M3 values, saturating at 448
+    per_head = fake_quant(torch.ones(1, 2, 1, 1) * 3, torch.tensor([1.0, 2.0]), "int8").flatten()
+    assert per_head.tolist() == [3.0, 4.0]  # head 1: 3/2 = 1.5 -> 2 (ties to even) * 2
+
+
+def test_observer_sees_keys_after_rope(tiny, ids):
+    """The observed key maxima are those of the keys the attention reads (after RoPE), not of
+    k_proj's output: the two differ on a model with RoPE."""
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    amax = observe_kv(model, ids)
+    assert sorted(amax) == list(range(model.config.num_hidden_layers))
+    pre = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, out: pre.append(out.detach()))
+    with torch.no_grad():
+        for j in range(ids.shape[0]):
+            model(input_ids=ids[j : j + 1])
+    hook.remove()
+    heads = model.config.num_key_value_heads
+    pre_amax = torch.cat(pre, 1).reshape(-1, heads, model.config.head_dim).abs().amax(dim=(0, 2))
+    k0 = amax[0][0]
+    assert k0.shape == (heads,) and not torch.allclose(k0, pre_amax)
+    # a value is not rotated: the value maxima are v_proj's
+    vs = []
+    hook = model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, a, out: vs.append(out.detach()))
+    with torch.no_grad():
+        for j in range(ids.shape[0]):
+            model(input_ids=ids[j : j + 1])
+    hook.remove()
+    v_amax = torch.cat(vs, 1).reshape(-1, heads, model.config.head_dim).abs().amax(dim=(0, 2))
+    assert torch.equal(amax[0][1], v_amax)
+
+
+def test_quant_cache_changes_attention_only_as_much_as_its_grid(tiny, ids):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    cfg = KVCacheConfig("fp8", "tensor")
+    scales = {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in kv_scales(observe_kv(model, ids), cfg).items()}
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        plain = model(input_ids=ids[:1]).logits
+        fp8 = model(input_ids=ids[:1], use_cache=True, **{kw: QuantKVCache(KVSetting("fp8"), scales)}).logits
+        tiny_scale = {i: (torch.tensor([1e-6]), torch.tensor([1e-6])) for i in scales}
+        wrecked = model(input_ids=ids[:1], use_cache=True, **{kw: QuantKVCache(KVSetting("fp8"), tiny_scale)}).logits
+    err = (fp8 - plain).abs().max() / plain.abs().max()
+    # E4M3 moves each K and V element by at most 2^-4 of itself (3 mantissa bits, round to
+    # nearest), so the logits move by a fraction of that order of their scale, and not zero
+    assert 0 < err < 2**-4
+    assert (wrecked - plain).abs().max() / plain.abs().max() > 10 * err  # the scale is really used
+
+
+def test_scales_round_trip_and_config():
+    amax = {0: (torch.tensor([2.0, 4.0]), torch.tensor([1.0, 8.0])), 1: (torch.tensor([0.0, 1.0]), torch.ones(2))}
+    names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    t = scale_tensors(kv_scales(amax, KVCacheConfig("fp8", "tensor")), names)
+    assert torch.equal(t["model.layers.0.self_attn.k_scale"], torch.tensor([4.0]) / 448) and t["model.layers.0.self_attn.k_scale"].shape == (1,)
+    head = scale_tensors(kv_scales(amax, KVCacheConfig("int8", "head")), names)
+    assert head["model.layers.0.self_attn.v_scale"].shape == (2, 1, 1)
+    assert torch.equal(head["model.layers.1.self_attn.k_scale"].flatten(), torch.tensor([127.0, 1.0]) / 127)  # zero amax: 1
+    back = scales_from_tensors(head)
+    assert torch.equal(back[0][1], torch.tensor([1.0, 8.0]) / 127)
+    for cfg in (KVCacheConfig("fp8", "tensor"), KVCacheConfig("int8", "head")):
+        assert parse_kv_cache_scheme(kv_cache_scheme(cfg)) == KVCacheConfig(cfg.kind, cfg.strategy)
+    with pytest.raises(QuantspecError, match="kv_cache_scheme"):
+        parse_kv_cache_scheme({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True})
+    with pytest.raises(QuantspecError, match="cover every layer"):
+        scales_from_tensors({"model.layers.1.self_attn.k_scale": torch.ones(1), "model.layers.1.self_attn.v_scale": torch.ones(1)})
+
+
+def test_compressed_tensors_accepts_the_kv_scheme():
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs.model_validate(kv_cache_scheme(KVCacheConfig("fp8", "head")))
+    assert str(args.strategy) in ("attn_head", "QuantizationStrategy.ATTN_HEAD") and str(args.type) in ("float", "QuantizationType.FLOAT") and not args.dynamic
+
+
+def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
+    out = tmp_path / "kv"
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors", kv_cache=KVCacheConfig("fp8", "tensor", samples=4))
+    from dataclasses import replace
+
+    recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=8, seqlen=64))
+    quantspec.quantize(str(tiny), recipe, out, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.self_attn.k_scale"] == "model-kv-scales.safetensors"
+    assert read_with_overrides(cfg["quantization_config"])[1].extra["kv_cache"] == KVCacheConfig("fp8", "tensor")
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["kv_cache"]["samples"] == 4 and report["kv_cache"]["max_k_scale"] > 0
+    model = quantspec.load_quantized(out, backend="reference")
+    kv_cfg, scales = model.quantspec_kv_cache
+    assert kv_cfg.kind == "fp8" and len(scales) == model.config.num_hidden_layers
+    assert Recipe.from_yaml(out / "recipe.yaml") == recipe
+
+    from quantspec.eval.perplexity import perplexity
+    from quantspec.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny))
+    runs = {(kind, sc): perplexity(model, tok, "pydoc", seqlen=64, windows=3, progress=False, kv_cache=kind, kv_scales=sc)
+            for kind, sc in (("off", "calibrated"), ("checkpoint", "calibrated"), ("int8", "unit"))}
+    assert runs[("off", "calibrated")]["kv_cache"] is None
+    assert runs[("checkpoint", "calibrated")]["kv_cache"] == {"kind": "fp8", "scales": "calibrated"}
+    ppl = {k: r["ppl"] for k, r in runs.items()}
+    assert ppl[("checkpoint", "calibrated")] != ppl[("off", "calibrated")]
+    # int8 at scale 1.0 rounds this model's small keys and values (|x| << 1) to zero
+    assert abs(ppl[("int8", "unit")] - ppl[("off", "calibrated")]) > abs(ppl[("checkpoint", "calibrated")] - ppl[("off", "calibrated")])
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--kv-cache", "fp8", "--format", "gptq"], "kv_cache_scheme, not the"),
+    (["--kv-cache-strategy", "head"], "--kv-cache"),
+])
+def test_cli_refuses_kv_before_work(tmp_path, extra, expect):
+    r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(tmp_path / "no-model"), *extra,
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_eval_refuses_calibrated_scales_the_checkpoint_lacks(tiny):
+    from quantspec.runtime.kv_quant import resolve_kv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    assert resolve_kv(model) is None
+    with pytest.raises(QuantspecError, match="calibrated KV scales"):
+        resolve_kv(model, "fp8", "calibrated")
+    assert resolve_kv(model, "fp8", "dynamic")[0] == KVSetting("fp8", "dynamic")
