@@ -15,6 +15,12 @@ on first use) from a runner in benchmarks/peers/ that prints one JSON line.
     python benchmarks/quant_peers.py --method gptq --configs w4g128,w4g64,w3g128 [--runs 2]
     python benchmarks/quant_peers.py --method awq --configs w4g64,w3g64
     python benchmarks/quant_peers.py --method smoothquant --configs w8a8
+    python benchmarks/quant_peers.py --method rtn --configs fp8-dynamic,nvfp4,mxfp4 --out results/float-peers-rtn
+    python benchmarks/quant_peers.py --method gptq --configs nvfp4,mxfp4 --out results/float-peers-gptq
+
+Float configs (FP8 / FP4, issue 30) are the names of ``quantspec --scheme`` (fp8-dynamic,
+nvfp4, mxfp4), run as llm-compressor's presets FP8_DYNAMIC, NVFP4A16, MXFP4A16; fp8-dynamic
+is evaluated with FP8 per-token activations on both sides.
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ METHODS = {
     "gptq": {"ours": "static", "llmc": "static", "gptqmodel": "default"},
     "awq": {"ours": None, "llmc": None},
     "smoothquant": {"ours": None, "llmc": None},
+    "rtn": {"ours": None, "llmc": None},
     "dense": {"ours": None},
 }
+FLOAT_CONFIGS = ("fp8-dynamic", "nvfp4", "mxfp4")
 
 
 def python_of(tool: str) -> str:
@@ -81,15 +89,19 @@ def prepare(model_dir: Path, out: Path, samples: int, seqlen: int, windows: int)
 def parse_config(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"w(\d+)(?:g(\d+)|a8)", text)
     if not m:
-        raise SystemExit(f"bad config {text!r}: use e.g. w4g128 or w8a8")
+        raise SystemExit(f"bad config {text!r}: use e.g. w4g128, w8a8 or one of {list(FLOAT_CONFIGS)}")
     return int(m.group(1)), int(m.group(2) or -1)
 
 
-def run_tool(tool: str, method: str, model_dir: Path, data: Path, bits: int, group: int, log) -> dict:
+def run_tool(tool: str, method: str, model_dir: Path, data: Path, config: str, log) -> dict:
     _, script, env = TOOLS[tool]
     actorder = METHODS[method][tool]
-    cmd = [python_of(tool), str(HERE / "peers" / script), str(model_dir), str(data),
-           "--bits", str(bits), "--group", str(group)]
+    cmd = [python_of(tool), str(HERE / "peers" / script), str(model_dir), str(data)]
+    if config in FLOAT_CONFIGS:
+        cmd += ["--scheme", config]
+    else:
+        bits, group = parse_config(config)
+        cmd += ["--bits", str(bits), "--group", str(group)]
     if method != "gptq" or tool != "gptqmodel":
         cmd += ["--method", method]
     if actorder:
@@ -127,17 +139,20 @@ def main() -> None:
         return
     setup(tools)
     out = args.out or RESULTS / f"{args.method}-peers"
-    configs = [parse_config(c) for c in args.configs.split(",")]
+    configs = args.configs.split(",")
+    for c in configs:
+        if c not in FLOAT_CONFIGS:
+            parse_config(c)
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp, open(f"{out}.log", "w") as log:
         data = Path(tmp) / "data.pt"
         prepare(Path(args.model), data, args.samples, args.seqlen, args.windows)
         for run in range(args.runs):
-            for bits, group in configs:
+            for config in configs:
                 for tool in tools:
-                    res = run_tool(tool, args.method, Path(args.model), data, bits, group, log)
-                    print(f"run {run} w{bits}g{group} {tool}: {res}", flush=True)
-                    rows.setdefault((bits, group, tool), []).append(res)
+                    res = run_tool(tool, args.method, Path(args.model), data, config, log)
+                    print(f"run {run} {config} {tool}: {res}", flush=True)
+                    rows.setdefault((config, tool), []).append(res)
     write_tables(out, args, rows, reused(args.reuse, args, rows))
 
 
@@ -151,20 +166,25 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows"}
     if any(meta.get(k) != v for k, v in want.items()):
         raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
-    now = {(config_label(args.method, bits, group), tool) for bits, group, tool in rows}
+    now = {(config_label(args.method, config), tool) for config, tool in rows}
     return [{**r, "from": r.get("from") or path.name} for r in old["rows"]
             if r["method"] == args.method and (r["config"], r["tool"]) not in now]
 
 
-def config_label(method: str, bits: int, group: int) -> str:
-    return "fp32" if method == "dense" else f"W{bits}" + ("A8" if group == -1 else f" g{group}")
+def config_label(method: str, config: str) -> str:
+    if method == "dense":
+        return "fp32"
+    if config in FLOAT_CONFIGS:
+        return config
+    bits, group = parse_config(config)
+    return f"W{bits}" + ("A8" if group == -1 else f" g{group}")
 
 
 def table_row(args, key: tuple, runs: list[dict]) -> dict:
-    bits, group, tool = key
+    config, tool = key
     ok = [r for r in runs if "error" not in r]
     return {
-        "method": args.method, "tool": tool, "config": config_label(args.method, bits, group),
+        "method": args.method, "tool": tool, "config": config_label(args.method, config),
         "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
         "seconds": [round(r["seconds"], 1) for r in ok],
         "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,

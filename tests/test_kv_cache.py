@@ -162,3 +162,7 @@ def test_eval_refuses_calibrated_scales_the_checkpoint_lacks(tiny):
     with pytest.raises(QuantspecError, match="calibrated KV scales"):
         resolve_kv(model, "fp8", "calibrated")
     assert resolve_kv(model, "fp8", "dynamic")[0] == KVSetting("fp8", "dynamic")
+    model.quantspec_kv_cache = (KVCacheConfig("fp8"), {0: (torch.tensor([1.0]), torch.tensor([2.0]))})
+    setting, scales = resolve_kv(model, "int8", "calibrated")  # same maxima, int8's top code
+    assert setting == KVSetting("int8") and torch.equal(scales[0][1], torch.tensor([2.0 * 448 / 127]))
+    assert resolve_kv(model)[1][0][0].item() == 1.0

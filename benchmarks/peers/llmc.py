@@ -1,6 +1,7 @@
 """Peer runner (runs in llm-compressor's own venv, not ours): GPTQ, AWQ or SmoothQuant + GPTQ.
 
     python llmc.py MODEL_DIR DATA.pt --method gptq|awq|smoothquant --bits 4 --group 64 [--asym] [--actorder static|none]
+    python llmc.py MODEL_DIR DATA.pt --method rtn|gptq --scheme fp8-dynamic|nvfp4|mxfp4
 
 DATA.pt (written by benchmarks/quant_peers.py): {"calib": LongTensor [n, L], "eval": LongTensor
 [w, L]}. Prints one JSON line: quantization seconds (the oneshot call: no load, no save) and the
@@ -17,7 +18,20 @@ import torch
 from peer_common import perplexity
 
 
+PRESETS = {"fp8-dynamic": "FP8_DYNAMIC", "nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+
+
 def recipe_for(args):
+    if args.scheme:
+        preset = PRESETS[args.scheme]
+        if args.method == "rtn":
+            from llmcompressor.modifiers.quantization import QuantizationModifier
+
+            return QuantizationModifier(targets="Linear", scheme=preset, ignore=["lm_head"])
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        return GPTQModifier(targets="Linear", scheme=preset, ignore=["lm_head"],
+                            actorder=None if args.actorder == "none" else args.actorder)
     weights = {"num_bits": args.bits, "type": "int", "symmetric": not args.asym,
                "strategy": "group", "group_size": args.group}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
@@ -43,7 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("data")
-    ap.add_argument("--method", default="gptq", choices=["gptq", "awq", "smoothquant"])
+    ap.add_argument("--method", default="gptq", choices=["gptq", "awq", "smoothquant", "rtn"])
+    ap.add_argument("--scheme", choices=sorted(PRESETS), help="a float preset instead of --bits/--group")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--asym", action="store_true")

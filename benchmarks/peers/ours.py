@@ -2,7 +2,8 @@
 runners): a calibrated method on the calibration ids of DATA.pt, perplexity of the
 fake-quantized model on its eval windows.
 
-    python ours.py MODEL_DIR DATA.pt --method gptq|awq|smoothquant --bits 4 --group 128 [--asym] [--actorder static|group|none]
+    python ours.py MODEL_DIR DATA.pt --method gptq|awq|smoothquant|rtn --bits 4 --group 128 [--asym] [--actorder static|group|none]
+    python ours.py MODEL_DIR DATA.pt --method rtn|gptq --scheme fp8-dynamic|nvfp4|mxfp4
 
 ``seconds`` is the engine's wall time (capture and every block; no load, no save). Layers whose
 K the group size does not divide are regrouped as quantspec's format writes them. W8A8
@@ -19,6 +20,8 @@ from peer_common import perplexity
 
 from quantspec.formats import get_format
 from quantspec.kernels.reference import quantize_per_token_int8
+from quantspec.quant.floatgrid import quantize_per_token_fp8
+from quantspec.quant.scheme import SCHEME_PRESETS
 from quantspec.models import load_dense
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.calibrate import run_blockwise
@@ -27,15 +30,18 @@ from quantspec.quant.plan import make_plan
 from quantspec.quant.recipe import Recipe
 
 ACT_ORDER = {"none": {}, "static": {"act_order": True, "static_groups": True}, "group": {"act_order": True}}
-FORMAT = {"gptq": "gptq", "awq": "compressed-tensors", "awq+gptq": "gptq", "smoothquant": "compressed-tensors"}  # formats that hold the configs (AWQ GEMM is 4-bit only)
+FORMAT = {"gptq": "gptq", "awq": "compressed-tensors", "awq+gptq": "gptq", "smoothquant": "compressed-tensors",
+          "rtn": "gptq"}  # formats that hold the configs (AWQ GEMM is 4-bit only)
 
 
-def fake_quantize_activations(model, names) -> None:
-    """Int8 per-token fake quantization of the inputs of the Linears ``names``."""
+def fake_quantize_activations(model, names, kind: str = "int8-token-dynamic") -> None:
+    """Per-token fake quantization (int8, or FP8 E4M3 for fp8-token-dynamic) of the inputs of
+    the Linears ``names``."""
+    quant = quantize_per_token_fp8 if kind == "fp8-token-dynamic" else quantize_per_token_int8
 
     def pre(_mod, args):
         x = args[0]
-        q, s = quantize_per_token_int8(x.reshape(-1, x.shape[-1]))
+        q, s = quant(x.reshape(-1, x.shape[-1]))
         return ((q.float() * s).reshape(x.shape).to(x.dtype),) + tuple(args[1:])
 
     for name in names:
@@ -51,6 +57,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--asym", action="store_true")
     ap.add_argument("--actorder", default="none", choices=sorted(ACT_ORDER))
+    ap.add_argument("--scheme", choices=sorted(SCHEME_PRESETS), help="a float scheme instead of --bits/--group")
     args = ap.parse_args()
     data = torch.load(args.data)
     model, _, _ = load_dense(args.model, dtype="float32")
@@ -58,15 +65,19 @@ def main() -> None:
         print(json.dumps({"seconds": 0.0, "ppl": perplexity(model, data["eval"])}))
         return
     scheme = {"bits": args.bits, "group_size": args.group, "symmetric": not args.asym, **ACT_ORDER[args.actorder]}
+    fmt = FORMAT[args.method]
     if args.method == "smoothquant":
         scheme = {"bits": 8, "group_size": -1, "activations": "int8-token-dynamic"}
-    recipe = Recipe.from_dict({"method": args.method, "format": FORMAT[args.method], "scheme": scheme})
+    if args.scheme:
+        scheme = {**SCHEME_PRESETS[args.scheme].to_dict(), **ACT_ORDER[args.actorder]}
+        fmt = "compressed-tensors"
+    recipe = Recipe.from_dict({"method": args.method, "format": fmt, "scheme": scheme})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
     t0 = time.perf_counter()
     run_blockwise(model, get_arch(model), data["calib"], build_method(recipe), plan.quantize, progress=False)
     seconds = time.perf_counter() - t0
     if recipe.scheme.activations:
-        fake_quantize_activations(model, plan.quantize)
+        fake_quantize_activations(model, plan.quantize, recipe.scheme.activations)
     print(json.dumps({"seconds": seconds, "ppl": perplexity(model, data["eval"])}))
 
 

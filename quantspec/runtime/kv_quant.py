@@ -113,7 +113,8 @@ def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
                ) -> tuple[KVSetting, dict[int, tuple[torch.Tensor, torch.Tensor]] | None] | None:
     """The KV cache a forward of ``model`` should run on: ``kind`` "checkpoint" (what the
     checkpoint declares, none for a checkpoint without KV scales), "off", "fp8" or "int8";
-    ``scales`` "calibrated" (the checkpoint's), "unit" or "dynamic". None: a plain cache."""
+    ``scales`` "calibrated" (the checkpoint's; for the other kind, rescaled from the same maxima),
+    "unit" or "dynamic". None: a plain cache."""
     ckpt = getattr(model, "quantspec_kv_cache", None)  # set by checkpoint.load_quantized
     if kind == "off" or (kind == "checkpoint" and ckpt is None):
         return None
@@ -124,4 +125,7 @@ def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
     if ckpt is None:
         raise QuantspecError("calibrated KV scales were asked for, but the model has none.",
                              "quantize with --kv-cache fp8, or use --kv-scales unit or dynamic.")
-    return KVSetting(kind, "calibrated"), ckpt[1]
+    # a calibrated scale is amax / top code: the same maxima serve the other kind, rescaled
+    ratio = KV_MAX[ckpt[0].kind] / KV_MAX[kind]
+    scales = ckpt[1] if ratio == 1 else {i: (k * ratio, v * ratio) for i, (k, v) in ckpt[1].items()}
+    return KVSetting(kind, "calibrated"), scales
