@@ -129,6 +129,8 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
     kv_cfg, scales = model.quantspec_kv_cache
     assert kv_cfg.kind == "fp8" and len(scales) == model.config.num_hidden_layers
     assert Recipe.from_yaml(out / "recipe.yaml") == recipe
+    shown = subprocess.run([sys.executable, "-m", "quantspec", "inspect", str(out)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "KV cache: fp8, scales per tensor in 2 layers" in shown.stdout, shown.stdout
 
     from quantspec.eval.perplexity import perplexity
     from quantspec.models import load_tokenizer

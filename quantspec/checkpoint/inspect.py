@@ -69,7 +69,23 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
         "experts": experts_summary(model, swapped),
         "method": report.get("method"),
         "quantize_seconds": report.get("quantize_seconds"),
+        "kv_cache": _kv_summary(fcfg.extra.get("kv_cache"), reader),
     }
+
+
+def _kv_summary(kv, reader: CheckpointReader) -> dict | None:
+    """The checkpoint's KV-cache setting and the range of its k/v scales (None without)."""
+    from safetensors import safe_open
+
+    if kv is None:
+        return None
+    scales: dict[str, list[float]] = {"k_scale": [], "v_scale": []}
+    for key in sorted(k for k in reader.keys() if k.endswith((".k_scale", ".v_scale"))):
+        with safe_open(str(reader.file_of(key)), framework="pt") as h:
+            scales[key.rsplit(".", 1)[1]].append(float(h.get_tensor(key).float().max()))
+    return {"kind": kv.kind, "strategy": kv.strategy, "layers": len(scales["k_scale"]),
+            **{f"max_{n}": max(v, default=None) for n, v in scales.items()},
+            **{f"min_{n}": min(v, default=None) for n, v in scales.items()}}
 
 
 def experts_summary(model: torch.nn.Module, swapped: set[str]) -> dict[str, dict]:

@@ -35,6 +35,11 @@ def run(args) -> int:
     for name, e in info["experts"].items():
         left = f", dense: experts {e['dense_experts']}" if e["dense_experts"] else ""
         print(f"  {name}: {e['quantized']} of {e['experts']} experts quantized{left}")
+    kv = info["kv_cache"]
+    if kv:
+        print(f"  KV cache: {kv['kind']}, scales per {kv['strategy']} in {kv['layers']} layers "
+              f"(k_scale {kv['min_k_scale']:.4g}..{kv['max_k_scale']:.4g}, "
+              f"v_scale {kv['min_v_scale']:.4g}..{kv['max_v_scale']:.4g})")
     for name in info["dense_layers"]:
         print(f"  dense: {name} ({info['layers'][name]['reason']})")
     if args.json:
