@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,12 @@ from quantspec.quant.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
 
 PRESETS = list(SCHEME_PRESETS)
 CT = get_format("compressed-tensors")
+
+
+def _rtn(w: torch.Tensor, scheme: QuantScheme) -> QuantResult:
+    """RTN, with an input scale where the scheme needs a calibrated one (the engine's job)."""
+    r = rtn(w, scheme)
+    return replace(r, input_scale=torch.tensor([0.005])) if scheme.static_activations else r
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -78,7 +85,7 @@ def test_fnuz_conversion_exact_for_every_byte():
 def test_rtn_result_shapes_and_error(preset):
     scheme = SCHEME_PRESETS[preset]
     w = _weight()
-    r = rtn(w, scheme)
+    r = _rtn(w, scheme)
     r.validate()
     rel = ((r.dequantize() - w).pow(2).sum() / w.pow(2).sum()).item()
     # FP8 keeps ~3 mantissa bits (rel. MSE ~1e-3); FP4 in groups of 16/32 ~1e-2
@@ -135,7 +142,8 @@ def _random_float_result(scheme: QuantScheme, n=32, k=128, seed=0) -> QuantResul
     if scheme.weights == "fp8":
         codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64)
         codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8)  # no NaN bytes
-        return QuantResult(codes, torch.rand(n, 1, generator=g) + 0.01, None, None, scheme)
+        inp = torch.rand(1, generator=g) if scheme.static_activations else None
+        return QuantResult(codes, torch.rand(n, 1, generator=g) + 0.01, None, None, scheme, input_scale=inp)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
     gsz = scheme.group_size
     if scheme.weights == "nvfp4":
@@ -148,7 +156,7 @@ def _random_float_result(scheme: QuantScheme, n=32, k=128, seed=0) -> QuantResul
 @pytest.mark.parametrize("preset", PRESETS)
 def test_pack_unpack_exact(preset):
     scheme = SCHEME_PRESETS[preset]
-    for r in (_random_float_result(scheme), rtn(_weight(k=128), scheme)):
+    for r in (_random_float_result(scheme), _rtn(_weight(k=128), scheme)):
         t = CT.pack(r)
         specs = CT.tensor_specs(scheme, *r.shape)
         assert {n: (tuple(v.shape), v.dtype) for n, v in t.items()} == specs
@@ -190,6 +198,8 @@ def _ct_compress(result: QuantResult) -> dict[str, torch.Tensor]:
             lin.weight_scale.copy_(result.scales.float())
         if result.global_scale is not None:
             lin.weight_global_scale.copy_(result.global_scale)
+        if result.input_scale is not None:
+            lin.input_scale.copy_(result.input_scale)
     ModelCompressor.from_pretrained_model(model).compress_model(model)
     return {name.split(".", 1)[1]: t for name, t in model.state_dict().items()}
 
@@ -198,7 +208,7 @@ def _ct_compress(result: QuantResult) -> dict[str, torch.Tensor]:
 def test_cross_check_compressed_tensors_compress(preset):
     pytest.importorskip("compressed_tensors")
     scheme = SCHEME_PRESETS[preset]
-    r = rtn(_weight(k=128), scheme)
+    r = _rtn(_weight(k=128), scheme)
     ours, theirs = CT.pack(r), _ct_compress(r)
     assert set(theirs) == set(ours)
     for name, t in ours.items():
@@ -219,7 +229,7 @@ def test_cross_check_compressed_tensors_decompress(preset):
     from compressed_tensors.quantization import QuantizationScheme
 
     scheme = SCHEME_PRESETS[preset]
-    r = rtn(_weight(k=128), scheme)
+    r = _rtn(_weight(k=128), scheme)
     cfg = CT.quantization_config(scheme, [])
     group = cfg["config_groups"]["group_0"]
     compressor = BaseCompressor.get_value_from_registry(cfg["format"])
@@ -255,13 +265,17 @@ def test_config_reads_llm_compressor_presets():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_reference_backend(preset):
     scheme = SCHEME_PRESETS[preset]
-    r = rtn(_weight(n=40, k=128), scheme)
+    r = _rtn(_weight(n=40, k=128), scheme)
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(40)
     be = ReferenceBackend()
     y = be.linear(x, be.prepare(r, torch.float32), scheme, 40, 128, bias)
     w = r.dequantize()
-    if scheme.activations:
+    if scheme.static_activations:  # one calibrated scale for every token; beyond it, 448
+        q = (x.reshape(-1, 128) / r.input_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        expect = (q @ w.T) * r.input_scale + bias
+        assert q.abs().max() == 448 and not torch.allclose(expect, x.reshape(-1, 128) @ w.T + bias, rtol=1e-2)
+    elif scheme.activations:
         q, s = quantize_per_token_fp8(x.reshape(-1, 128))
         assert q.abs().max() == 448  # each token's largest entry maps to E4M3's top
         expect = (q @ w.T) * s + bias
@@ -322,3 +336,46 @@ def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
     assert torch.isfinite(logits).all()
     shown = subprocess.run([sys.executable, "-m", "quantspec", "inspect", str(out)], capture_output=True, text=True)
     assert shown.returncode == 0 and "nvfp4" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_resume_journal_keeps_float_scales():
+    """The resume journal stores every tensor of a result (NVFP4's global scale, the static
+    input scale): without them a resumed block could not be packed."""
+    from quantspec.quant.resume import result_tensors, results_from_tensors
+
+    results = {f"l.{p}": _rtn(_weight(k=128), SCHEME_PRESETS[p]) for p in PRESETS}
+    back = results_from_tensors(result_tensors(results, "x."), {n: r.scheme.to_dict() for n, r in results.items()}, "x.")
+    assert all(back[n].equal(r) for n, r in results.items())
+
+
+def test_engine_calibrates_static_input_scales():
+    """fp8-static: each Linear's input scale is max |input| / 448 over the calibration samples,
+    with the block's quantized weights in place (what the deployed layer sees)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.quant.arch_infer import get_arch
+    from quantspec.quant.calibrate import run_blockwise
+    from quantspec.quant.plan import make_plan
+    from quantspec.quant.registry import build_method
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(make_tiny_model(Path(tmp), arch="llama"), dtype=torch.float32)
+    recipe = Recipe(method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["fp8-static"])
+    plan = make_plan(model, recipe.scheme, CT, recipe.targets, recipe.ignore).quantize
+    ids = torch.randint(3, 300, (3, 16), generator=torch.Generator().manual_seed(5))
+    results = run_blockwise(model, get_arch(model), ids, build_method(recipe), plan, progress=False)
+    seen: dict[str, float] = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: seen.__setitem__(n, max(seen.get(n, 0.0), a[0].abs().max().item()))) for n in plan]
+    with torch.no_grad():  # the model now holds the dequantized weights
+        for j in range(ids.shape[0]):
+            model(input_ids=ids[j : j + 1])
+    for h in hooks:
+        h.remove()
+    assert set(results) == set(plan)
+    for n, r in results.items():
+        assert r.input_scale is not None
+        assert torch.allclose(r.input_scale, torch.tensor([seen[n] / 448]), rtol=1e-6), n

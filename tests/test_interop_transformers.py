@@ -42,6 +42,7 @@ CASES = {
     # FP8 weights (and FP8 per-token activations): the same E4M3 grid on both sides, fp32
     "fp8-weight": (SCHEME_PRESETS["fp8-weight"], 1e-3),
     "fp8-dynamic": (SCHEME_PRESETS["fp8-dynamic"], 1e-3),
+    "fp8-static": (SCHEME_PRESETS["fp8-static"], 1e-3),
 }
 # FP4: compressed-tensors 0.20.1 decompresses E2M1 weights to bf16 whatever the model's dtype,
 # so an fp32 model fails in its first matmul (test_transformers_fp4_needs_bf16); both sides run

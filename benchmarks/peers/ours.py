@@ -73,8 +73,11 @@ def main() -> None:
         fmt = "compressed-tensors"
     recipe = Recipe.from_dict({"method": args.method, "format": fmt, "scheme": scheme})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
+    method = build_method(recipe)
+    # as the pipeline does (job.prepare): calibration data only for a method or scheme that uses it
+    ids = data["calib"] if method.needs_calibration or recipe.scheme.static_activations else None
     t0 = time.perf_counter()
-    run_blockwise(model, get_arch(model), data["calib"], build_method(recipe), plan.quantize, progress=False)
+    run_blockwise(model, get_arch(model), ids, method, plan.quantize, progress=False)
     seconds = time.perf_counter() - t0
     if recipe.scheme.activations:
         fake_quantize_activations(model, plan.quantize, recipe.scheme.activations)

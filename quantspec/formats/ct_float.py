@@ -9,7 +9,8 @@ scheme                      tensors                      content
 ==========================  ===========================  =====================================
 fp8 (weight-only, format    weight float8_e4m3fn [N, K]  the E4M3FN codes
 naive-quantized), fp8 with  weight_scale fp32 [N, 1]     per output channel
-fp8-token-dynamic
+fp8-token-dynamic or        input_scale fp32 [1]         fp8-tensor-static only: amax / 448 of
+fp8-tensor-static                                        the layer's calibration inputs
 (float-quantized)
 nvfp4                       weight_packed uint8 [N, K/2] E2M1 nibbles, column 2j in the low
                                                          nibble of byte j, 2j+1 in the high
@@ -38,11 +39,13 @@ _STRATEGY = {"fp8": "channel", "nvfp4": "tensor_group", "mxfp4": "group"}
 _SCALE_DTYPE = {"nvfp4": "torch.float8_e4m3fn", "mxfp4": "torch.uint8"}
 _FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
               "strategy": "token", "dynamic": True}
+_FP8_TENSOR = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+               "strategy": "tensor", "dynamic": False}
 
 
 def format_name(scheme: QuantScheme) -> str:
     if scheme.weights == "fp8":
-        return FP8_DYNAMIC if scheme.activations else FP8_WEIGHT_ONLY
+        return FP8_DYNAMIC if scheme.activations else FP8_WEIGHT_ONLY  # float-quantized: dynamic or static
     return NVFP4 if scheme.weights == "nvfp4" else MXFP4
 
 
@@ -54,7 +57,10 @@ def cannot_hold(scheme: QuantScheme, out_features: int, in_features: int) -> str
 
 def tensor_specs(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if scheme.weights == "fp8":
-        return {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, 1), torch.float32)}
+        specs = {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, 1), torch.float32)}
+        if scheme.static_activations:
+            specs["input_scale"] = ((1,), torch.float32)
+        return specs
     specs = {"weight_packed": ((n, k // 2), torch.uint8)}
     if scheme.weights == "nvfp4":
         specs["weight_scale"] = ((n, k // 16), torch.float8_e4m3fn)
@@ -67,8 +73,11 @@ def tensor_specs(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[i
 def pack(result: QuantResult) -> dict[str, torch.Tensor]:
     scheme = result.scheme
     if scheme.weights == "fp8":
-        return {"weight": result.qweight.contiguous().view(torch.float8_e4m3fn),
-                "weight_scale": result.scales.to(torch.float32).contiguous()}
+        out = {"weight": result.qweight.contiguous().view(torch.float8_e4m3fn),
+               "weight_scale": result.scales.to(torch.float32).contiguous()}
+        if scheme.static_activations:
+            out["input_scale"] = result.input_scale.to(torch.float32).reshape(1).contiguous()
+        return out
     codes = result.qweight
     out = {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
            "weight_scale": result.scales.contiguous()}
@@ -80,7 +89,9 @@ def pack(result: QuantResult) -> dict[str, torch.Tensor]:
 def unpack(tensors: dict[str, torch.Tensor], scheme: QuantScheme, n: int, k: int) -> QuantResult:
     if scheme.weights == "fp8":
         codes = tensors["weight"].contiguous().view(torch.uint8)
-        return QuantResult(codes, tensors["weight_scale"].to(torch.float32).contiguous(), None, None, scheme)
+        inp = tensors["input_scale"].contiguous() if scheme.static_activations else None
+        return QuantResult(codes, tensors["weight_scale"].to(torch.float32).contiguous(), None, None, scheme,
+                           input_scale=inp)
     packed = tensors["weight_packed"]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(n, k).contiguous()
     gscale = tensors["weight_global_scale"].contiguous() if scheme.weights == "nvfp4" else None
@@ -104,7 +115,7 @@ def weights_args(scheme: QuantScheme) -> dict:
 
 
 def input_args(scheme: QuantScheme) -> dict | None:
-    return dict(_FP8_TOKEN) if scheme.activations == "fp8-token-dynamic" else None
+    return {"fp8-token-dynamic": _FP8_TOKEN, "fp8-tensor-static": _FP8_TENSOR}.get(scheme.activations)
 
 
 def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
@@ -129,12 +140,7 @@ def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
         raise QuantspecError("asymmetric float weights are not supported.", "use symmetric FP8/FP4.")
     activations = None
     if acts:
-        if not _same_token_fp8(acts):
-            raise QuantspecError(
-                f"compressed-tensors float input_activations {acts} are not supported.",
-                "quantspec runs FP8 activations per token, dynamically (FP8_DYNAMIC).",
-            )
-        activations = "fp8-token-dynamic"
+        activations = _fp8_activations(acts)
     expected = format_name(QuantScheme(bits=bits, group_size=group_size, weights=weights, activations=activations))
     if fmt != expected and not (weights == "fp8" and fmt in (FP8_WEIGHT_ONLY, FP8_DYNAMIC)):
         raise QuantspecError(f"compressed-tensors format {fmt!r} does not hold {weights} weights.",
@@ -148,7 +154,16 @@ def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
                        act_order=actorder is not None, static_groups=actorder is not None)
 
 
-def _same_token_fp8(acts: dict) -> bool:
-    return (str(acts.get("type")).lower() == "float" and int(acts.get("num_bits", 0)) == 8
-            and str(acts.get("strategy", "")).lower() == "token" and acts.get("dynamic") is True
-            and bool(acts.get("symmetric", True)))
+def _fp8_activations(acts: dict) -> str:
+    fp8 = (str(acts.get("type")).lower() == "float" and int(acts.get("num_bits", 0)) == 8
+           and bool(acts.get("symmetric", True)))
+    strategy, dynamic = str(acts.get("strategy", "")).lower(), acts.get("dynamic")
+    if fp8 and strategy == "token" and dynamic is True:
+        return "fp8-token-dynamic"
+    if fp8 and strategy == "tensor" and dynamic is False:
+        return "fp8-tensor-static"
+    raise QuantspecError(
+        f"compressed-tensors float input_activations {acts} are not supported.",
+        "quantspec runs FP8 activations per token dynamically (FP8_DYNAMIC) or per tensor with a "
+        "calibrated scale (FP8).",
+    )

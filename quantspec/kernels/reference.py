@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.floatcodes import dequantize_values
+from ..quant.floatcodes import FP8_MAX, dequantize_values
 from ..quant.floatgrid import quantize_per_token_fp8
 from ..quant.scheme import QuantResult, QuantScheme
 
@@ -33,8 +33,9 @@ class ReferenceBackend:
         # Kept dequantized-on-the-fly from the canonical tensors; nothing dense is stored.
         if result.scheme.is_float:
             out = {"codes": result.qweight, "scales": result.scales}
-            if result.global_scale is not None:
-                out["global_scale"] = result.global_scale
+            for name in ("global_scale", "input_scale"):
+                if getattr(result, name) is not None:
+                    out[name] = getattr(result, name)
             return out
         out = {"codes": result.qweight, "scales": result.scales, "group": result.group_index()}
         if result.zeros is not None:
@@ -68,6 +69,10 @@ class ReferenceBackend:
         flat = x.reshape(-1, in_features)
         if scheme.activations == "fp8-token-dynamic":
             qx, sx = quantize_per_token_fp8(flat)
+            y = (qx @ w.T) * sx
+        elif scheme.static_activations:
+            sx = prepared["input_scale"].to(torch.float32)
+            qx = (flat.to(torch.float32) / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
             y = (qx @ w.T) * sx
         else:
             y = flat.to(torch.float32) @ w.T

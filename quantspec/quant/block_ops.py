@@ -117,3 +117,17 @@ def apply_results(block: nn.Module, block_name: str, results: dict[str, QuantRes
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
         refs[name] = (mod, dense)
     return refs
+
+
+def input_scales(block: nn.Module, block_name: str, inputs: torch.Tensor, kwargs: dict[str, Any],
+                 modules: dict[str, nn.Module], top: float) -> dict[str, torch.Tensor]:
+    """fp32 [1] per Linear of ``modules``: the max |input| over the samples ``inputs``, / ``top``
+    (a static activation scale: FP8's 448); a layer that saw only zeros gets 1."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        m = x.detach().abs().amax().float().reshape(1).cpu()
+        amax[name] = torch.maximum(amax[name], m) if name in amax else m
+
+    run_linear_inputs(block, block_name, inputs, kwargs, modules, record)
+    return {n: torch.where(a > 0, a / top, torch.ones_like(a)) for n, a in amax.items()}

@@ -22,6 +22,7 @@ rerun reads the journaled blocks back instead of processing them, on any source 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -29,9 +30,10 @@ from torch import nn
 
 from ..errors import QuantspecError
 from .arch import ArchSpec
-from .block_ops import apply_results, block_forward, check_finite
+from .block_ops import apply_results, block_forward, check_finite, input_scales, planned_linears
 from .capture import capture_inputs
 from .distributed import Reducer
+from .floatcodes import FP8_MAX
 from .heap import reuse_freed_memory
 from .method import BlockContext, BlockMethod, BlockOutput, FinishContext
 from .moe import routed_tokens
@@ -226,7 +228,10 @@ def run_blockwise(
                 routed = dict(zip(routed, reducer.sum_ints(list(routed.values()))))
                 out = _process(method, ctx(i, inputs, kwargs[i]))
                 seconds = time.perf_counter() - t0
+                block_inputs = inputs
                 inputs, errors = _advance(block, name, inputs, kwargs[i], out, calibrated)
+                _static_input_scales(block, name, block_inputs, kwargs[i], out, reducer)
+                del block_inputs
                 results = {n: r.to(home) for n, r in out.results.items()}
                 for n in results:
                     measured = {"rel_mse": errors.get(n)} if calibrated else {}
@@ -263,6 +268,20 @@ def _advance(block, name, inputs, kwargs, out: BlockOutput, calibrated: bool):
         return _replay(block, name, inputs, kwargs, need)
     errors = _replay(block, name, inputs[:ERROR_SAMPLES], kwargs, need)[1] if need else {}
     return next_inputs, errors
+
+
+def _static_input_scales(block, name, inputs, kwargs, out: BlockOutput, reducer: Reducer) -> None:
+    """Static activation schemes (fp8-tensor-static): each such Linear's input scale, observed
+    on the block's calibration inputs with its quantized weights in place (the inputs the
+    deployed layer sees), reduced over processes (max)."""
+    static = {n: r for n, r in out.results.items() if r.scheme.static_activations}
+    if not static:
+        return
+    if inputs is None:
+        raise QuantspecError("static activation scales need calibration data.", "give the recipe calibration data.")
+    scales = input_scales(block, name, inputs, kwargs, planned_linears(block, name, static), FP8_MAX)
+    for n, r in static.items():
+        out.results[n] = replace(r, input_scale=reducer.max(scales[n]))
 
 
 def _process(method: BlockMethod, ctx: BlockContext) -> BlockOutput:

@@ -54,6 +54,10 @@ class Reducer:
     def all_true(self, flag: bool) -> bool:
         return flag
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of ``t`` over every process."""
+        return t
+
 
 @dataclass(frozen=True)
 class ProcessGroupReducer(Reducer):
@@ -97,6 +101,13 @@ class ProcessGroupReducer(Reducer):
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.to(_device()).clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu()
 
 
 def _device() -> torch.device:

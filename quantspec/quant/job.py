@@ -71,7 +71,19 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
     for name, scheme in (overrides or {}).items():
         if name in plan.quantize:
             plan.quantize[name] = scheme
-    ids, calib = calibration(tokenizer, recipe, device) if method.needs_calibration else (None, None)
+    static = recipe.scheme.static_activations  # input scales are calibrated whatever the method
+    if static and tokenizer is None:
+        raise QuantspecError(f"{recipe.scheme.short_name} calibrates activation scales on text, so it needs a tokenizer.",
+                             "pass the model's tokenizer, or use --scheme fp8-dynamic.")
+    if static and arch is None:
+        raise QuantspecError(f"{recipe.scheme.short_name} calibrates activation scales block by block, but the "
+                             "model's decoder blocks were not found.", "use --scheme fp8-dynamic.")
+    if static and any(not n.startswith(arch.blocks + ".") for n in plan.quantize):
+        outside = sorted(n for n in plan.quantize if not n.startswith(arch.blocks + "."))
+        raise QuantspecError(f"{recipe.scheme.short_name} calibrates activation scales inside the decoder blocks; "
+                             f"{outside[:3]} lie outside.", "leave them dense (recipe ignore, e.g. lm_head).")
+    wants_data = method.needs_calibration or static
+    ids, calib = calibration(tokenizer, recipe, device) if wants_data else (None, None)
     if calib is not None and experts:
         calib["experts"] = recipe.calibration.experts
     return Job(recipe, method, arch, plan, ids, calib)

@@ -3,7 +3,8 @@
 Layout of ``resume_dir``::
 
     manifest.json                 {"version", "fingerprint", "done", "inputs", "report", "blocks"}
-    block_0000.safetensors        QuantResults of block 0 ("<name>.qweight|scales|zeros|g_idx")
+    block_0000.safetensors        QuantResults of block 0 ("<name>.qweight|scales|zeros|g_idx",
+                                  and global_scale / input_scale where the scheme has them)
                                   + any other block tensor the method changed ("state.<key>")
                                   + the method's tensors for the block ("method_block.<key>");
                                   metadata "schemes": {name: QuantScheme dict} as JSON
@@ -42,7 +43,7 @@ from .scheme import QuantResult, QuantScheme
 from .sinks import BlockRecord, Sink
 
 VERSION = 3  # 3: method tensors per block and carried (2: AWQ alternatives as alt.*)
-_FIELDS = ("qweight", "scales", "zeros", "g_idx")
+_FIELDS = ("qweight", "scales", "zeros", "g_idx", "global_scale", "input_scale")
 
 
 def fingerprint(

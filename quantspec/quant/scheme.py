@@ -35,7 +35,8 @@ WEIGHT_TYPES: dict[str, tuple[int | None, tuple[int, ...] | None]] = {
     "nvfp4": (4, (16,)),  # E2M1, E4M3 scale per 16 values, fp32 global scale
     "mxfp4": (4, (32,)),  # E2M1, E8M0 (power-of-two) scale per 32 values
 }
-ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic")
+ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic", "fp8-tensor-static")
+FP8_ACTIVATIONS = ("fp8-token-dynamic", "fp8-tensor-static")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class QuantScheme:
                 f"activations={self.activations!r} is not supported.",
                 "use null (weight-only) or 'int8-token-dynamic'.",
             )
-        if self.activations == "fp8-token-dynamic":
+        if self.activations in FP8_ACTIVATIONS:
             raise QuantspecError(
                 "fp8 activations need fp8 weights.", "set weights='fp8' (e.g. --scheme fp8-dynamic)."
             )
@@ -114,14 +115,19 @@ class QuantScheme:
                 f"{self.weights} checkpoints store no g_idx: act-order needs static groups.",
                 "set static_groups=true (or drop act_order).",
             )
-        if self.activations not in (None, "fp8-token-dynamic") or (
+        if self.activations not in (None, *FP8_ACTIVATIONS) or (
             self.activations is not None and (self.weights != "fp8" or self.group_size != -1)
         ):
             raise QuantspecError(
                 f"activations={self.activations!r} do not go with {self.weights} weights "
                 f"(group_size {self.group_size}).",
-                "use fp8-token-dynamic with per-channel fp8 weights, or weight-only.",
+                "use fp8-token-dynamic or fp8-tensor-static with per-channel fp8 weights, or weight-only.",
             )
+
+    @property
+    def static_activations(self) -> bool:
+        """Activations quantized with one scale calibrated on data (``QuantResult.input_scale``)."""
+        return self.activations == "fp8-tensor-static"
 
     @property
     def is_float(self) -> bool:
@@ -149,7 +155,7 @@ class QuantScheme:
     def short_name(self) -> str:
         """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``, ``fp8``, ``fp8-dynamic``, ``nvfp4``."""
         if self.is_float:
-            name = self.weights + ("-dynamic" if self.activations else "")
+            name = self.weights + {None: "", "fp8-token-dynamic": "-dynamic", "fp8-tensor-static": "-static"}[self.activations]
             return name + ("-actorder" if self.act_order else "")
         if self.activations:
             return "w8a8"
@@ -176,10 +182,12 @@ class QuantScheme:
 
 
 # The float schemes by the names the CLI's --scheme takes (compressed-tensors' presets:
-# FP8 weight-only, FP8_DYNAMIC, NVFP4A16, MXFP4A16).
+# FP8 weight-only, FP8_DYNAMIC, FP8 (static per-tensor activations; weights per channel here),
+# NVFP4A16, MXFP4A16).
 SCHEME_PRESETS: dict[str, QuantScheme] = {
     "fp8-weight": QuantScheme(bits=8, group_size=-1, weights="fp8"),
     "fp8-dynamic": QuantScheme(bits=8, group_size=-1, weights="fp8", activations="fp8-token-dynamic"),
+    "fp8-static": QuantScheme(bits=8, group_size=-1, weights="fp8", activations="fp8-tensor-static"),
     "nvfp4": QuantScheme(bits=4, group_size=16, weights="nvfp4"),
     "mxfp4": QuantScheme(bits=4, group_size=32, weights="mxfp4"),
 }
@@ -194,6 +202,8 @@ class QuantResult:
     zeros:   uint8 [N, G] integer zero points, or None for symmetric schemes.
     g_idx:   int32 [K] group of each input column, or None for ``k // group_len``.
     global_scale: fp32 [1], NVFP4 only (``floatgrid.py``); None otherwise.
+    input_scale: fp32 [1], the calibrated activation scale of static activation schemes
+    (``fp8-tensor-static``: amax / 448 of the layer's inputs); None otherwise.
     """
 
     qweight: torch.Tensor
@@ -202,6 +212,7 @@ class QuantResult:
     g_idx: torch.Tensor | None
     scheme: QuantScheme = field(default_factory=QuantScheme)
     global_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -215,7 +226,7 @@ class QuantResult:
 
         return replace(self, qweight=move(self.qweight), scales=move(self.scales),
                        zeros=move(self.zeros), g_idx=move(self.g_idx),
-                       global_scale=move(self.global_scale))
+                       global_scale=move(self.global_scale), input_scale=move(self.input_scale))
 
     def group_index(self) -> torch.Tensor:
         """int64 [K]: the group of each input column."""
@@ -252,6 +263,8 @@ class QuantResult:
             raise ValueError("fp4 codes exceed 4 bits")
         if (self.scheme.weights == "nvfp4") != (self.global_scale is not None):
             raise ValueError("global_scale must be set exactly for nvfp4")
+        if self.scheme.static_activations != (self.input_scale is not None):
+            raise ValueError("input_scale must be set exactly for static activation schemes (calibrate them)")
         if self.scheme.is_float:
             if self.zeros is not None or self.g_idx is not None:
                 raise ValueError("float schemes have no zeros and no g_idx")
@@ -285,4 +298,5 @@ class QuantResult:
             and same(self.zeros, other.zeros)
             and same(self.g_idx, other.g_idx)
             and same(self.global_scale, other.global_scale)
+            and same(self.input_scale, other.input_scale)
         )
