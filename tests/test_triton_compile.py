@@ -142,3 +142,18 @@ def test_grouped_moe_kernel_compiles(act, bits, zeros, target_name):
     kernel = _compile(moe_gemm._moe_wq_kernel, types, consts, triton.Config({}, num_warps=4, num_stages=1),
                       target_name)
     assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
+
+
+@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
+@pytest.mark.parametrize("act,kind", [("bf16", 0), ("fp16", 1), ("fp32", 1)])
+def test_float_weight_only_kernel_compiles(act, kind, target_name):
+    """FP8 / FP4 weight-only (kernels/triton/fp_gemm.py) with its fixed GPU tiles."""
+    from quantspec.kernels.triton import fp_gemm
+
+    types = {"x_ptr": PTR[act], "c_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": PTR[act], "out_ptr": PTR[act],
+             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "M_KEY": "i32"}
+    consts = dict(KIND=kind, GROUP=16 if kind else fp_gemm.PER_CHANNEL_GROUP, HAS_BIAS=True,
+                  DOT_F32=act == "fp32")
+    cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
+    kernel = _compile(fp_gemm._fp_dot_kernel, types, consts, cfg, target_name)
+    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")

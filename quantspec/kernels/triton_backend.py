@@ -12,6 +12,8 @@ Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
   asymmetric; with act-order either ``perm`` int32 [K] (strategy "permute") or ``g_idx``
   int32 [K] (strategy "gidx").
 * W8A8: ``qweight`` int8 [N, K] (code - 128), ``wscale`` fp32 [N].
+* float weight-only (FP8, NVFP4, MXFP4): ``fcodes`` uint8 and decoded fp32 ``fscales``
+  (``triton/fp_gemm.py``); FP8 activations run on the reference backend for now.
 
 Act-order strategies. "permute" (default) sorts the rows of W by group once at load, so every
 group is contiguous again and a tile reads one row of scales, and gathers x's columns at run
@@ -27,8 +29,10 @@ from __future__ import annotations
 import torch
 import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
 
+from ..quant.floatcodes import decode_scales
 from ..quant.scheme import QuantResult, QuantScheme
 from .triton import configs
+from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
 from .triton.w8a8 import w8a8_linear
 from .triton.wq_gemm import field_bits, wq_linear
 
@@ -81,8 +85,8 @@ class TritonBackend:
         device: torch.device, dtype: torch.dtype,
     ) -> str | None:
         device = torch.device(device)
-        if scheme.is_float:
-            return f"{scheme.weights} weights run on the reference backend (no fused kernel yet)"
+        if scheme.is_float and scheme.activations is not None:
+            return f"{scheme.short_name} (FP8 activations) runs on the reference backend (no FP8 tl.dot kernel yet)"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"activations must be fp16, bf16 or fp32, not {dtype}"
         if device.type == "cpu":
@@ -103,6 +107,9 @@ class TritonBackend:
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         scheme = result.scheme
+        if scheme.is_float:
+            scales = decode_scales(result.scales, scheme.weights, result.global_scale)
+            return prepare_float(result.qweight, scales, FP8 if scheme.weights == "fp8" else FP4)
         if scheme.activations == "int8-token-dynamic":
             return {
                 "qweight": (result.qweight.to(torch.int16) - 128).to(torch.int8).contiguous(),
@@ -138,7 +145,11 @@ class TritonBackend:
             x2 = x2.contiguous()
         if bias is not None:
             bias = bias.contiguous()
-        if scheme.activations == "int8-token-dynamic":
+        if scheme.is_float:
+            fp8 = scheme.weights == "fp8"
+            y = fp_linear(x2, prepared["fcodes"], prepared["fscales"], bias, FP8 if fp8 else FP4,
+                          PER_CHANNEL_GROUP if fp8 else scheme.group_size)
+        elif scheme.activations == "int8-token-dynamic":
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         else:
             y = wq_linear(
