@@ -17,8 +17,6 @@ FP8_FNUZ_MAX = 240.0  # E4M3FNUZ (MI300, gfx942)
 FP4_MAX = 6.0  # E2M1
 E8M0_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# |x| between consecutive magnitudes: ties go to the even index (even mantissa)
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def code_values(weights: str, device=None) -> torch.Tensor:
@@ -32,15 +30,16 @@ def code_values(weights: str, device=None) -> torch.Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code of each element of ``x`` (already divided by its scale) -> uint8."""
-    x = x.to(torch.float32)
-    a = x.abs().clamp(max=FP4_MAX)
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    down = torch.bucketize(a, mids, right=False)  # a tie at a midpoint goes to the lower index
-    up = torch.bucketize(a, mids, right=True)
-    idx = torch.where(down % 2 == 0, down, up)
-    negative = ((x < 0) & (idx > 0)).to(idx.dtype)  # zero is always code 0, never -0
-    return (idx | negative << 3).to(torch.uint8)
+    """Nearest E2M1 code of each element of ``x`` (already divided by its scale) -> uint8.
+
+    The magnitude index counts the midpoints below |x|: strictly below where a tie belongs to
+    the lower (even) index (0.25, 1.25, 2.5, 5), at or below where it belongs to the upper one
+    (0.75, 1.75, 3.5); seven comparisons beat a search here by ~10x."""
+    a = x.to(torch.float32).abs()
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+           + (a > 5.0))
+    negative = ((x < 0) & (idx > 0)).to(torch.uint8)  # zero is always code 0, never -0
+    return idx | (negative << 3)
 
 
 def fp8_codes(x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +67,14 @@ def dequantize_values(
     codes: torch.Tensor, stored: torch.Tensor, weights: str, group_len: int, gscale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp32 [N, K] weight from uint8 codes [N, K] and stored scales [N, K / group_len]."""
-    values = code_values(weights, codes.device)[codes.long()]
+    n, k = codes.shape
+    if weights == "fp8":  # the byte is the E4M3FN value (NaN bytes are never written)
+        values = codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        values = code_values(weights, codes.device)[codes.long()]
     scale = decode_scales(stored, weights, gscale)
-    return values * scale.repeat_interleave(group_len, dim=1)[:, : codes.shape[1]]
+    if k % group_len == 0:  # whole groups: broadcast the scales over each group's columns
+        return (values.view(n, k // group_len, group_len) * scale.unsqueeze(2)).view(n, k)
+    return values * scale.repeat_interleave(group_len, dim=1)[:, :k]
 
 
