@@ -15,6 +15,11 @@ this one layer partly stay in a large L3 between rounds.
     python benchmarks/kernels_cpu.py                 # full table, writes benchmarks/results/
     python benchmarks/kernels_cpu.py --quick         # M = 1, 16 on 4096x4096 only
     python benchmarks/kernels_cpu.py --quick --cold  # the same from DRAM
+    python benchmarks/kernels_cpu.py --quick --scheme nvfp4   # FP8 / FP4 weights (fp8-weight, nvfp4, mxfp4)
+
+Float schemes (issue 30's targets: at M = 1 on 4096x4096, FP8 >= 2x and FP4 >= 3x dense bf16):
+``ours`` is ``quantspec_cpu::fgemm`` (csrc/cpu_fgemv.cpp) with unquantized activations; torch
+has no FP4 / FP8 CPU op to put beside it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from quantspec.kernels.cpu_ext import compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.models.paths import cache_root
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import SCHEME_PRESETS, QuantScheme
 from quantspec.sizes import tensors_bytes
 
 KERNELS = ("ours", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
@@ -123,10 +128,36 @@ def rotating(fn: Callable, weights, wbytes: int, cold_bytes: int) -> tuple[Calla
     return (lambda x: fn(x, next(turn))), wbytes
 
 
+def build_float_kernels(n: int, k: int, scheme: QuantScheme, cold_bytes: int = 0) -> dict[str, tuple[Callable, int]]:
+    """As ``build_kernels`` for a float weight-only scheme: ours (fgemm), dense, reference, read."""
+    torch.manual_seed(0)
+    result = rtn(torch.randn(n, k) * 0.02, scheme)
+    cpu, ref = CpuBackend(), ReferenceBackend()
+    ours = cpu.prepare(result, torch.bfloat16)
+    refp = ref.prepare(result, torch.float32)
+    w_bf16, w_fp32 = result.dequantize(torch.bfloat16), result.dequantize(torch.float32)
+    ours_bytes = tensors_bytes([ours["fcodes"], ours["fscales"]])
+    kernels = {
+        "ours": rotating(lambda x, p: cpu.linear(x, p, scheme, n, k, None), ours, ours_bytes, cold_bytes),
+        "dense_bf16": rotating(lambda x, w: x @ w[0].T, (w_bf16,), tensors_bytes([w_bf16]), cold_bytes),
+        "dense_fp32": rotating(lambda x, w: (x.float() @ w[0].T).to(x.dtype), (w_fp32,),
+                               tensors_bytes([w_fp32]), cold_bytes),
+        "reference": (lambda x: ref.linear(x, refp, scheme, n, k, None),
+                      tensors_bytes([refp["codes"], refp["scales"]])),
+    }
+    read = stream_read()
+    if read is not None:
+        kernels["read"] = rotating(lambda x, b: read(b[0]), (torch.ones(ours_bytes, dtype=torch.uint8),),
+                                   ours_bytes, cold_bytes)
+    return kernels
+
+
 def build_kernels(n: int, k: int, group: int = 128,
-                  cold_bytes: int = 0) -> dict[str, tuple[Callable, int]]:
+                  cold_bytes: int = 0, scheme: QuantScheme | None = None) -> dict[str, tuple[Callable, int]]:
     """name -> (fn(x_bf16) -> y, weight bytes read per call), all for one random W4 layer;
     ``cold_bytes``: see ``rotating`` (the reference keeps one copy)."""
+    if scheme is not None and scheme.is_float:
+        return build_float_kernels(n, k, scheme, cold_bytes)
     torch.manual_seed(0)
     scheme = QuantScheme(bits=4, group_size=group)
     result = rtn(torch.randn(n, k) * 0.02, scheme)
@@ -187,13 +218,14 @@ def time_side_by_side(kernels: dict, x: torch.Tensor, rounds: int, warmup: int =
 
 
 def run_cpu_benchmark(shapes_ms: list[tuple[int, int, list[int]]], rounds: int = 15,
-                      include_reference: bool = True, cold: bool = False) -> list[dict]:
+                      include_reference: bool = True, cold: bool = False,
+                      scheme: QuantScheme | None = None) -> list[dict]:
     """One row per (N, K, M, kernel): us, effective GB/s, speed-up vs dense bf16 and vs the faster
     of dense bf16 and dense fp32 on this machine (measured in the same rotation); ``cold``:
     each kernel cycles through copies of its weights twice the size of the last-level cache."""
     rows = []
     for n, k, ms in shapes_ms:
-        kernels = build_kernels(n, k, cold_bytes=2 * llc_bytes() if cold else 0)
+        kernels = build_kernels(n, k, cold_bytes=2 * llc_bytes() if cold else 0, scheme=scheme)
         if not include_reference:
             kernels.pop("reference")
         for m in ms:
@@ -249,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", action="store_true",
                         help="weights from DRAM: each kernel cycles through copies of its "
                         "weights twice the size of the last-level cache")
+    parser.add_argument("--scheme", default="w4g128", choices=["w4g128", *SCHEME_PRESETS],
+                        help="the weight scheme of the layer (float presets: weight-only ones run here)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--from-json", type=Path, default=None,
@@ -267,15 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plan = [(4096, 4096, [1, 2, 4, 8, 16, 32, 128]), (14336, 4096, [1, 2, 4]),
                 (4096, 14336, [1, 2, 4])]
-    rows = run_cpu_benchmark(plan, args.rounds, args.reference, args.cold)
+    scheme = None if args.scheme == "w4g128" else SCHEME_PRESETS[args.scheme]
+    rows = run_cpu_benchmark(plan, args.rounds, args.reference, args.cold, scheme)
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "scheme": "w4g128 sym (RTN)", "activations": "bf16", "rounds": args.rounds,
+            "scheme": "w4g128 sym (RTN)" if scheme is None else f"{args.scheme} (RTN)", "activations": "bf16", "rounds": args.rounds,
             "statistic": "median us, warm-up excluded", "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python benchmarks/kernels_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "caches": f"cold (weights cycled through {2 * llc_bytes() >> 20} MiB of copies)"
             if args.cold else "as left by the previous round"}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "cpu-kernels" + (f"-{args.tag}" if args.tag else "")
+    stem = "cpu-kernels" + ("" if scheme is None else f"-{args.scheme}") + (f"-{args.tag}" if args.tag else "")
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     header = header_of(meta)
     text = markdown(rows, header)

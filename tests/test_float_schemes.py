@@ -379,3 +379,53 @@ def test_engine_calibrates_static_input_scales():
     for n, r in results.items():
         assert r.input_scale is not None
         assert torch.allclose(r.input_scale, torch.tensor([seen[n] / 448]), rtol=1e-6), n
+
+
+# --------------------------------------------------------------------------- cpu kernel
+
+
+def _needs_ext():
+    from quantspec.kernels.cpu_ext import load_cpu_ext
+
+    if load_cpu_ext() is None:
+        pytest.skip("no C++ compiler / the cpu extension did not build")
+
+
+@pytest.mark.parametrize("preset", ["fp8-weight", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_cpu_float_kernel_matches_reference(preset, m):
+    """csrc/cpu_fgemv.cpp against the reference: fp32 activations on both sides, products exact,
+    sums in another order: max |y - y_ref| <= 1e-5 x max |y_ref|. The cpu backend computes the
+    declared scheme here, so eval's ``exact`` choice takes it."""
+    _needs_ext()
+    from quantspec.kernels.backend import choose_backend
+    from quantspec.kernels.cpu import CpuBackend
+
+    scheme = SCHEME_PRESETS[preset]
+    n, k = 70, 256
+    w = _weight(n=n, k=k, seed=m)
+    w[:3] *= 1e-3  # small rows: FP8 subnormal codes, tiny FP4 scales
+    r = rtn(w, scheme)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    cpu, ref = CpuBackend(), ReferenceBackend()
+    y = cpu.linear(x, cpu.prepare(r, x.dtype), scheme, n, k, b).float()
+    y_ref = ref.linear(x.float(), ref.prepare(r, torch.float32), scheme, n, k, b.float())
+    assert (y - y_ref).abs().max() <= 1e-5 * y_ref.abs().max() + 2**-8 * y_ref.abs().max()  # bf16 output rounding
+    y32 = cpu.linear(x.float(), cpu.prepare(r, torch.float32), scheme, n, k, None)
+    y32_ref = ref.linear(x.float(), ref.prepare(r, torch.float32), scheme, n, k, None)
+    assert (y32 - y32_ref).abs().max() <= 1e-5 * y32_ref.abs().max()
+    assert choose_backend(scheme, n, k, torch.device("cpu"), torch.float32, "exact")[0].name == "cpu"
+
+
+def test_cpu_fp8_kernel_decodes_every_byte():
+    """One-hot activations read single weights back: every E4M3FN byte (subnormals included)."""
+    _needs_ext()
+    from quantspec.kernels.cpu import CpuBackend
+
+    scheme = SCHEME_PRESETS["fp8-weight"]
+    codes = torch.tensor([b for b in range(256) if (b & 0x7F) != 0x7F] + [0, 0], dtype=torch.uint8)  # K = 256
+    r = QuantResult(codes[None, :].repeat(2, 1), torch.tensor([[1.0], [0.5]]), None, None, scheme)
+    cpu = CpuBackend()
+    y = cpu.linear(torch.eye(256), cpu.prepare(r, torch.float32), scheme, 2, 256, None)
+    assert torch.equal(y.T, r.dequantize())

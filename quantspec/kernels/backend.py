@@ -92,7 +92,8 @@ ROUNDS_A16_ACTIVATIONS = frozenset({"cpu"})
 def computes_declared_scheme(backend_name: str, scheme: QuantScheme) -> bool:
     """Whether ``backend_name`` runs a ``scheme`` layer on the activations the scheme declares
     (16-bit or fp32 for weight-only schemes, int8 per token for W8A8)."""
-    return scheme.activations is not None or backend_name not in ROUNDS_A16_ACTIVATIONS
+    # float weights run on fp32 activations everywhere (cpu: csrc/cpu_fgemv.cpp)
+    return scheme.activations is not None or scheme.is_float or backend_name not in ROUNDS_A16_ACTIVATIONS
 
 
 def available_backends() -> list[str]:

@@ -298,14 +298,38 @@ def _ops():
     return torch.ops.quantspec_cpu
 
 
+FLOAT_KINDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2}
+
+
+def prepare_float(result: QuantResult) -> dict[str, torch.Tensor]:
+    """The layout of ``quantspec_cpu::fgemm`` (csrc/cpu_fgemv.cpp): FP8 codes [N, K] and fp32
+    channel scales; FP4 codes two per byte (column 2j low nibble) and the stored scale bytes
+    (E4M3 for NVFP4, with the global scale; E8M0 for MXFP4), decoded in the kernel."""
+    kind = result.scheme.weights
+    codes = result.qweight
+    if kind != "fp8":
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = result.scales.to(torch.float32) if kind == "fp8" else result.scales.contiguous().view(torch.uint8)
+    gscale = result.global_scale if result.global_scale is not None else torch.ones(1)
+    return {"fcodes": codes.contiguous(), "fscales": scales.contiguous(),
+            "gscale": gscale.to(torch.float32).reshape(1).contiguous(),
+            "fkind": torch.tensor(FLOAT_KINDS[kind])}
+
+
 class CpuBackend:
-    """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors."""
+    """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors; FP8 / NVFP4
+    / MXFP4 weight-only with unquantized activations (``prepare_float``)."""
 
     name = "cpu"
 
     def cannot_run(self, scheme, out_features, in_features, device, dtype):
         if scheme.is_float:
-            return f"{scheme.weights} weights run on the reference backend (no fused kernel yet)"
+            if scheme.activations is not None:
+                return f"{scheme.short_name} (FP8 activations) runs on the reference backend"
+            if load_cpu_ext() is None:
+                return f"{scheme.weights} weights need the C++ extension (cpu_fgemv.cpp), which is not built here"
+            if in_features % (8 if scheme.weights == "fp8" else scheme.group_size):
+                return f"in_features={in_features} is not a multiple of the kernel's step"
         if torch.device(device).type != "cpu":
             return f"runs on CPU tensors only, not {torch.device(device).type}"
         if dtype not in DTYPES:
@@ -315,6 +339,8 @@ class CpuBackend:
         return None
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        if result.scheme.is_float:
+            return prepare_float(result.to("cpu"))
         result = QuantResult(
             result.qweight.cpu(), result.scales.cpu(),
             None if result.zeros is None else result.zeros.cpu(),
@@ -327,6 +353,8 @@ class CpuBackend:
     def bind(self, prepared, scheme: QuantScheme, out_features: int, in_features: int):
         """The extension's op with this layer's constants (the layout's kind, bits and block
         read once), or None for torch's fallback layouts (``linear`` serves those)."""
+        if scheme.is_float:
+            return None
         kind, bits, block, _ = prepared["meta"].tolist()
         if kind not in (EXT, EXT_PANEL) or load_cpu_ext() is None:
             return None
@@ -341,6 +369,12 @@ class CpuBackend:
             raise ValueError(f"x must be a CPU fp32/bf16/fp16 tensor, got {x.dtype} on {x.device}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
+        if scheme.is_float:
+            y = torch.ops.quantspec_cpu.fgemm(x2.to(torch.float32), prepared["fcodes"], prepared["fscales"],
+                                              prepared["gscale"], int(prepared["fkind"]), scheme.group_len(in_features))
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+            return y.to(x.dtype).reshape(*lead, out_features)
         kind, bits, block, _ = prepared["meta"].tolist()
         if kind in (EXT, EXT_PANEL):
             ext = load_cpu_ext()

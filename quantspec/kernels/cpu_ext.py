@@ -24,7 +24,7 @@ import torch
 from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp")
+SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp")
 
 
 def _cpu_flags() -> str:
@@ -68,7 +68,8 @@ def load_cpu_ext() -> ModuleType | None:
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm``
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
     ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
-    ``has_avx512f``), or None with one warning."""
+    ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights), or None with one
+    warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -143,6 +144,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::f32_gemv")
     def _f32_gemv_fake(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("quantspec_cpu::fgemm")
+    def _fgemm_fake(x, codes, scales, gscale, kind, group):
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("quantspec_cpu::argmax_rows")
     def _argmax_rows_fake(x):

@@ -1,0 +1,222 @@
+// Float-weight products of the CPU backend (FP8 E4M3FN, FP4 E2M1 under NVFP4 / MXFP4 scales),
+// as the dispatcher op quantspec_cpu::fgemm (built with cpu_qgemm.cpp into one extension; see
+// quantspec/kernels/cpu_ext.py).
+//
+// fgemm(x [M, K] fp32, codes uint8, scales uint8 or fp32, gscale fp32 [1], kind, group) -> [M, N]
+// fp32, y = x @ dequant(W).T with unquantized activations (the declared A16 scheme):
+//   kind 0, FP8: codes [N, K] E4M3FN bytes, scales fp32 [N, 1] (per output channel);
+//   kind 1, NVFP4: codes [N, K/2] (column 2j low nibble, 2j+1 high), scales uint8 [N, K/16]
+//     holding E4M3FN bytes, divided by gscale;
+//   kind 2, MXFP4: codes as NVFP4, scales uint8 [N, K/32] holding E8M0 exponents, 2**(e - 127).
+// Weights are decoded in registers (AVX2: FP8 by moving the byte's exponent and mantissa into an
+// fp32 pattern, FP4 by a 16-entry byte shuffle of 2 * value), multiplied with x in fp32 and summed
+// per group before the group's scale; products are exact in fp32, sums in a fixed order. Portable
+// loop elsewhere. Parallel over N.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QS_FX86 1
+#endif
+
+namespace {
+
+constexpr float kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+struct Fp8Table {  // the value of every E4M3FN byte (NaN bytes are never written)
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      v[b] = (b & 0x80) ? -mag : mag;
+    }
+  }
+};
+
+float fp8_value(uint8_t b) {
+  static const Fp8Table table;
+  return table.v[b];
+}
+
+float e8m0_value(uint8_t e) {
+  if (e == 0) return std::ldexp(1.0f, -127);
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The fp32 value of each group's scale (FP4 kinds), or the channel scale (FP8).
+struct Scales {
+  const float* f32;       // FP8
+  const uint8_t* bytes;   // FP4
+  float inv_global;       // NVFP4: 1 / gscale
+  int kind;
+  int64_t groups;
+  float at(int64_t n, int64_t g) const {
+    if (kind == 0) return f32[n];
+    const uint8_t b = bytes[n * groups + g];
+    return kind == 1 ? fp8_value(b) * inv_global : e8m0_value(b);
+  }
+};
+
+// One output row n, rows [m0, m0 + mr) of x, portable.
+void row_scalar(const float* x, int64_t K, const uint8_t* c, const Scales& s, int64_t n, int64_t group,
+                int kind, float* y, int64_t N, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float acc = 0;
+    if (kind == 0) {
+      float a = 0;
+      for (int64_t k = 0; k < K; ++k) a += xm[k] * fp8_value(c[k]);
+      acc = a * s.at(n, 0);
+    } else {
+      for (int64_t g0 = 0; g0 < K; g0 += group) {
+        float a = 0;
+        for (int64_t k = g0; k < g0 + group; ++k) {
+          const uint8_t b = c[k >> 1];
+          a += xm[k] * kE2M1x2[(k & 1) ? (b >> 4) : (b & 0xF)];
+        }
+        acc += a * 0.5f * s.at(n, g0 / group);
+      }
+    }
+    y[m * N + n] = acc;
+  }
+}
+
+#ifdef QS_FX86
+#define QS_AVX2 __attribute__((target("avx2,fma")))
+
+QS_AVX2 inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 8 E4M3FN bytes -> their 8 fp32 values, exactly and with no fp32 subnormal: exponent and
+// mantissa moved into place and rebiased (+120); a byte with exponent 0 (m * 2**-9) is taken
+// as (1 + m/8) * 2**-6 - 2**-6.
+QS_AVX2 inline __m256 fp8x8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
+  // normal: (em << 20) + (120 << 23); subnormal: the same with exponent field 1 (2**-6), minus 2**-6
+  const __m256i em1 = _mm256_or_si256(em, _mm256_and_si256(sub, _mm256_set1_epi32(0x08)));
+  __m256 v = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em1, 20), _mm256_set1_epi32(120 << 23)));
+  v = _mm256_sub_ps(v, _mm256_and_ps(_mm256_castsi256_ps(sub), _mm256_set1_ps(0.015625f)));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+
+// 8 bytes of FP4 codes (16 values in column order) -> 2 x 8 fp32 values of 2 * e2m1.
+QS_AVX2 inline void fp4x16(const uint8_t* p, __m256& w0, __m256& w1) {
+  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  const __m128i v = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+
+// Output row n for up to 4 rows of x at once (the decoded weights reused across them).
+template <int MR>
+QS_AVX2 void row_avx2(const float* x, int64_t K, const uint8_t* c, const Scales& s, int64_t n,
+                      int64_t group, int kind, float* y, int64_t N) {
+  if (kind == 0) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 w = fp8x8(c + k);
+      for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w, acc[m]);
+    }
+    const float sc = s.at(n, 0);
+    for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(acc[m]) * sc;
+    return;
+  }
+  __m256 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      __m256 w0, w1;
+      fp4x16(c + (k >> 1), w0, w1);
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, acc[m]);
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(0.5f * s.at(n, g0 / group));
+    for (int m = 0; m < MR; ++m) tot[m] = _mm256_fmadd_ps(acc[m], sc, tot[m]);
+  }
+  for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(tot[m]);
+}
+
+bool has_avx2_fma() {
+  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  return ok;
+}
+#endif
+
+torch::Tensor fgemm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                    const torch::Tensor& gscale, int64_t kind, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "fgemm: x must be fp32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte && codes.is_contiguous(),
+              "fgemm: codes must be contiguous uint8");
+  TORCH_CHECK(kind >= 0 && kind <= 2, "fgemm: kind is 0 (FP8), 1 (NVFP4) or 2 (MXFP4)");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == (kind == 0 ? K : K / 2), "fgemm: codes do not match K");
+  TORCH_CHECK(kind == 0 ? K % 8 == 0 : (group % 16 == 0 && K % group == 0),
+              "fgemm: K must be a multiple of 8 (FP8) or of the group (FP4, groups of 16 / 32)");
+  Scales s{nullptr, nullptr, 1.0f, static_cast<int>(kind), kind == 0 ? 1 : K / group};
+  if (kind == 0) {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == N && scales.is_contiguous(),
+                "fgemm: FP8 scales must be contiguous fp32 [N, 1]");
+    s.f32 = scales.data_ptr<float>();
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kByte && scales.numel() == N * s.groups && scales.is_contiguous(),
+                "fgemm: FP4 scales must be contiguous uint8 [N, K / group]");
+    s.bytes = scales.data_ptr<uint8_t>();
+    if (kind == 1) s.inv_global = 1.0f / gscale.item<float>();
+  }
+  torch::Tensor y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat));
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = codes.size(1);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = cp + n * row_bytes;
+#ifdef QS_FX86
+      if (has_avx2_fma()) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) row_avx2<4>(xp + m * K, K, c, s, n, group, kind, yp + m * N, N);
+        for (; m < M; ++m) row_avx2<1>(xp + m * K, K, c, s, n, group, kind, yp + m * N, N);
+        continue;
+      }
+#endif
+      row_scalar(xp, K, c, s, n, group, kind, yp, N, M);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
+  m.def("fgemm(Tensor x, Tensor codes, Tensor scales, Tensor gscale, int kind, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) { m.impl("fgemm", &fgemm); }
