@@ -41,30 +41,29 @@ def test_fake_quant_grids():
     assert per_head.tolist() == [3.0, 4.0]  # head 1: 3/2 = 1.5 -> 2 (ties to even) * 2
 
 
+def _outputs(model, module, ids) -> torch.Tensor:
+    """``module``'s outputs over the samples ``ids`` (one forward each), concatenated."""
+    seen = []
+    hook = module.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    with torch.no_grad():
+        for j in range(ids.shape[0]):
+            model(input_ids=ids[j : j + 1])
+    hook.remove()
+    return torch.cat(seen, 1)
+
+
 def test_observer_sees_keys_after_rope(tiny, ids):
     """The observed key maxima are those of the keys the attention reads (after RoPE), not of
     k_proj's output: the two differ on a model with RoPE."""
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     amax = observe_kv(model, ids)
     assert sorted(amax) == list(range(model.config.num_hidden_layers))
-    pre = []
-    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, out: pre.append(out.detach()))
-    with torch.no_grad():
-        for j in range(ids.shape[0]):
-            model(input_ids=ids[j : j + 1])
-    hook.remove()
-    heads = model.config.num_key_value_heads
-    pre_amax = torch.cat(pre, 1).reshape(-1, heads, model.config.head_dim).abs().amax(dim=(0, 2))
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    pre_amax = _outputs(model, model.model.layers[0].self_attn.k_proj, ids).reshape(-1, heads, dim).abs().amax(dim=(0, 2))
     k0 = amax[0][0]
     assert k0.shape == (heads,) and not torch.allclose(k0, pre_amax)
     # a value is not rotated: the value maxima are v_proj's
-    vs = []
-    hook = model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, a, out: vs.append(out.detach()))
-    with torch.no_grad():
-        for j in range(ids.shape[0]):
-            model(input_ids=ids[j : j + 1])
-    hook.remove()
-    v_amax = torch.cat(vs, 1).reshape(-1, heads, model.config.head_dim).abs().amax(dim=(0, 2))
+    v_amax = _outputs(model, model.model.layers[0].self_attn.v_proj, ids).reshape(-1, heads, dim).abs().amax(dim=(0, 2))
     assert torch.equal(amax[0][1], v_amax)
 
 

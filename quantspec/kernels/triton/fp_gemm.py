@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .tiles import swizzled_tile
 
 FP8, FP4 = 0, 1
 PER_CHANNEL_GROUP = 1 << 30  # FP8 per output channel: every row is in scale row 0
@@ -78,13 +79,7 @@ def _fp_dot_kernel(x_ptr, c_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, M_KE
     """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), GROUP_M swizzle. DOT_F32: fp32 operands,
     IEEE dot; else the dequantized tile is rounded to x's dtype before tl.dot."""
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    rows_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows_m
-    pid_n = (pid % width) // rows_m
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

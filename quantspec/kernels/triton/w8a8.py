@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .tiles import swizzled_tile
 
 
 @triton.jit
@@ -50,13 +51,7 @@ def _w8a8_kernel(qx_ptr, sx_ptr, qw_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, M_KEY,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grid cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) with GROUP_M swizzle. qw is [N, K] (K-major)."""
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)

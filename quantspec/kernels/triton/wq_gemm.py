@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .tiles import swizzled_tile
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
 SMALL_M_MAX = 32
@@ -191,13 +192,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     CODE_MASK: tl.constexpr = (1 << FB) - 1
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
