@@ -167,3 +167,24 @@ def test_eval_refuses_calibrated_scales_the_checkpoint_lacks(tiny):
     setting, scales = resolve_kv(model, "int8", "calibrated")  # same maxima, int8's top code
     assert setting == KVSetting("int8") and torch.equal(scales[0][1], torch.tensor([2.0 * 448 / 127]))
     assert resolve_kv(model)[1][0][0].item() == 1.0
+
+
+def test_decoders_write_the_checkpoints_kv_cache(tiny, tmp_path):
+    """Generation through the KV decoders (speculative loop, speed bench) writes the quantized
+    cache a checkpoint with KV scales declares, and a plain one otherwise."""
+    from dataclasses import replace
+
+    from quantspec.runtime.kv import PlainDecoder
+    from quantspec.runtime.kv_quant import new_cache
+
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors", kv_cache=KVCacheConfig("int8", samples=2))
+    recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=4, seqlen=32))
+    out = quantspec.quantize(str(tiny), recipe, tmp_path / "kv", progress=False).out
+    model = quantspec.load_quantized(out, backend="reference")
+    cache = new_cache(model)
+    assert isinstance(cache, QuantKVCache) and cache.setting == KVSetting("int8", "calibrated")
+    dense = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    assert type(new_cache(dense)).__name__ == "DynamicCache"
+    dec = PlainDecoder(model)
+    dec.reset()
+    assert isinstance(dec.cache, QuantKVCache)

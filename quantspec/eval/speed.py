@@ -199,13 +199,13 @@ def _step(model, ids: torch.Tensor, cache, key: str) -> torch.Tensor:
 
 @torch.inference_mode()
 def prefill_seconds(model, ids: torch.Tensor) -> float:
-    from transformers import DynamicCache
+    from ..runtime.kv_quant import new_cache
 
     device = ids.device
     key = cache_kwarg(model)
     _sync(device)
     start = time.perf_counter()
-    _step(model, ids, DynamicCache(config=model.config), key)
+    _step(model, ids, new_cache(model), key)
     _sync(device)
     return time.perf_counter() - start
 

@@ -18,6 +18,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from .kv_quant import new_cache
 from .protocol import Decoder
 
 
@@ -50,7 +51,7 @@ class KVDecoder(Decoder):
 
     def _ensure(self, batch_size: int) -> None:
         if self.mask is None or self.mask.shape[0] != batch_size:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = new_cache(self.model)
             self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
             self.lengths = [0] * batch_size
 
@@ -127,7 +128,7 @@ class PlainDecoder(Decoder):
 
     def reset(self) -> None:
         # the cache is made here, not in the first forward: a timed run starts with it ready
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model)
         self._rows = self._length = 0
 
     def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:

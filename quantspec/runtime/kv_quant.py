@@ -129,3 +129,10 @@ def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
     ratio = KV_MAX[ckpt[0].kind] / KV_MAX[kind]
     scales = ckpt[1] if ratio == 1 else {i: (k * ratio, v * ratio) for i, (k, v) in ckpt[1].items()}
     return KVSetting(kind, "calibrated"), scales
+
+
+def new_cache(model) -> DynamicCache:
+    """The cache a decode of ``model`` writes: a QuantKVCache when its checkpoint declares KV
+    scales (``resolve_kv``'s default), else a plain DynamicCache."""
+    kv = resolve_kv(model)
+    return DynamicCache(config=model.config) if kv is None else QuantKVCache(*kv, config=model.config)
