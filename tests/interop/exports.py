@@ -58,6 +58,14 @@ EXPORTS: dict[str, tuple[dict, dict]] = {
                 dict(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")),
     "ct-w8a8-sq": (dict(method="smoothquant", format="compressed-tensors"),
                    dict(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")),
+    # float schemes (issue 30): FP8 weight-only / dynamic / static activations, NVFP4, MXFP4
+    "ct-fp8-weight": (dict(method="rtn", format="compressed-tensors"), dict(bits=8, group_size=-1, weights="fp8")),
+    "ct-fp8-dynamic": (dict(method="rtn", format="compressed-tensors"),
+                       dict(bits=8, group_size=-1, weights="fp8", activations="fp8-token-dynamic")),
+    "ct-fp8-static": (dict(method="rtn", format="compressed-tensors"),
+                      dict(bits=8, group_size=-1, weights="fp8", activations="fp8-tensor-static")),
+    "ct-nvfp4": (dict(method="rtn", format="compressed-tensors"), dict(bits=4, group_size=16, weights="nvfp4")),
+    "ct-mxfp4": (dict(method="rtn", format="compressed-tensors"), dict(bits=4, group_size=32, weights="mxfp4")),
 }
 FAST_SUBSET = ("ct-w4g128-sym", "gptq-w4g128-sym")  # the most used paths
 

@@ -17,7 +17,8 @@ GPTQ needs sym=true (asymmetric GPTQ raises "Unsupported quantization config"); 
 desc_act=true and compressed-tensors actorder "group" (permuted g_idx) are refused ("no longer
 supported"); its CPU W4A16 kernel takes 4-bit only (8-bit GPTQ runs on GPU Marlin only).
 On hosts without AVX-512, vLLM-CPU lacks its W4A16 GEMM; vllm_site/sitecustomize.py then
-swaps in a torch dequant+matmul of the parameters vLLM loaded (see there).
+swaps in a torch dequant+matmul of the parameters vLLM loaded (see there). Float exports: no
+NVFP4 / MXFP4 kernel on CPU; FP8 only on AMX hosts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from interop import engines, exports
 
@@ -36,7 +38,18 @@ VLLM_REFUSES = {
     "gptq-w4g128-sym-actorder": "vLLM 0.32 refuses GPTQ desc_act=true (permuted g_idx)",
     "gptq-w4g128-asym-actorder": "vLLM 0.32 refuses asymmetric and desc_act GPTQ",
     "gptq-w8g128-sym": "vLLM-CPU 0.32 W4A16 kernel has no 8-bit (GPU Marlin runs uint8b128)",
+    # FP4: no CPU kernel at all (NVFP4 forces MarlinNvFp4LinearKernel: "Marlin FP4 not available";
+    # MXFP4: "Failed to find a kernel that can implement the MXFP4 linear layer")
+    "ct-nvfp4": "vLLM-CPU 0.32 has no NVFP4 kernel on CPU (Marlin FP4 only)",
+    "ct-mxfp4": "vLLM-CPU 0.32 has no MXFP4 linear kernel on CPU",
 }
+# FP8: vLLM-CPU 0.32's FP8 scaled-mm kernels (CPUFP8W8A8ScaledMMLinearKernel, ...) need AMX tiles
+# with AMX-FP8 ("requires AMX tile support"); without AMX every FP8 export fails to start
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+if not AMX:
+    VLLM_REFUSES.update(dict.fromkeys(
+        ("ct-fp8-weight", "ct-fp8-dynamic", "ct-fp8-static"),
+        "vLLM-CPU 0.32 runs FP8 only through AMX (Sapphire Rapids or newer) scaled-mm kernels; this host has none"))
 FAST = os.environ.get("QUANTSPEC_INTEROP_FAST", "") in ("1", "true", "yes")
 NAMES = [n for n in exports.EXPORTS if not FAST or n in exports.FAST_SUBSET]
 
