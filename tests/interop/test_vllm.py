@@ -18,7 +18,7 @@ desc_act=true and compressed-tensors actorder "group" (permuted g_idx) are refus
 supported"); its CPU W4A16 kernel takes 4-bit only (8-bit GPTQ runs on GPU Marlin only).
 On hosts without AVX-512, vLLM-CPU lacks its W4A16 GEMM; vllm_site/sitecustomize.py then
 swaps in a torch dequant+matmul of the parameters vLLM loaded (see there). Float exports: no
-NVFP4 / MXFP4 kernel on CPU; FP8 only on AMX hosts.
+NVFP4 / MXFP4 kernel on CPU; FP8 weight-only and static FP8 only on AMX hosts; FP8_DYNAMIC runs.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ VLLM_REFUSES = {
     "ct-nvfp4": "vLLM-CPU 0.32 has no NVFP4 kernel on CPU (Marlin FP4 only)",
     "ct-mxfp4": "vLLM-CPU 0.32 has no MXFP4 linear kernel on CPU",
 }
-# FP8: vLLM-CPU 0.32's FP8 scaled-mm kernels (CPUFP8W8A8ScaledMMLinearKernel, ...) need AMX tiles
-# with AMX-FP8 ("requires AMX tile support"); without AMX every FP8 export fails to start
+# FP8: FP8_DYNAMIC (per-token activations) runs everywhere (and matches, interop run of
+# 2026-12-03 on an AVX2 host); FP8 weight-only and FP8 with a static input scale find no
+# scaled-mm kernel without AMX ("Failed to find a kernel that can implement the ScaledMM linear
+# layer"; CPUFP8W8A8ScaledMMLinearKernel and its kin "require AMX tile support")
 AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 if not AMX:
     VLLM_REFUSES.update(dict.fromkeys(
-        ("ct-fp8-weight", "ct-fp8-dynamic", "ct-fp8-static"),
-        "vLLM-CPU 0.32 runs FP8 only through AMX (Sapphire Rapids or newer) scaled-mm kernels; this host has none"))
+        ("ct-fp8-weight", "ct-fp8-static"),
+        "vLLM-CPU 0.32 has no FP8 weight-only / static-activation kernel without AMX (Sapphire Rapids or newer)"))
 FAST = os.environ.get("QUANTSPEC_INTEROP_FAST", "") in ("1", "true", "yes")
 NAMES = [n for n in exports.EXPORTS if not FAST or n in exports.FAST_SUBSET]
 
