@@ -198,9 +198,11 @@ def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
     table.sort(key=lambda r: r["config"])
     meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "runs": args.runs,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__}
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+            "command": "python benchmarks/quant_peers.py " + " ".join(sys.argv[1:])}
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
     lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; {meta['machine']})", "",
+             f"Command: `{meta['command']}`; raw rows: `{Path(out).name}.json`.", "",
              "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) | measured |", "|---|---|---|---|---|---|---|"]
     for r in table:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] else f"failed: {r['error']}"
