@@ -8,10 +8,10 @@
 //   kind 1, NVFP4: codes [N, K/2] (column 2j low nibble, 2j+1 high), scales uint8 [N, K/16]
 //     holding E4M3FN bytes, divided by gscale;
 //   kind 2, MXFP4: codes as NVFP4, scales uint8 [N, K/32] holding E8M0 exponents, 2**(e - 127).
-// Weights are decoded in registers (AVX2: FP8 by moving the byte's exponent and mantissa into an
-// fp32 pattern, FP4 by a 16-entry byte shuffle of 2 * value), multiplied with x in fp32 and summed
-// per group before the group's scale; products are exact in fp32, sums in a fixed order. Portable
-// loop elsewhere. Parallel over N.
+// Weights are decoded in registers (AVX2 + F16C: FP8 by moving the byte's exponent and mantissa
+// into an fp16 pattern widened by vcvtph2ps, FP4 by a 16-entry byte shuffle of 2 * value),
+// multiplied with x in fp32 and summed per group before the group's scale (decoded once per row);
+// products are exact in fp32, sums in a fixed order. Portable loop elsewhere. Parallel over N.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -41,10 +42,9 @@ struct Fp8Table {  // the value of every E4M3FN byte (NaN bytes are never writte
   }
 };
 
-float fp8_value(uint8_t b) {
-  static const Fp8Table table;
-  return table.v[b];
-}
+const Fp8Table kFp8;  // built when the extension loads
+
+inline float fp8_value(uint8_t b) { return kFp8.v[b]; }
 
 float e8m0_value(uint8_t e) {
   if (e == 0) return std::ldexp(1.0f, -127);
@@ -93,7 +93,7 @@ void row_scalar(const float* x, int64_t K, const uint8_t* c, const Scales& s, in
 }
 
 #ifdef QS_FX86
-#define QS_AVX2 __attribute__((target("avx2,fma")))
+#define QS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 QS_AVX2 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -103,19 +103,15 @@ QS_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// 8 E4M3FN bytes -> their 8 fp32 values, exactly and with no fp32 subnormal: exponent and
-// mantissa moved into place and rebiased (+120); a byte with exponent 0 (m * 2**-9) is taken
-// as (1 + m/8) * 2**-6 - 2**-6.
-QS_AVX2 inline __m256 fp8x8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
-  // normal: (em << 20) + (120 << 23); subnormal: the same with exponent field 1 (2**-6), minus 2**-6
-  const __m256i em1 = _mm256_or_si256(em, _mm256_and_si256(sub, _mm256_set1_epi32(0x08)));
-  __m256 v = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em1, 20), _mm256_set1_epi32(120 << 23)));
-  v = _mm256_sub_ps(v, _mm256_and_ps(_mm256_castsi256_ps(sub), _mm256_set1_ps(0.015625f)));
-  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+// 16 E4M3FN bytes -> two x 8 fp32 values times 2**-8, exactly: the byte's exponent and mantissa
+// placed in an fp16 pattern (sign at bit 15, eeee.mmm at bits 13..7: an fp16 of exponent bias 15
+// instead of 7, subnormals included) and widened by F16C. The 2**8 goes into the row's scale.
+QS_AVX2 inline void fp8x16(const uint8_t* p, __m256& w0, __m256& w1) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
 // 8 bytes of FP4 codes (16 values in column order) -> 2 x 8 fp32 values of 2 * e2m1.
@@ -129,42 +125,63 @@ QS_AVX2 inline void fp4x16(const uint8_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 
-// Output row n for up to 4 rows of x at once (the decoded weights reused across them).
-template <int MR>
-QS_AVX2 void row_avx2(const float* x, int64_t K, const uint8_t* c, const Scales& s, int64_t n,
-                      int64_t group, int kind, float* y, int64_t N) {
+// Outputs of R consecutive rows of W (n .. n + R) for MR rows of x: R * MR independent
+// accumulator chains (one chain would wait on the FMA latency), the decoded weights reused
+// across the rows of x. ``rs``: the R rows' fp32 scales, ``ld`` apart (FP8: 1 per row; FP4: one
+// per group, with the 1/2 of kE2M1x2).
+template <int MR, int R>
+QS_AVX2 void tile_avx2(const float* x, int64_t K, const uint8_t* c, int64_t row_bytes, const float* rs,
+                       int64_t ld, int64_t group, int kind, float* y, int64_t N, int64_t n) {
+  __m256 tot[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) tot[m][r] = _mm256_setzero_ps();
   if (kind == 0) {
-    __m256 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m256 w = fp8x8(c + k);
-      for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w, acc[m]);
-    }
-    const float sc = s.at(n, 0);
-    for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(acc[m]) * sc;
-    return;
-  }
-  __m256 tot[MR];
-  for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
-    __m256 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = g0; k < g0 + group; k += 16) {
-      __m256 w0, w1;
-      fp4x16(c + (k >> 1), w0, w1);
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256 x0[MR], x1[MR];
       for (int m = 0; m < MR; ++m) {
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, acc[m]);
+        x0[m] = _mm256_loadu_ps(x + m * K + k);
+        x1[m] = _mm256_loadu_ps(x + m * K + k + 8);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 w0, w1;
+        fp8x16(c + r * row_bytes + k, w0, w1);
+        for (int m = 0; m < MR; ++m)
+          tot[m][r] = _mm256_fmadd_ps(x1[m], w1, _mm256_fmadd_ps(x0[m], w0, tot[m][r]));
       }
     }
-    const __m256 sc = _mm256_set1_ps(0.5f * s.at(n, g0 / group));
-    for (int m = 0; m < MR; ++m) tot[m] = _mm256_fmadd_ps(acc[m], sc, tot[m]);
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = hsum(tot[m][r]) * rs[r * ld];
+    return;
   }
-  for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(tot[m]);
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    __m256 acc[MR][R];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      __m256 x0[MR], x1[MR];
+      for (int m = 0; m < MR; ++m) {
+        x0[m] = _mm256_loadu_ps(x + m * K + k);
+        x1[m] = _mm256_loadu_ps(x + m * K + k + 8);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 w0, w1;
+        fp4x16(c + r * row_bytes + (k >> 1), w0, w1);
+        for (int m = 0; m < MR; ++m)
+          acc[m][r] = _mm256_fmadd_ps(x1[m], w1, _mm256_fmadd_ps(x0[m], w0, acc[m][r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_broadcast_ss(rs + r * ld + g);
+      for (int m = 0; m < MR; ++m) tot[m][r] = _mm256_fmadd_ps(acc[m][r], sc, tot[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = hsum(tot[m][r]);
 }
 
 bool has_avx2_fma() {
-  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c"));
   return ok;
 }
 #endif
@@ -178,8 +195,8 @@ torch::Tensor fgemm(const torch::Tensor& x, const torch::Tensor& codes, const to
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == (kind == 0 ? K : K / 2), "fgemm: codes do not match K");
-  TORCH_CHECK(kind == 0 ? K % 8 == 0 : (group % 16 == 0 && K % group == 0),
-              "fgemm: K must be a multiple of 8 (FP8) or of the group (FP4, groups of 16 / 32)");
+  TORCH_CHECK(kind == 0 ? K % 16 == 0 : (group % 16 == 0 && K % group == 0),
+              "fgemm: K must be a multiple of 16 (FP8) or of the group (FP4, groups of 16 / 32)");
   Scales s{nullptr, nullptr, 1.0f, static_cast<int>(kind), kind == 0 ? 1 : K / group};
   if (kind == 0) {
     TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == N && scales.is_contiguous(),
@@ -196,18 +213,38 @@ torch::Tensor fgemm(const torch::Tensor& x, const torch::Tensor& codes, const to
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = codes.size(1);
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* c = cp + n * row_bytes;
+  constexpr int64_t R = 4;  // rows of W per tile
+  at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t t0, int64_t t1) {
+#ifdef QS_FX86
+    std::vector<float> rs(R * s.groups);
+#endif
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * R, rows = std::min<int64_t>(R, N - n);
 #ifdef QS_FX86
       if (has_avx2_fma()) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) row_avx2<4>(xp + m * K, K, c, s, n, group, kind, yp + m * N, N);
-        for (; m < M; ++m) row_avx2<1>(xp + m * K, K, c, s, n, group, kind, yp + m * N, N);
+        // the rows' scales decoded once: FP8 with the 2**8 of fp8x16, FP4 with kE2M1x2's 1/2
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < s.groups; ++g) rs[r * s.groups + g] = (kind == 0 ? 256.0f : 0.5f) * s.at(n + r, g);
+        const uint8_t* c = cp + n * row_bytes;
+        for (int64_t m = 0; m < M;) {
+          const int64_t mr = std::min<int64_t>(M - m, 4);
+          float* ym = yp + m * N;
+          const float* xm = xp + m * K;
+          if (rows == R && mr == 1) tile_avx2<1, 4>(xm, K, c, row_bytes, rs.data(), s.groups, group, kind, ym, N, n);
+          else if (rows == R && mr == 2) tile_avx2<2, 4>(xm, K, c, row_bytes, rs.data(), s.groups, group, kind, ym, N, n);
+          else if (rows == R && mr == 4) tile_avx2<4, 4>(xm, K, c, row_bytes, rs.data(), s.groups, group, kind, ym, N, n);
+          else {  // a partial tile, or 3 rows of x: one row of W and one row of x at a time
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t mm = 0; mm < mr; ++mm)
+                tile_avx2<1, 1>(xm + mm * K, K, c + r * row_bytes, row_bytes, rs.data() + r * s.groups, s.groups,
+                                group, kind, ym + mm * N, N, n + r);
+          }
+          m += mr;
+        }
         continue;
       }
 #endif
-      row_scalar(xp, K, c, s, n, group, kind, yp, N, M);
+      for (int64_t r = 0; r < rows; ++r) row_scalar(xp, K, cp + (n + r) * row_bytes, s, n + r, group, kind, yp, N, M);
     }
   });
   return y;

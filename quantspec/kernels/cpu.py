@@ -328,7 +328,7 @@ class CpuBackend:
                 return f"{scheme.short_name} (FP8 activations) runs on the reference backend"
             if load_cpu_ext() is None:
                 return f"{scheme.weights} weights need the C++ extension (cpu_fgemv.cpp), which is not built here"
-            if in_features % (8 if scheme.weights == "fp8" else scheme.group_size):
+            if in_features % (16 if scheme.weights == "fp8" else scheme.group_size):
                 return f"in_features={in_features} is not a multiple of the kernel's step"
         if torch.device(device).type != "cpu":
             return f"runs on CPU tensors only, not {torch.device(device).type}"
@@ -370,6 +370,8 @@ class CpuBackend:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
         if scheme.is_float:
+            if load_cpu_ext() is None:
+                raise RuntimeError("float weights need the cpu extension, which is not built here")
             y = torch.ops.quantspec_cpu.fgemm(x2.to(torch.float32), prepared["fcodes"], prepared["fscales"],
                                               prepared["gscale"], int(prepared["fkind"]), scheme.group_len(in_features))
             if bias is not None:
