@@ -26,6 +26,11 @@ def quantize(job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    if job.get("preset"):  # one of llm-compressor's named schemes (FP8_DYNAMIC, NVFP4A16, ...), RTN
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=["lm_head"]))
+        return _save(model, job)
     weights = {"num_bits": int(job.get("bits", 4)), "type": "int", "symmetric": bool(job.get("sym", True)),
                "strategy": "group", "group_size": int(job.get("group_size", 64))}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
@@ -42,6 +47,10 @@ def quantize(job: dict) -> dict:
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
         oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
+    return _save(model, job)
+
+
+def _save(model, job: dict) -> dict:
     model.save_pretrained(job["out"], save_compressed=True)
     for f in Path(job["model"]).iterdir():  # the tokenizer files, as users copy them
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):

@@ -45,3 +45,27 @@ def test_peer_checkpoint_loads_in_quantspec(engine, smollm2_dir, smollm2_prompts
     print(f"{engine} checkpoint in quantspec: {cmp}")
     assert cmp["top1_agree"] >= min_top1, cmp
     assert cmp["max_abs_diff"] <= max_diff, cmp
+
+
+# llm-compressor's float presets (RTN, its own scale rules) and the dtype transformers runs them in
+# (FP4 decompresses to bf16 only); bounds from our own drift in that dtype (exports.judge)
+FLOAT_PRESETS = {"FP8_DYNAMIC": "float32", "NVFP4A16": "bfloat16", "MXFP4A16": "bfloat16"}
+
+
+@pytest.mark.parametrize("preset", sorted(FLOAT_PRESETS))
+def test_llmcompressor_float_checkpoint_loads_in_quantspec(preset, smollm2_dir, smollm2_prompts, engine_python,
+                                                            tmp_path):
+    engine_python("llmcompressor")
+    out = tmp_path / preset
+    made = engines.run_engine("llmcompressor", {"action": "quantize", "model": str(smollm2_dir), "out": str(out),
+                                                "preset": preset})
+    assert made["ok"], f"llm-compressor could not quantize {preset}: {made.get('error')}"
+    dtype = FLOAT_PRESETS[preset]
+    theirs = engines.run_engine("llmcompressor", {"action": "load", "model": str(out), "prompts": smollm2_prompts,
+                                                  "max_new_tokens": exports.MAX_NEW_TOKENS, "top_k": exports.TOP_K,
+                                                  "dtype": dtype})
+    assert theirs["ok"], f"llm-compressor could not load its own {preset}: {theirs.get('error')}"
+    ref = exports.quantspec_reference(out, smollm2_prompts, "float32")
+    verdict = exports.judge(out, smollm2_prompts, ref, theirs, dtype)
+    print(f"llm-compressor {preset} in quantspec: {verdict}")
+    assert verdict["within"], verdict
