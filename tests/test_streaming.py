@@ -99,6 +99,7 @@ DEEP = {
 
 def _streamed(tmp_path, arch: str, blocks: int, method: str) -> tuple[dict, int]:
     """(the probe's memory figures for a streaming quantization in a fresh process, model bytes)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     folder = make_tiny_model(tmp_path / f"{arch}-{blocks}", arch, num_hidden_layers=blocks, **DEEP[arch])
     calib = tmp_path / "calib.txt"
@@ -115,17 +116,23 @@ def test_streaming_memory_does_not_grow_with_the_model(tmp_path, arch, method):
     with 16 experts per block, calibrated route-all): the resident size between blocks stays
     within half a block of where it started, and the peak stays within three blocks' bytes of
     the same model's with 4 blocks (a block's own transient peak, about 4 blocks' bytes for
-    these small blocks, varies with the allocator's state by up to ~2). Before, every processed
+    these small blocks, varies with the allocator's state by up to ~2 in one run: the least of
+    two runs is compared; a full suite once measured 3.5 blocks on a single pair). Before, every processed
     block stayed resident: a written-to weight kept its copy-on-write pages of the file mapping,
     and glibc kept the freed heap; about 15 MB per block (a 17-25 MB block) here."""
-    small, small_size = _streamed(tmp_path, arch, 4, method)
-    big, big_size = _streamed(tmp_path, arch, 12, method)
+    grown = lambda p: (p["peak_kb"] - p["base_kb"]) * 1024  # noqa: E731
+    # each size twice, in fresh processes, interleaved; the smaller peak of each (the allocator's
+    # state moves a single run's transient peak, the structural one is the least of them)
+    runs = [_streamed(tmp_path / f"run{r}", arch, blocks, method) for r in range(2) for blocks in (4, 12)]
+    (small, small_size), (big, big_size) = runs[0], runs[1]
     block = (big_size - small_size) / 8
     assert big_size > 150e6
-    between = [kb * 1024 for kb in big["between_kb"]]
-    assert len(between) == 12 and max(between) - between[0] < 0.5 * block, (between, block)
-    grown = lambda p: (p["peak_kb"] - p["base_kb"]) * 1024  # noqa: E731
-    assert grown(big) - grown(small) < 3 * block, (grown(big), grown(small), block)
+    for probe, _ in runs[1::2]:
+        between = [kb * 1024 for kb in probe["between_kb"]]
+        assert len(between) == 12 and max(between) - between[0] < 0.5 * block, (between, block)
+    small_peak = min(grown(p) for p, _ in runs[0::2])
+    big_peak = min(grown(p) for p, _ in runs[1::2])
+    assert big_peak - small_peak < 3 * block, ([grown(p) for p, _ in runs], block)
 
 
 def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):

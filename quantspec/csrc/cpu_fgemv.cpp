@@ -125,6 +125,15 @@ QS_AVX2 inline void fp4x16(const uint8_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 
+// x[m, k .. k + 16) of MR rows of x, as two registers each.
+template <int MR>
+QS_AVX2 inline void load_x(const float* x, int64_t K, int64_t k, __m256* x0, __m256* x1) {
+  for (int m = 0; m < MR; ++m) {
+    x0[m] = _mm256_loadu_ps(x + m * K + k);
+    x1[m] = _mm256_loadu_ps(x + m * K + k + 8);
+  }
+}
+
 // Outputs of R consecutive rows of W (n .. n + R) for MR rows of x: R * MR independent
 // accumulator chains (one chain would wait on the FMA latency), the decoded weights reused
 // across the rows of x. ``rs``: the R rows' fp32 scales, ``ld`` apart (FP8: 1 per row; FP4: one
@@ -138,10 +147,7 @@ QS_AVX2 void tile_avx2(const float* x, int64_t K, const uint8_t* c, int64_t row_
   if (kind == 0) {
     for (int64_t k = 0; k < K; k += 16) {
       __m256 x0[MR], x1[MR];
-      for (int m = 0; m < MR; ++m) {
-        x0[m] = _mm256_loadu_ps(x + m * K + k);
-        x1[m] = _mm256_loadu_ps(x + m * K + k + 8);
-      }
+      load_x<MR>(x, K, k, x0, x1);
       for (int r = 0; r < R; ++r) {
         __m256 w0, w1;
         fp8x16(c + r * row_bytes + k, w0, w1);
@@ -159,10 +165,7 @@ QS_AVX2 void tile_avx2(const float* x, int64_t K, const uint8_t* c, int64_t row_
       for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
     for (int64_t k = g0; k < g0 + group; k += 16) {
       __m256 x0[MR], x1[MR];
-      for (int m = 0; m < MR; ++m) {
-        x0[m] = _mm256_loadu_ps(x + m * K + k);
-        x1[m] = _mm256_loadu_ps(x + m * K + k + 8);
-      }
+      load_x<MR>(x, K, k, x0, x1);
       for (int r = 0; r < R; ++r) {
         __m256 w0, w1;
         fp4x16(c + r * row_bytes + (k >> 1), w0, w1);
