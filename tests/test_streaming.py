@@ -124,7 +124,7 @@ def test_streaming_memory_does_not_grow_with_the_model(tmp_path, arch, method):
     # each size twice, in fresh processes, interleaved; the smaller peak of each (the allocator's
     # state moves a single run's transient peak, the structural one is the least of them)
     runs = [_streamed(tmp_path / f"run{r}", arch, blocks, method) for r in range(2) for blocks in (4, 12)]
-    (small, small_size), (big, big_size) = runs[0], runs[1]
+    small_size, big_size = runs[0][1], runs[1][1]
     block = (big_size - small_size) / 8
     assert big_size > 150e6
     for probe, _ in runs[1::2]:
