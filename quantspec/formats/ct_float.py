@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantspecError
+from ..quant.floatcodes import pack_fp4_pairs, unpack_fp4_pairs
 from ..quant.scheme import QuantResult, QuantScheme
 
 FP8_WEIGHT_ONLY = "naive-quantized"
@@ -79,7 +80,7 @@ def pack(result: QuantResult) -> dict[str, torch.Tensor]:
             out["input_scale"] = result.input_scale.to(torch.float32).reshape(1).contiguous()
         return out
     codes = result.qweight
-    out = {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+    out = {"weight_packed": pack_fp4_pairs(codes),
            "weight_scale": result.scales.contiguous()}
     if scheme.weights == "nvfp4":
         out["weight_global_scale"] = result.global_scale.to(torch.float32).reshape(1).contiguous()
@@ -93,7 +94,7 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: QuantScheme, n: int, k: int
         return QuantResult(codes, tensors["weight_scale"].to(torch.float32).contiguous(), None, None, scheme,
                            input_scale=inp)
     packed = tensors["weight_packed"]
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(n, k).contiguous()
+    codes = unpack_fp4_pairs(packed)
     gscale = tensors["weight_global_scale"].contiguous() if scheme.weights == "nvfp4" else None
     return QuantResult(codes, tensors["weight_scale"].contiguous(), None, None, scheme, global_scale=gscale)
 

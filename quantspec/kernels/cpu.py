@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.floatcodes import pack_fp4_pairs
 from ..quant.scheme import QuantResult, QuantScheme
 from .cpu_ext import load_cpu_ext
 from .reference import quantize_per_token_int8
@@ -308,7 +309,7 @@ def prepare_float(result: QuantResult) -> dict[str, torch.Tensor]:
     kind = result.scheme.weights
     codes = result.qweight
     if kind != "fp8":
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        codes = pack_fp4_pairs(codes)
     scales = result.scales.to(torch.float32) if kind == "fp8" else result.scales.contiguous().view(torch.uint8)
     gscale = result.global_scale if result.global_scale is not None else torch.ones(1)
     return {"fcodes": codes.contiguous(), "fscales": scales.contiguous(),

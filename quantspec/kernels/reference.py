@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.floatcodes import FP8_MAX, dequantize_values
+from ..quant.floatcodes import dequantize_values, round_fp8
 from ..quant.floatgrid import quantize_per_token_fp8
 from ..quant.scheme import QuantResult, QuantScheme
 
@@ -72,7 +72,7 @@ class ReferenceBackend:
             y = (qx @ w.T) * sx
         elif scheme.static_activations:
             sx = prepared["input_scale"].to(torch.float32)
-            qx = (flat.to(torch.float32) / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+            qx = round_fp8(flat.to(torch.float32) / sx)
             y = (qx @ w.T) * sx
         else:
             y = flat.to(torch.float32) @ w.T

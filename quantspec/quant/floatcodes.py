@@ -42,6 +42,21 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return idx | (negative << 3)
 
 
+def round_fp8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (in units of its scale) rounded to the nearest E4M3FN value, saturating at 448; fp32."""
+    return x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def pack_fp4_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] E2M1 codes -> [N, K/2] bytes: column 2j in the low nibble, 2j+1 in the high."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_fp4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp4_pairs``."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1).contiguous()
+
+
 def fp8_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest E4M3FN byte of each element of ``x`` (already divided by its scale) -> uint8."""
     x = x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX)

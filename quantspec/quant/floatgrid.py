@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, e2m1_codes, encode
+from .floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode, round_fp8
 from .scheme import QuantResult, QuantScheme
 
 
@@ -33,6 +33,11 @@ def global_scale(weight: torch.Tensor) -> torch.Tensor:
     if not bool(amax > 0) or not bool(torch.isfinite(amax)):
         return torch.ones(1, dtype=torch.float32, device=weight.device)
     return (FP8_MAX * FP4_MAX / amax).reshape(1)
+
+
+def on_grid(w: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
+    """``w`` rounded to the grid of ``weights`` under ``scale`` (broadcast to w), fp32."""
+    return code_values(weights, w.device)[encode(w / scale, weights).long()] * scale
 
 
 def group_scales(
@@ -53,14 +58,20 @@ def group_scales(
     low = torch.floor(torch.log2(safe)) - 2
     best, best_err = None, None
     for e in (low, low + 1):
-        s = torch.exp2(e).unsqueeze(1)
-        err = (code_values("mxfp4", w.device)[e2m1_codes(w / s).long()] * s - w).pow(2).sum(dim=1)
+        err = (on_grid(w, torch.exp2(e).unsqueeze(1), "mxfp4") - w).pow(2).sum(dim=1)
         if best is None:
             best, best_err = e, err
         else:
             better = err < best_err
             best, best_err = torch.where(better, e, best), torch.where(better, err, best_err)
     return (best + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+
+
+def fake_quantize_groups(groups: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row of ``groups`` ([R, L], one group each) quantized and dequantized with its own
+    scale (NVFP4: under the tensor's ``gscale``), fp32: ``rtn_float``'s values."""
+    scale = decode_scales(group_scales(groups, scheme, gscale), scheme.weights, gscale).unsqueeze(1)
+    return on_grid(groups.to(torch.float32), scale, scheme.weights)
 
 
 def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
@@ -82,8 +93,7 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, 1] (absmax / 448, dynamic)."""
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = (amax / FP8_MAX).clamp(min=1e-12)
-    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.to(torch.float32), scale
+    return round_fp8(x.to(torch.float32) / scale), scale
 
 
 def e4m3fn_to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import QuantspecError
+from ..quant.floatcodes import round_fp8
 from ..quant.kv_config import KV_MAX
 KV_SCALES = ("calibrated", "unit", "dynamic")
 
@@ -46,11 +47,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     if s.numel() > 1:
         s = s.reshape(1, -1, 1, 1)
     y = x.to(torch.float32) / s
-    top = KV_MAX[kind]
-    if kind == "fp8":
-        y = y.clamp(-top, top).to(torch.float8_e4m3fn).to(torch.float32)
-    else:
-        y = torch.round(y).clamp(-top, top)
+    y = round_fp8(y) if kind == "fp8" else torch.round(y).clamp(-KV_MAX[kind], KV_MAX[kind])
     return (y * s).to(x.dtype)
 
 

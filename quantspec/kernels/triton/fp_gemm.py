@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quant.floatcodes import pack_fp4_pairs
 from . import configs
 from .tiles import swizzled_tile
 
@@ -117,7 +118,7 @@ def _fp_dot_kernel(x_ptr, c_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, M_KE
 def prepare_float(codes: torch.Tensor, scales: torch.Tensor, kind: int) -> dict[str, torch.Tensor]:
     """The kernel's layout from canonical codes uint8 [N, K] and decoded fp32 scales [N, G]."""
     if kind == FP4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        codes = pack_fp4_pairs(codes)
     return {"fcodes": codes.t().contiguous(), "fscales": scales.to(torch.float32).t().contiguous()}
 
 

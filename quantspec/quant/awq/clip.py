@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from ..floatcodes import code_values, decode_scales, encode
-from ..floatgrid import global_scale, group_scales
+from ..floatgrid import fake_quantize_groups, global_scale
 from ..rtn import dequantize_codes, qparams, quantize_codes, rtn
 from ..scheme import QuantResult, QuantScheme
 
@@ -44,8 +43,7 @@ def _fake_quantize_rows(w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tens
     """Quantize-dequantize each row of [R, L] on its own min/max grid (fp32); float schemes on
     their grid with the row's scale (NVFP4: under the tensor's global scale ``gscale``)."""
     if scheme.is_float:
-        s = decode_scales(group_scales(w, scheme, gscale), scheme.weights, gscale).unsqueeze(1)
-        return code_values(scheme.weights, w.device)[encode(w / s, scheme.weights).long()] * s
+        return fake_quantize_groups(w, scheme, gscale)
     s, z = qparams(w, scheme)
     return dequantize_codes(quantize_codes(w, s, z, scheme), s, z, scheme)
 
