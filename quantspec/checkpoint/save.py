@@ -55,6 +55,14 @@ def write_safetensors(folder: Path, state: dict[str, torch.Tensor], max_bytes: i
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def write_config(folder: Path, config: dict[str, Any]) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> None:
+    (folder / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
 def write_metadata(
     folder: Path,
     config: dict[str, Any],
@@ -65,7 +73,7 @@ def write_metadata(
     report: dict[str, Any] | None = None,
 ) -> None:
     """Everything but the weights: config.json, generation config, tokenizer, recipe, report."""
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_config(folder, config)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
     if tokenizer is not None:
@@ -73,7 +81,7 @@ def write_metadata(
     if recipe_yaml is not None:
         (folder / "recipe.yaml").write_text(recipe_yaml)
     if report is not None:
-        (folder / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(folder, report)
 
 
 def write_checkpoint(

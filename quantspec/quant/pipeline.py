@@ -195,9 +195,9 @@ def _kv_inputs(model, job, tokenizer, device) -> tuple[torch.Tensor, list[str]]:
 
 def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, report: dict, progress: bool) -> None:
     """Observe the written checkpoint's keys and values, add their scales and kv_cache_scheme."""
-    import json
-
     from ..checkpoint.extra_tensors import add_tensors
+    from ..checkpoint.load import read_config
+    from ..checkpoint.save import write_config, write_report
     from .kv_calibrate import calibrate_checkpoint_kv
     from .kv_config import kv_cache_scheme
 
@@ -205,15 +205,14 @@ def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, repor
     cfg = recipe.kv_cache
     tensors = calibrate_checkpoint_kv(folder, ids, cfg, blocks, progress)
     add_tensors(folder, tensors, stem="kv-scales")
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
+    config = read_config(folder)
     config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(cfg)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_config(folder, config)
     report["kv_cache"] = {"kind": cfg.kind, "strategy": cfg.strategy, "samples": min(cfg.samples, len(ids)),
                           "seconds": round(time.perf_counter() - t0, 2),
                           "max_k_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("k_scale")),
                           "max_v_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("v_scale"))}
-    (folder / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(folder, report)
 
 
 def resume_folder(out: Path) -> Path:
