@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "bench_specdec",
     "profile",
     "sweep",
+    "serve_bench",
     "report",
 ]
 

@@ -126,13 +126,14 @@ def _plain(value: Any) -> Any:
 def run_lm_eval(model_path: str, tasks: list[str], limit: int | float | None = None,
                 include_path: str | Path | list | None = None, batch_size: int = 1, device: str = "cpu",
                 num_fewshot: int | None = None, dtype: str = "auto", backend: str = "exact",
-                seed: int = 0, log_samples: bool = False, lm=None) -> dict[str, Any]:
+                seed: int = 0, log_samples: bool = False, lm=None, kernels: dict | None = None) -> dict[str, Any]:
     """Run lm-eval tasks on a quantized folder or dense model; returns a JSON-safe dict.
 
     {"tasks": {task: {metric: value}}, "n_samples": {...}, "configs": {task: version},
      "limit", "num_fewshot", "model", "kernels" (``perplexity.kernels_used``), "lm_eval_version"}
     and, with ``log_samples``, "samples".
-    ``lm`` may be an already built QuantspecLM (reused across calls).
+    ``lm`` may be an already built QuantspecLM (reused across calls), or any lm-eval model with
+    ``kernels`` saying what computed it (an engine behind an endpoint).
     """
     _require_lm_eval()
     import lm_eval
@@ -163,7 +164,7 @@ def run_lm_eval(model_path: str, tasks: list[str], limit: int | float | None = N
         "configs": {t: c.get("metadata", {}).get("version") for t, c in out.get("configs", {}).items()},
         "limit": limit,
         "num_fewshot": num_fewshot,
-        "kernels": kernels_used(lm.model),
+        "kernels": kernels if kernels is not None else kernels_used(lm.model),
         "lm_eval_version": getattr(lm_eval, "__version__", None),
     }
     if log_samples:

@@ -1,0 +1,175 @@
+"""``serve_bench``: start each target's server, take accuracy through it, run the load levels,
+stop it; one JSON written after every step, so an interrupted or failed run keeps what it
+measured (marked ``partial``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import QuantspecError
+from .client import Endpoint, get_json, get_text, stream_completion
+from .load import Level, run_level
+from .metrics import MetricsSampler
+from .server import EngineServer, EngineSpec
+from .slo import SLO
+from .stats import summarize
+from .variants import Target
+from .workload import Request
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    levels: list[Level]
+    num_prompts: int = 64
+    duration: float | None = None
+    warmup: int = 2
+    seed: int = 0
+    slo: SLO | None = None
+    ignore_eos: bool = True
+    ppl_data: str | None = None
+    ppl_seqlen: int = 512
+    ppl_windows: int = 20
+    tasks: list[str] = field(default_factory=list)
+    task_limit: float | None = None
+    metrics_interval: float = 1.0
+    keep_records: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["levels"] = [str(lv) for lv in self.levels]
+        d["slo"] = None if self.slo is None else str(self.slo)
+        return d
+
+
+def served_name(label: str) -> str:
+    """The model name a started server answers to: the label without spaces or slashes."""
+    return re.sub(r"[^A-Za-z0-9._:+-]+", "-", label).strip("-") or "model"
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def _check_url(ep: Endpoint) -> None:
+    try:
+        status, _ = get_text(ep, "/health", timeout=10)
+        models = get_json(ep, "/v1/models", timeout=10)
+    except (OSError, ValueError) as exc:
+        raise QuantspecError(f"{ep.base} is not reachable ({type(exc).__name__}: {exc}).",
+                             "check the URL and that the server is up (curl URL/v1/models)") from exc
+    names = [m.get("id") for m in models.get("data", [])]
+    if ep.model not in names:
+        if len(names) == 1 and ep.model in (None, "", ep.base):
+            ep.model = names[0]
+        else:
+            raise QuantspecError(f"{ep.base} does not serve a model named {ep.model!r} (it serves {names}).",
+                                 "pass --served-model-name NAME")
+
+
+def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list[Request], cfg: BenchConfig,
+             entry: dict, alive: Callable[[], bool], save: Callable[[], None], say: Say) -> None:
+    from .accuracy import server_lm_eval, server_perplexity
+
+    for i in range(cfg.warmup):
+        r = requests[i % len(requests)]
+        rec = stream_completion(ep, r.prompt, min(r.max_tokens, 16), ignore_eos=cfg.ignore_eos)
+        if not rec.ok:
+            raise ServerDied(f"warm-up request failed: {rec.error}")
+    if cfg.ppl_data:
+        say(f"{entry['label']}: perplexity on {cfg.ppl_data} through the server")
+        entry["accuracy"]["ppl"] = server_perplexity(ep, tokenizer, cfg.ppl_data, cfg.ppl_seqlen, cfg.ppl_windows)
+        say(f"{entry['label']}: ppl {entry['accuracy']['ppl']['ppl']:.3f}")
+        save()
+    if cfg.tasks:
+        say(f"{entry['label']}: lm-eval {','.join(cfg.tasks)} through the server")
+        entry["accuracy"]["lm_eval"] = server_lm_eval(ep, tokenizer_path, cfg.tasks, limit=cfg.task_limit,
+                                                      seed=cfg.seed)
+        save()
+    for level in cfg.levels:
+        if not alive():
+            raise ServerDied("the server is no longer running")
+        say(f"{entry['label']}: {level} ({len(requests)} requests)")
+        sampler = MetricsSampler(ep, cfg.metrics_interval).start()
+        records, wall = run_level(ep, requests, level, seed=cfg.seed, duration=cfg.duration,
+                                  ignore_eos=cfg.ignore_eos)
+        engine = sampler.stop()
+        row = {"level": str(level), "kind": level.kind, "value": level.value,
+               **summarize(records, wall, cfg.slo), "engine_metrics": engine}
+        if cfg.keep_records:
+            row["records"] = [r.to_dict() for r in records]
+        entry["levels"].append(row)
+        save()
+        t = row["ttft"]["p50_ms"]
+        say(f"{entry['label']}: {level}: {row['completed']}/{row['requests']} ok, "
+            f"{row['output_throughput']:.1f} tok/s, TTFT p50 {t if t is None else round(t, 1)} ms, "
+            f"TPOT p50 {row['tpot']['p50_ms'] and round(row['tpot']['p50_ms'], 1)} ms"
+            + (f", goodput {row['goodput']:.2f} req/s" if cfg.slo else ""))
+        if row["failed"] and not alive():
+            raise ServerDied("the server died during the level")
+
+
+def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[Request], cfg: BenchConfig, *,
+                out_dir: Path, json_path: Path, tokenizer=None, tokenizer_path: str | None = None,
+                header: dict | None = None, say: Say = lambda m: None) -> dict:
+    """Measure every target; returns (and keeps writing to ``json_path``) the result."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"kind": "serve-bench", **(header or {}), "config": cfg.to_dict(), "targets": [],
+              "status": "running"}
+
+    def save() -> None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_path.with_suffix(json_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(json_path)
+
+    try:
+        for t in targets:
+            entry = {"label": t.label, "model": t.model, "role": t.role, "speculative": t.speculative,
+                     "status": "running", "accuracy": {}, "levels": []}
+            result["targets"].append(entry)
+            save()
+            try:
+                if t.url:
+                    ep = Endpoint(t.url, t.label if t.label != t.url else "")
+                    _check_url(ep)
+                    entry["label"] = ep.model if t.label == t.url else t.label
+                    entry["server"] = {"url": t.url, "started": False}
+                    _measure(ep, tokenizer, tokenizer_path, requests, cfg, entry, lambda: True, save, say)
+                else:
+                    assert spec is not None
+                    run_spec = EngineSpec(spec.engine, spec.python, [*spec.args, *t.engine_args], spec.env,
+                                          spec.startup_timeout)
+                    log = out_dir / f"server-{len(result['targets']):02d}.log"
+                    say(f"{t.label}: starting {spec.engine} (log {log})")
+                    srv = EngineServer(run_spec, t.model, log=log, name=served_name(t.label))
+                    entry["server"] = {"command": srv.command, "log": str(log), "started": True}
+                    with srv:
+                        entry["server"]["startup_s"] = round(srv.startup_s, 2)
+                        say(f"{t.label}: ready in {srv.startup_s:.0f} s on port {srv.port}")
+                        _measure(srv.endpoint, tokenizer, tokenizer_path, requests, cfg, entry, srv.alive, save, say)
+                    entry["server"]["exit_code"] = srv.proc.returncode if srv.proc else None
+                entry["status"] = "ok"
+            except ServerDied as exc:
+                entry.update(status="partial", error=str(exc))
+                say(f"{t.label}: {exc}; kept {len(entry['levels'])} finished levels")
+            except QuantspecError as exc:
+                entry.update(status="failed", error=str(exc))
+                say(f"{t.label}: failed: {exc}")
+            save()
+        result["status"] = "ok" if all(e["status"] == "ok" for e in result["targets"]) else "partial"
+    except KeyboardInterrupt:
+        result["status"] = "interrupted"
+        for e in result["targets"]:
+            if e["status"] == "running":
+                e["status"] = "partial"
+                e["error"] = "interrupted"
+        save()
+        raise
+    save()
+    return result

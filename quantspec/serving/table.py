@@ -1,0 +1,40 @@
+"""The serve-bench result as a Markdown table: one row per target and load level."""
+
+from __future__ import annotations
+
+
+def _ms(d: dict, key: str) -> str:
+    v = d.get(key)
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _num(v, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def serve_markdown(result: dict) -> str:
+    slo = result.get("config", {}).get("slo")
+    head = ["target", "level", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+            "E2E p50", "E2E p99"] + (["goodput req/s", "good %"] if slo else []) + ["KV max %", "ppl"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in result.get("targets", []):
+        ppl = t.get("accuracy", {}).get("ppl", {}).get("ppl")
+        status = "" if t.get("status") == "ok" else f" ({t.get('status')})"
+        if not t.get("levels"):
+            lines.append("| " + " | ".join([t["label"] + status, t.get("error", "-")] + ["-"] * (len(head) - 3)
+                                           + [_num(ppl, ".3f")]) + " |")
+        for lv in t.get("levels", []):
+            em = lv.get("engine_metrics", {})
+            kv = em.get("kv_cache_usage_max")
+            row = [t["label"] + status, lv["level"], f"{lv['completed']}/{lv['requests']}",
+                   _num(lv["request_throughput"]), _num(lv["output_throughput"], ".1f"),
+                   _ms(lv["ttft"], "p50_ms"), _ms(lv["ttft"], "p99_ms"), _ms(lv["tpot"], "p50_ms"),
+                   _ms(lv["tpot"], "p99_ms"), _ms(lv["e2e"], "p50_ms"), _ms(lv["e2e"], "p99_ms")]
+            if slo:
+                row += [_num(lv.get("goodput")), _num(None if lv.get("good_fraction") is None
+                                                      else 100 * lv["good_fraction"], ".0f")]
+            row += [_num(None if kv is None else 100 * kv, ".1f"), _num(ppl, ".3f")]
+            lines.append("| " + " | ".join(row) + " |")
+    notes = [f"Times in ms. Engine: {result.get('engine', {}).get('name')} {result.get('engine', {}).get('version') or ''}"
+             .rstrip() + (f"; SLO {slo}" if slo else "") + f"; status {result.get('status')}."]
+    return "\n".join(lines + [""] + notes)

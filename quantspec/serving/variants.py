@@ -1,0 +1,66 @@
+"""What gets served: one ``Target`` per server run (a checkpoint, the dense baseline, a
+speculative-decoding variant of either, or an existing deployment behind ``--url``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import QuantspecError
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    model: str | None  # what the engine loads; None for --url
+    engine_args: tuple[str, ...] = ()
+    url: str | None = None
+    role: str = "checkpoint"  # "checkpoint" | "baseline" | "speculative" | "url"
+    speculative: dict | None = field(default=None, hash=False)
+
+
+def parse_spec(text: str) -> tuple[str, dict]:
+    """``ngram[:K]`` or ``draft=PATH[:K]`` -> (label suffix, vLLM speculative config)."""
+    head, _, k = text.partition(":") if not text.startswith("draft=") else (text, "", "")
+    if text.startswith("draft="):
+        path, sep, k = text[len("draft="):].rpartition(":")
+        if not sep or not k.isdigit():
+            path, k = text[len("draft="):], ""
+        if not path:
+            raise QuantspecError(f"--spec {text!r} names no draft model.", "write --spec draft=PATH[:K]")
+        n = int(k) if k else 4
+        return f"draft:{Path(path).name}:{n}", {"model": str(path), "num_speculative_tokens": n}
+    if head == "ngram":
+        if k and not k.isdigit():
+            raise QuantspecError(f"--spec {text!r}: K must be a whole number.", "write --spec ngram:4")
+        n = int(k) if k else 4
+        return f"ngram:{n}", {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 4,
+                              "prompt_lookup_min": 2}
+    raise QuantspecError(f"--spec {text!r} is not a speculative variant.",
+                         "write --spec ngram[:K] or --spec draft=PATH[:K] (a draft model, e.g. a quantized "
+                         "checkpoint of the target)")
+
+
+def build_targets(checkpoints: list[str], *, baseline: str | None, specs: list[str], url: str | None,
+                  served_name: str | None = None) -> list[Target]:
+    """Baseline first (when any), then each checkpoint, then each speculative variant of each."""
+    if url:
+        if checkpoints or specs:
+            raise QuantspecError("--url measures a running server; checkpoints and --spec start servers.",
+                                 "pass either --url (with --served-model-name if it serves several) or checkpoints")
+        return [Target(label=served_name or url, model=None, url=url, role="url")]
+    if not checkpoints:
+        raise QuantspecError("no checkpoint to serve.", "pass one or more checkpoint folders, or --url URL")
+    targets = []
+    if baseline:
+        targets.append(Target(label=f"dense ({Path(baseline).name})", model=baseline, role="baseline"))
+    for ck in checkpoints:
+        targets.append(Target(label=Path(ck).name or ck, model=ck))
+    for spec in specs:
+        suffix, cfg = parse_spec(spec)
+        for t in list(targets):
+            if t.role in ("checkpoint", "baseline"):
+                targets.append(Target(label=f"{t.label} +{suffix}", model=t.model, role="speculative",
+                                      engine_args=("--speculative-config", json.dumps(cfg)), speculative=cfg))
+    return targets
