@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from ..eval.machine import describe_machine
     from ..eval.speed import dense_source
     from ..models.source import dense_folder
-    from ..serving.bench import BenchConfig, serve_bench
+    from ..serving.bench import BenchConfig, check_url, serve_bench
+    from ..serving.client import Endpoint
     from ..serving.load import parse_levels
     from ..serving.server import EngineSpec, check_engine
     from ..serving.slo import parse_slo
@@ -139,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     targets = build_targets(checkpoints, baseline=baseline, specs=args.spec, url=args.url,
                             served_name=args.served_model_name)
     spec, engine_version = None, None
-    if not args.url:
+    if args.url:
+        check_url(Endpoint(args.url, args.served_model_name or ""))
+    else:
         spec = EngineSpec(args.engine, args.engine_python or sys.executable, shlex.split(args.engine_args),
                           _env_pairs(args.engine_env), args.startup_timeout)
         engine_version = check_engine(spec)

@@ -56,7 +56,9 @@ class ServerDied(RuntimeError):
     pass
 
 
-def _check_url(ep: Endpoint) -> None:
+def check_url(ep: Endpoint) -> None:
+    """QuantspecError when ``ep`` does not answer or does not serve ``ep.model`` (a server with one
+    model fills an empty name in)."""
     try:
         status, _ = get_text(ep, "/health", timeout=10)
         models = get_json(ep, "/v1/models", timeout=10)
@@ -101,6 +103,9 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
         engine = sampler.stop()
         row = {"level": str(level), "kind": level.kind, "value": level.value,
                **summarize(records, wall, cfg.slo), "engine_metrics": engine}
+        died = row["failed"] > 0 and not alive()
+        if died:
+            row["partial"] = True  # the server went away during this level: its figures are not a measurement
         if cfg.keep_records:
             row["records"] = [r.to_dict() for r in records]
         entry["levels"].append(row)
@@ -110,7 +115,7 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
             f"{row['output_throughput']:.1f} tok/s, TTFT p50 {t if t is None else round(t, 1)} ms, "
             f"TPOT p50 {row['tpot']['p50_ms'] and round(row['tpot']['p50_ms'], 1)} ms"
             + (f", goodput {row['goodput']:.2f} req/s" if cfg.slo else ""))
-        if row["failed"] and not alive():
+        if died:
             raise ServerDied("the server died during the level")
 
 
@@ -137,7 +142,7 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
             try:
                 if t.url:
                     ep = Endpoint(t.url, t.label if t.label != t.url else "")
-                    _check_url(ep)
+                    check_url(ep)
                     entry["label"] = ep.model if t.label == t.url else t.label
                     entry["server"] = {"url": t.url, "started": False}
                     _measure(ep, tokenizer, tokenizer_path, requests, cfg, entry, lambda: True, save, say)

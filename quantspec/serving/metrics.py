@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 from .client import Endpoint, get_text
 
