@@ -32,7 +32,7 @@ interop: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -m interop
 
 bench-kernels: $(VENV)/.installed
-	$(VENV)/bin/python benchmarks/kernels.py --device cpu
+	$(VENV)/bin/python benchmarks/kernel_speed.py --device cpu
 
 clean:
 	rm -rf $(VENV) quantspec-out

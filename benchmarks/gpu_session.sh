@@ -28,17 +28,17 @@ for phase in $PHASES; do
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -30 ;;
     main)  # the w4g128 sweep: every M and layer shape of the issue
       stamp "benchmark: w4g128, all shapes"
-      timeout 130 $PY benchmarks/kernels.py --device cuda --schemes w4g128 --prewarm 16 --deadline 95 \
+      timeout 130 $PY benchmarks/kernel_speed.py --device cuda --schemes w4g128 --prewarm 16 --deadline 95 \
         --out "$OUT" --tag=-w4g128 2>&1 | grep -v '^{' ;;
     others)  # the other layouts, fewer shapes
       stamp "benchmark: other schemes"
-      timeout 130 $PY benchmarks/kernels.py --device cuda --prewarm 16 --deadline 95 --m 1 16 256 \
+      timeout 130 $PY benchmarks/kernel_speed.py --device cuda --prewarm 16 --deadline 95 --m 1 16 256 \
         --nk 4096x4096 14336x4096 8192x28672 \
         --schemes w4g128-asym w4g128-actorder-permute w4g128-actorder-gidx w4g32 w8a16 w8a8 \
         --out "$OUT" --tag=-others 2>&1 | grep -v '^{' ;;
     bf16)  # bf16 activations, w4g128
       stamp "benchmark: bf16"
-      timeout 80 $PY benchmarks/kernels.py --device cuda --dtype bf16 --prewarm 16 --deadline 55 --m 1 16 256 \
+      timeout 80 $PY benchmarks/kernel_speed.py --device cuda --dtype bf16 --prewarm 16 --deadline 55 --m 1 16 256 \
         --schemes w4g128 --no-reference --out "$OUT" --tag=-bf16 2>&1 | grep -v '^{' ;;
     *) echo "unknown phase $phase (tests, main, others, bf16)" ;;
   esac

