@@ -62,7 +62,7 @@ def vllm_bench(py: str, srv: EngineServer, tokenizer: str, prompts: Path, n: int
                out: Path, log: Path) -> dict:
     args = ["--backend", "vllm", "--base-url", srv.endpoint.base, "--endpoint", "/v1/completions",
             "--model", srv.name, "--tokenizer", tokenizer, "--dataset-name", "custom",
-            "--dataset-path", str(prompts), "--disable-shuffle", "--skip-chat-template", "--num-prompts", str(n),
+            "--dataset-path", str(prompts), "--custom-output-len", "-1", "--disable-shuffle", "--skip-chat-template", "--num-prompts", str(n),
             "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     if level.kind == "concurrency":
         args += ["--request-rate", "inf", "--max-concurrency", str(int(level.value))]

@@ -113,9 +113,15 @@ def test_levels_and_arrivals():
     a = arrival_times(4000, 8.0, seed=1)
     assert a == arrival_times(4000, 8.0, seed=1) and a != arrival_times(4000, 8.0, seed=2)
     gaps = np.diff(a)
-    assert a[0] == 0 and np.all(gaps >= 0)
+    assert a[-1] == pytest.approx(4000 / 8.0) and a[0] > 0 and np.all(gaps >= 0)
     assert abs(gaps.mean() - 1 / 8) < 0.01 and abs(gaps.std() - 1 / 8) < 0.01  # exponential: mean = sd
+    even = np.diff(arrival_times(4000, 8.0, seed=1, burstiness=100.0))
+    assert abs(even.mean() - 1 / 8) < 0.01 and even.std() < 0.02  # burstiness >> 1: nearly even gaps
     assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+    # vLLM bench serve's draws: np.random.seed(seed), then gamma(burstiness, 1/(rate*burstiness)) per request
+    np.random.seed(7)
+    ref = np.cumsum([np.random.gamma(shape=0.5, scale=1 / (2.0 * 0.5)) for _ in range(5)])
+    assert arrival_times(5, 2.0, seed=7, burstiness=0.5) == pytest.approx((ref * (5 / 2.0) / ref[-1]).tolist(), rel=1e-12)
 
 
 def test_prometheus_parsing_and_spec_counters():

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
                         "draft=PATH[:K] (e.g. a quantized checkpoint of the target as its draft); repeatable")
     p.add_argument("--concurrency", help="fixed numbers of requests in flight, e.g. 1,4,16 (default)")
     p.add_argument("--rate", help="Poisson request rates per second, e.g. 1,2,4 (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --rate: gamma shape of the arrival gaps (1 Poisson, <1 burstier), as vLLM bench serve")
     p.add_argument("--slo", help="service-level objectives for goodput, e.g. ttft=500ms,tpot=50ms (also itl, e2e)")
     p.add_argument("--dataset", default="c4-bundled-heldout",
                    help="prompts: a text (wikitext2, c4, c4-bundled-heldout, a .txt/.jsonl of documents), a "
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda m: print(f"[serve-bench] {m}", file=sys.stderr, flush=True)) if args.progress else (lambda m: None)
     # everything that can be wrong with the input is checked before a server starts
     levels = parse_levels(args.rate, args.concurrency)
+    if not args.burstiness > 0:
+        raise QuantspecError(f"--burstiness {args.burstiness} must be positive.", "use 1 for Poisson arrivals")
     slo = parse_slo(args.slo)
     for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
         load_text(args.ppl)  # a missing text fails here, not after a server has started
     cfg = BenchConfig(levels=levels, num_prompts=args.num_prompts, duration=args.duration, warmup=args.warmup,
-                      seed=args.seed, slo=slo, ignore_eos=args.ignore_eos, ppl_data=args.ppl,
+                      seed=args.seed, burstiness=args.burstiness, slo=slo, ignore_eos=args.ignore_eos, ppl_data=args.ppl,
                       ppl_seqlen=args.ppl_seqlen, ppl_windows=args.ppl_windows, tasks=args.tasks,
                       task_limit=args.task_limit, keep_records=args.keep_records)
     header = {"command": "quantspec serve-bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["serve-bench"]

@@ -30,6 +30,7 @@ class BenchConfig:
     duration: float | None = None
     warmup: int = 2
     seed: int = 0
+    burstiness: float = 1.0
     slo: SLO | None = None
     ignore_eos: bool = True
     ppl_data: str | None = None
@@ -99,7 +100,7 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
         say(f"{entry['label']}: {level} ({len(requests)} requests)")
         sampler = MetricsSampler(ep, cfg.metrics_interval).start()
         records, wall = run_level(ep, requests, level, seed=cfg.seed, duration=cfg.duration,
-                                  ignore_eos=cfg.ignore_eos)
+                                  ignore_eos=cfg.ignore_eos, burstiness=cfg.burstiness)
         engine = sampler.stop()
         row = {"level": str(level), "kind": level.kind, "value": level.value,
                **summarize(records, wall, cfg.slo), "engine_metrics": engine}

@@ -6,7 +6,6 @@ the in-flight ones are done."""
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,21 +49,26 @@ def parse_levels(rates: str | None, concurrency: str | None) -> list[Level]:
     return levels
 
 
-def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Start offsets (s) of ``n`` requests with exponential gaps of mean ``1/rate`` (a Poisson
-    process); the first request starts at 0. ``rate`` inf -> all zero."""
+def arrival_times(n: int, rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
+    """Start offsets (s) of ``n`` requests at ``rate`` per second, the process of vLLM's ``bench
+    serve``: gaps drawn from a gamma distribution of shape ``burstiness`` (1: exponential, a
+    Poisson process; below 1 burstier, above 1 more even) and mean ``1/rate``, summed from the
+    first request on, then scaled so that the last request starts at exactly ``n / rate``. The
+    draws are numpy's legacy generator seeded with ``seed``, so the offsets equal vLLM's for the
+    same seed, rate and burstiness. ``rate`` inf -> all zero."""
+    import numpy as np
+
     if math.isinf(rate):
         return [0.0] * n
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    if burstiness <= 0:
+        raise QuantspecError(f"burstiness {burstiness} must be positive.", "use 1 for Poisson arrivals")
+    gaps = np.random.RandomState(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    t = np.cumsum(gaps)
+    return (t * (n / rate) / t[-1]).tolist() if n else []
 
 
 def run_level(endpoint: Endpoint, requests: Sequence[Request], level: Level, *, seed: int = 0,
-              duration: float | None = None, ignore_eos: bool = True,
+              duration: float | None = None, ignore_eos: bool = True, burstiness: float = 1.0,
               send: Callable[..., RequestRecord] = stream_completion,
               progress: Callable[[int, int], None] | None = None) -> tuple[list[RequestRecord], float]:
     """Run ``requests`` at ``level``; returns (records of the requests issued, wall seconds from
@@ -110,7 +114,7 @@ def run_level(endpoint: Endpoint, requests: Sequence[Request], level: Level, *, 
             th.start()
             threads.append(th)
     else:
-        for i, at in enumerate(arrival_times(len(requests), level.value, seed)):
+        for i, at in enumerate(arrival_times(len(requests), level.value, seed, burstiness)):
             if duration is not None and at >= duration:
                 break
             delay = at - (time.perf_counter() - t0)
