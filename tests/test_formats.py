@@ -384,6 +384,21 @@ def test_gptq_config_fields():
     assert not re.match(pattern[2:], "model.layers.11.mlp.up_proj")
 
 
+def test_gptq_static_groups_override_is_written_desc_act_false_and_reads_back():
+    """A regrouped layer of an act-order + static-groups recipe keeps the natural layout: its
+    dynamic rule says desc_act=false (vLLM 0.32 refuses desc_act=true in a rule too: it refused
+    our GPTQ-default SmolLM2 export as a speculative draft) and reads back as the same scheme."""
+    from quantspec.formats.overrides import split_overrides, with_overrides
+
+    base = QuantScheme(bits=4, group_size=128, act_order=True, static_groups=True)
+    regrouped = QuantScheme(bits=4, group_size=64, act_order=True, static_groups=True)
+    cfg = with_overrides("gptq", GPTQFormat().quantization_config(base, []), [(["model.layers.0.mlp.up_proj"], regrouped)])
+    (rule,) = [v for k, v in cfg["dynamic"].items() if k.startswith("+:")]
+    assert cfg["desc_act"] is False and rule["desc_act"] is False
+    _, overrides = split_overrides(cfg)
+    assert overrides[0][1] == regrouped
+
+
 def test_awq_symmetric_config_reads_back_as_zero_point():
     scheme = QuantScheme(bits=4, group_size=128, symmetric=True)
     cfg = AWQFormat().quantization_config(scheme, [])

@@ -40,8 +40,11 @@ def with_overrides(fmt_name: str, cfg: dict, overrides: list[tuple[list[str], Qu
     if fmt_name == "gptq":
         dynamic = cfg.setdefault("dynamic", {})
         for patterns, s in overrides:
+            # as the base config (gptq.py): static groups keep the natural layout, written
+            # desc_act=false (vLLM refuses desc_act=true, also inside a dynamic rule)
             dynamic["+:" + _alternation(patterns)] = {
-                "bits": s.bits, "group_size": s.group_size, "desc_act": s.act_order, "sym": s.symmetric,
+                "bits": s.bits, "group_size": s.group_size, "desc_act": s.act_order and not s.static_groups,
+                "sym": s.symmetric,
             }
         return cfg
     if fmt_name == "compressed-tensors":
@@ -71,11 +74,13 @@ def split_overrides(qcfg: dict) -> tuple[dict, list[tuple[str, QuantScheme]]]:
                 dynamic[key] = val
                 continue
             pattern = key[2:] if key.startswith("+:") else key
+            static = bool(qcfg.get("static_groups", False))
             s = QuantScheme(
                 bits=int(val.get("bits", qcfg.get("bits", 4))),
                 group_size=int(val.get("group_size", qcfg.get("group_size", 128))),
                 symmetric=bool(val.get("sym", qcfg.get("sym", True))),
-                act_order=bool(val.get("desc_act", qcfg.get("desc_act", False))),
+                act_order=bool(val.get("desc_act", qcfg.get("desc_act", False))) or static,
+                static_groups=static,
             )
             out.append((pattern, s))
         base["dynamic"] = dynamic

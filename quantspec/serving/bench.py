@@ -156,6 +156,7 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
                     srv = EngineServer(run_spec, t.model, log=log, name=served_name(t.label))
                     entry["server"] = {"command": srv.command, "log": str(log), "started": True}
                     with srv:
+                        entry["server"]["pid"] = srv.proc.pid  # also its process group
                         entry["server"]["startup_s"] = round(srv.startup_s, 2)
                         say(f"{t.label}: ready in {srv.startup_s:.0f} s on port {srv.port}")
                         _measure(srv.endpoint, tokenizer, tokenizer_path, requests, cfg, entry, srv.alive, save, say)
