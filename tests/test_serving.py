@@ -306,6 +306,7 @@ def test_cli_bad_input_is_one_line_before_any_server(engine_python, tmp_path):
         ([str(model), "--engine-python", sys.executable], "cannot import vllm"),
         ([str(model), "--engine-python", engine_python, "--concurrency", "1", "--rate", "2"], "both given"),
         ([str(model), "--engine-python", engine_python, "--dataset", str(tmp_path / "x.jsonl")], "does not exist"),
+        ([str(model), "--engine-python", engine_python, "--tasks", "no_such_task_x"], "has no task"),
     ]
     for args, word in cases:
         p = _cli(args + ["--out", str(tmp_path / "o")])

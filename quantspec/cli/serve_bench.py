@@ -58,6 +58,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ppl-windows", type=int, default=20)
     p.add_argument("--tasks", nargs="+", default=[], help="lm-eval tasks through the server's completions endpoint")
     p.add_argument("--task-limit", type=float, default=None, help="lm-eval --limit")
+    p.add_argument("--include-path", help="folder of your own lm-eval task YAMLs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer folder (default: the first checkpoint's)")
     p.add_argument("--out", type=Path, default=Path("serve-bench-out"), help="folder for server logs and the report")
@@ -156,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
                               output_len=args.output_len, seed=args.seed)
     if (args.ppl or args.tasks) and tokenizer is None:
         raise QuantspecError("accuracy through the server needs the model's tokenizer.", "pass --tokenizer FOLDER")
+    if args.tasks:  # unknown task names fail here, not after a server has started
+        from ..eval.lmeval_adapter import _check_tasks, _require_lm_eval, _task_manager
+
+        _require_lm_eval()
+        _check_tasks(args.tasks, _task_manager(args.include_path))
     if args.ppl:
         from ..data.sources import load_text
 
@@ -163,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(levels=levels, num_prompts=args.num_prompts, duration=args.duration, warmup=args.warmup,
                       seed=args.seed, burstiness=args.burstiness, slo=slo, ignore_eos=args.ignore_eos, ppl_data=args.ppl,
                       ppl_seqlen=args.ppl_seqlen, ppl_windows=args.ppl_windows, tasks=args.tasks,
-                      task_limit=args.task_limit, keep_records=args.keep_records)
+                      task_limit=args.task_limit, include_path=args.include_path, keep_records=args.keep_records)
     header = {"command": "quantspec serve-bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["serve-bench"]
                                                               else sys.argv[1:]),
               "engine": {"name": args.engine, "version": engine_version, "python": spec and spec.python,

@@ -56,7 +56,8 @@ def server_perplexity(endpoint: Endpoint, tokenizer, data: str = "wikitext2", se
 
 
 def server_lm_eval(endpoint: Endpoint, tokenizer_path: str, tasks: list[str], *, limit: float | None = None,
-                   num_concurrent: int = 1, num_fewshot: int | None = None, seed: int = 0) -> dict:
+                   num_concurrent: int = 1, num_fewshot: int | None = None, seed: int = 0,
+                   include_path: str | None = None) -> dict:
     """lm-eval tasks through the endpoint (lm-eval's ``local-completions`` model)."""
     from ..eval.lmeval_adapter import _require_lm_eval, run_lm_eval
 
@@ -67,4 +68,5 @@ def server_lm_eval(endpoint: Endpoint, tokenizer_path: str, tasks: list[str], *,
         base_url=f"{endpoint.base.rstrip('/')}/v1/completions", model=endpoint.model, tokenizer=tokenizer_path,
         tokenizer_backend="huggingface", num_concurrent=num_concurrent, max_retries=3, tokenized_requests=False)
     return run_lm_eval(endpoint.base, tasks, limit=limit, num_fewshot=num_fewshot, seed=seed, lm=lm,
+                       include_path=include_path,
                        kernels={"backend": "engine", "activations": "as the engine computes them"})

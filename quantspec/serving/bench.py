@@ -38,6 +38,7 @@ class BenchConfig:
     ppl_windows: int = 20
     tasks: list[str] = field(default_factory=list)
     task_limit: float | None = None
+    include_path: str | None = None
     metrics_interval: float = 1.0
     keep_records: bool = True
 
@@ -92,7 +93,7 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
     if cfg.tasks:
         say(f"{entry['label']}: lm-eval {','.join(cfg.tasks)} through the server")
         entry["accuracy"]["lm_eval"] = server_lm_eval(ep, tokenizer_path, cfg.tasks, limit=cfg.task_limit,
-                                                      seed=cfg.seed)
+                                                      seed=cfg.seed, include_path=cfg.include_path)
         save()
     for level in cfg.levels:
         if not alive():

@@ -69,3 +69,23 @@ def test_speculative_variants_report_acceptance(engine_python, smollm2_dir, tmp_
     acc = spec["levels"][0]["engine_metrics"].get("speculative")
     assert acc and acc["drafts"] > 0 and 0 <= acc["acceptance_rate"] <= 1 and acc["mean_accepted_length"] >= 1
     assert _group_gone(r)
+
+
+def test_lm_eval_through_the_server(engine_python, smollm2_dir, tmp_path):
+    """lm-eval's local-completions model against the vLLM server, on the suite's local task."""
+    import re
+    from pathlib import Path
+
+    tasks = Path(__file__).resolve().parents[1] / "data" / "lmeval_tasks"
+    local = tmp_path / "tasks"
+    local.mkdir()
+    for y in tasks.glob("*.yaml"):
+        (local / y.name).write_text(re.sub(r"test: (\S+\.jsonl)", lambda m: f"test: {tasks / m.group(1)}", y.read_text()))
+    py = engine_python("vllm")
+    p = _serve_bench(py, smollm2_dir, tmp_path / "o", "--concurrency", "1", "--tasks", "quantspec_tiny_mc",
+                     "--include-path", str(local))
+    r = json.loads((tmp_path / "o" / "serve-bench.json").read_text())
+    assert r["status"] == "ok", p.stderr[-3000:]
+    res = r["targets"][0]["accuracy"]["lm_eval"]
+    assert res["kernels"]["backend"] == "engine" and 0.0 <= res["tasks"]["quantspec_tiny_mc"]["acc"] <= 1.0
+    assert res["n_samples"]["quantspec_tiny_mc"]["effective"] == 10
