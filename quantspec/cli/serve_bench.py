@@ -122,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.burstiness > 0:
         raise QuantspecError(f"--burstiness {args.burstiness} must be positive.", "use 1 for Poisson arrivals")
     slo = parse_slo(args.slo)
+    if args.tasks:  # unknown task names fail here, not after a server has started
+        from ..eval.lmeval_adapter import _check_tasks, _require_lm_eval, _task_manager
+
+        _require_lm_eval()
+        _check_tasks(args.tasks, _task_manager(args.include_path))
     for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise QuantspecError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range.",
@@ -157,11 +162,6 @@ def run(args: argparse.Namespace) -> int:
                               output_len=args.output_len, seed=args.seed)
     if (args.ppl or args.tasks) and tokenizer is None:
         raise QuantspecError("accuracy through the server needs the model's tokenizer.", "pass --tokenizer FOLDER")
-    if args.tasks:  # unknown task names fail here, not after a server has started
-        from ..eval.lmeval_adapter import _check_tasks, _require_lm_eval, _task_manager
-
-        _require_lm_eval()
-        _check_tasks(args.tasks, _task_manager(args.include_path))
     if args.ppl:
         from ..data.sources import load_text
 
