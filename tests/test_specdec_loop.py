@@ -249,3 +249,22 @@ def test_divergence_names_the_first_differing_token_and_its_logit_gap(setup):
     assert d["at"] == 3 and d["target_token"] == int(ref[3]) and d["ours_token"] == int(other[0, len(row) + 3])
     want = float(logits[int(ref[3])] - logits[d["ours_token"]])
     assert d["logit_gap"] == pytest.approx(want, abs=1e-3) and d["logit_gap"] >= 0
+
+
+def test_stats_by_depth_are_exact():
+    from quantspec.specdec.stats import SpecStats
+
+    s = SpecStats()
+    # (accepted, proposed) per verification: (4,4) all kept; (1,4) first only; (0,4) none; (2,3)
+    s.record([4, 1, 0, 2], [4, 4, 4, 3])
+    s.new_tokens = 4 + 1 + 1 + 1 + 0 + 1 + 2 + 1
+    d = {r["depth"]: r for r in s.by_depth()}
+    assert [d[i]["offered"] for i in (1, 2, 3, 4)] == [4, 4, 4, 3]
+    assert d[1]["accept_rate"] == 0.75 and d[1]["accept_given_previous"] == 0.75
+    assert d[2]["accept_rate"] == 0.5 and d[2]["accept_given_previous"] == round(2 / 3, 4)  # of 3 that kept #1
+    assert d[3]["accept_rate"] == 0.25 and d[3]["accept_given_previous"] == 0.5  # of the 2 that kept #1-#2
+    assert d[4]["accept_rate"] == round(1 / 3, 4) and d[4]["accept_given_previous"] == 1.0
+    merged = s.merge(s)
+    rates = lambda st: [(r["accept_rate"], r["accept_given_previous"]) for r in st.by_depth()]  # noqa: E731
+    assert rates(merged) == rates(s) and merged.offered_at[1] == 8
+    assert s.to_dict()["mean_accepted_length"] == round(11 / 4, 4)

@@ -206,7 +206,7 @@ def _summary(modes, outputs, timings, prompts, target, proposer, max_new_tokens,
                 stats = stats.merge(r.stats)
             entry.update({key: stats.to_dict()[key] for key in
                           ("acceptance_rate", "mean_accepted", "tokens_per_call", "hist",
-                           "target_calls", "draft_calls", "mean_k")})
+                           "target_calls", "draft_calls", "mean_k", "mean_accepted_length", "by_depth")})
         out["modes"][name] = entry
     return out
 

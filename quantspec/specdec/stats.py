@@ -12,6 +12,9 @@ class SpecStats:
 
     proposed / accepted: draft tokens offered and kept, summed over verifications.
     hist: accepted drafts per verification -> count. k_used: draft length of each target call.
+    offered_at / reached_at / accepted_at: per draft position d (1-based), the verifications that
+    proposed at least d drafts / of those, the ones that accepted the first d-1 / accepted at
+    least d (``by_depth`` turns them into rates).
     draft_s / target_s: wall time inside the proposer and inside verifying target forwards (the
     rest of wall_s is the prompt's prefill and the loop's own work).
     """
@@ -27,6 +30,9 @@ class SpecStats:
     target_s: float = 0.0
     hist: Counter = field(default_factory=Counter)
     k_used: list[int] = field(default_factory=list)
+    offered_at: Counter = field(default_factory=Counter)
+    accepted_at: Counter = field(default_factory=Counter)
+    reached_at: Counter = field(default_factory=Counter)
 
     def record(self, n_accepted: list[int], n_proposed: list[int]) -> None:
         """One verification per active row of one target call."""
@@ -35,6 +41,10 @@ class SpecStats:
             self.proposed += p
             self.accepted += n
             self.hist[n] += 1
+            for d in range(1, p + 1):
+                self.offered_at[d] += 1
+                self.reached_at[d] += n >= d - 1
+                self.accepted_at[d] += n >= d
 
     @property
     def acceptance_rate(self) -> float:
@@ -50,6 +60,18 @@ class SpecStats:
     def tokens_per_call(self) -> float:
         """New tokens per row and target call (accepted drafts + 1, up to stops)."""
         return self.new_tokens / self.verifications if self.verifications else 0.0
+
+    def by_depth(self) -> list[dict]:
+        """Per draft position d = 1..max: ``offered`` (verifications with a d-th draft),
+        ``accept_rate`` (of those, the share that accepted at least d drafts) and
+        ``accept_given_previous`` (the share accepting the d-th draft among those that offered it
+        and accepted the first d-1: the draft's agreement with the target at that position)."""
+        out = []
+        for d in range(1, max(self.offered_at, default=0) + 1):
+            offered, acc, reached = self.offered_at[d], self.accepted_at[d], self.reached_at[d]
+            out.append({"depth": d, "offered": offered, "accept_rate": round(acc / offered, 4) if offered else None,
+                        "accept_given_previous": round(acc / reached, 4) if reached else None})
+        return out
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,6 +91,9 @@ class SpecStats:
             target_s=self.target_s + other.target_s,
             hist=self.hist + other.hist,
             k_used=self.k_used + other.k_used,
+            offered_at=self.offered_at + other.offered_at,
+            accepted_at=self.accepted_at + other.accepted_at,
+            reached_at=self.reached_at + other.reached_at,
         )
 
     def to_dict(self) -> dict:
@@ -88,4 +113,6 @@ class SpecStats:
             "target_s": round(self.target_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mean_k": round(sum(self.k_used) / len(self.k_used), 3) if self.k_used else 0.0,
+            "mean_accepted_length": round(self.tokens_per_call, 4),
+            "by_depth": self.by_depth(),
         }
