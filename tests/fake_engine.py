@@ -11,6 +11,7 @@ thread of the test (``start_in_thread``). Timings come from the environment (or 
   FAKE_FAIL_START ("")         print this as an error and exit 1 before listening
   FAKE_STARTUP_S (0)           wait this long before listening
   FAKE_CHILD ("")              spawn a sleeping child process and write its pid to this file
+  FAKE_REJECT_ECHO ("")        answer non-streamed (log-probability) requests with HTTP 400
 
 Every streamed token is the text " t"; echo + logprobs returns log(1/2) for every prompt token
 after the first, so the perplexity through it is exactly 2.
@@ -95,6 +96,8 @@ def make_handler(b: Behaviour):
             prompt = body["prompt"]
             n = int(body.get("max_tokens", 16))
             if not body.get("stream"):
+                if os.environ.get("FAKE_REJECT_ECHO"):
+                    return self._json(400, {"error": "prompt logprobs are not supported"})
                 ids = prompt if isinstance(prompt, list) else prompt.split()
                 lps = [None] + [math.log(0.5)] * (len(ids) - 1) + [math.log(0.5)] * n
                 return self._json(200, {"choices": [{"text": " t" * n, "logprobs": {"token_logprobs": lps}}],

@@ -273,6 +273,20 @@ def test_server_dying_mid_run_keeps_partial_results(engine_python, tmp_path, mon
     assert second["partial"] and second["completed"] == 0 and second["failed"] == 4
 
 
+def test_unusable_answers_fail_the_target_not_the_run(engine_python, smollm2_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("FAKE_REJECT_ECHO", "1")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = BenchConfig(levels=[Level("concurrency", 1)], warmup=1, ppl_data=str(text), ppl_seqlen=32, ppl_windows=1)
+    out = serve_bench([Target("a", "folder"), Target("b", "folder")], EngineSpec(python=engine_python, startup_timeout=60),
+                      [Request("x", 3)], cfg, out_dir=tmp_path, json_path=tmp_path / "r.json",
+                      tokenizer=AutoTokenizer.from_pretrained(smollm2_dir))
+    assert [t["status"] for t in out["targets"]] == ["failed", "failed"] and out["status"] == "partial"
+    assert out["targets"][0]["error"].startswith("ValueError: HTTP 400") and "not supported" in out["targets"][0]["error"]
+
+
 def _cli(args, env=None, **kw):
     return subprocess.run([sys.executable, "-m", "quantspec", "serve-bench", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=300, **kw)

@@ -4,6 +4,7 @@ measured (marked ``partial``)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 from collections.abc import Callable
@@ -164,11 +165,15 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
                     entry["server"]["exit_code"] = srv.proc.returncode if srv.proc else None
                 entry["status"] = "ok"
             except ServerDied as exc:
-                entry.update(status="partial", error=str(exc))
+                entry.update(status="partial" if entry["levels"] else "failed", error=str(exc))
                 say(f"{t.label}: {exc}; kept {len(entry['levels'])} finished levels")
             except QuantspecError as exc:
                 entry.update(status="failed", error=str(exc))
                 say(f"{t.label}: failed: {exc}")
+            except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:  # an answer we cannot use
+                entry.update(status="partial" if entry["levels"] or entry["accuracy"] else "failed",
+                             error=f"{type(exc).__name__}: {exc}")
+                say(f"{t.label}: failed: {entry['error']}")
             save()
         result["status"] = "ok" if all(e["status"] == "ok" for e in result["targets"]) else "partial"
     except KeyboardInterrupt:

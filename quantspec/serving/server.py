@@ -163,7 +163,7 @@ class EngineServer:
                     models = get_json(ep, "/v1/models", timeout=10)
                     if any(m.get("id") == self.name for m in models.get("data", [])):
                         return
-            except (OSError, ValueError, Exception):  # noqa: BLE001 - not up yet
+            except Exception:  # noqa: BLE001 - not up yet (refused, reset, half-started app)
                 pass
             time.sleep(self.poll)
 
