@@ -331,7 +331,8 @@ def test_cli_bad_input_is_one_line_before_any_server(engine_python, tmp_path):
     assert not (tmp_path / "o2" / "serve-bench.json").exists()
 
 
-def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -347,7 +348,7 @@ def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path):
         time.sleep(0.1)
     time.sleep(1.5)  # warm-up done, the first level under way
     kid = int(child.read_text())
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     time.sleep(0.3)

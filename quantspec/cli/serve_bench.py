@@ -100,6 +100,17 @@ def _tokenizer(args, targets):
     return None, None
 
 
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (a scheduler, ``timeout``, ``kill``) ends the run as Ctrl-C does: servers stopped,
+    the JSON marked interrupted, exit 130."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint.load import is_quantized_folder
     from ..errors import QuantspecError
@@ -176,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                          "args": spec and spec.args, "env": spec and spec.env},
               "dataset": args.dataset, "machine": describe_machine()}
     json_path = args.json or args.out / "serve-bench.json"
+    _terminate_as_interrupt()
     say(f"{len(targets)} server run(s) x {len(levels)} level(s), {len(requests)} requests each; JSON {json_path}")
     result = serve_bench(targets, spec, requests, cfg, out_dir=args.out, json_path=json_path, tokenizer=tokenizer,
                          tokenizer_path=tokenizer_path, header=header, say=say)

@@ -184,6 +184,12 @@ def serving_markdown(result: dict, png: str | None) -> str:
         lines.append("")
     if png:
         lines += [f"![latency against throughput]({Path(png).name})", ""]
+    if result.get("machine"):
+        from ..eval.machine import machine_line
+
+        lines += [f"Machine: {machine_line(result['machine'])}. Dataset: {result.get('dataset')}; "
+                  f"{result.get('config', {}).get('num_prompts')} requests per level, targets measured one "
+                  "after another, each on a freshly started server.", ""]
     lines += [f"Command: `{result.get('command')}`", ""]
     return "\n".join(lines)
 
