@@ -143,7 +143,11 @@ def _random_float_result(scheme: QuantScheme, n=32, k=128, seed=0) -> QuantResul
         codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64)
         codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8)  # no NaN bytes
         inp = torch.rand(1, generator=g) if scheme.static_activations else None
-        return QuantResult(codes, torch.rand(n, 1, generator=g) + 0.01, None, None, scheme, input_scale=inp)
+        if scheme.is_block:  # one scale per 128x128 block, held on each of its rows
+            scales = (torch.rand(-(-n // 128), k // 128, generator=g) + 0.01).repeat_interleave(128, dim=0)[:n]
+        else:
+            scales = torch.rand(n, 1, generator=g) + 0.01
+        return QuantResult(codes, scales, None, None, scheme, input_scale=inp)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
     gsz = scheme.group_size
     if scheme.weights == "nvfp4":
@@ -194,6 +198,8 @@ def _ct_compress(result: QuantResult) -> dict[str, torch.Tensor]:
         lin.weight.copy_(result.dequantize())
         if result.scheme.weights == "mxfp4":
             lin.weight_scale.copy_(torch.exp2(result.scales.float() - 127))
+        elif result.scheme.is_block:  # their [ceil(N/128), K/128]: the first row of each block
+            lin.weight_scale.copy_(result.scales[::128].float())
         else:
             lin.weight_scale.copy_(result.scales.float())
         if result.global_scale is not None:
@@ -246,7 +252,8 @@ def test_config_reads_llm_compressor_presets():
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    for preset, ours in (("FP8_DYNAMIC", "fp8-dynamic"), ("NVFP4A16", "nvfp4"), ("MXFP4A16", "mxfp4")):
+    for preset, ours in (("FP8_DYNAMIC", "fp8-dynamic"), ("FP8_BLOCK", "fp8-block"), ("NVFP4A16", "nvfp4"),
+                         ("MXFP4A16", "mxfp4")):
         group = preset_name_to_scheme(preset, ["Linear"]).model_dump(mode="json")
         fmt = CT.quantization_config(SCHEME_PRESETS[ours], [])["format"]
         cfg = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",

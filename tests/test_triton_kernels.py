@@ -405,6 +405,22 @@ def test_float_weight_only_matches_reference(tk, preset, m, dtype, n, k):
 
 
 @interp
+@pytest.mark.parametrize("m,n,k", [(1, 72, 128), (5, 130, 256), (40, 256, 384)])
+def test_fp8_block_weight_only_matches_reference(tk, m, n, k):
+    """FP8 block scales (one per 128x128 block, held per row: fscales [K/128, N], GROUP 128);
+    rows of very different magnitudes so a scale read from the wrong block shows."""
+    from quantspec.quant.scheme import SCHEME_PRESETS
+
+    scheme = SCHEME_PRESETS["fp8-block-weight"]
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None] * torch.logspace(1, -1, k)[None, :]
+    r = rtn(w, scheme)
+    x = torch.randn(m, k, generator=g)
+    y, y_ref = run_both(tk.backend.TritonBackend(), r, x, torch.randn(n, generator=g))
+    check_close(y, y_ref, torch.float32)
+
+
+@interp
 def test_float_decoders_cover_every_code(tk):
     """Every E4M3FN byte (but NaN) and every E2M1 nibble decodes to torch's / the table's value."""
     import triton

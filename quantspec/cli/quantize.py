@@ -34,8 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--w8a8", action="store_true", help="int8 weights and dynamic per-token int8 activations")
     p.add_argument("--scheme", choices=list(SCHEME_PRESETS),
                    help="a float scheme (compressed-tensors format): fp8-weight (E4M3 per channel, weight-only), "
-                        "fp8-dynamic (and FP8 activations per token), nvfp4, mxfp4; --bits/--group-size name the "
-                        "integer schemes")
+                        "fp8-dynamic (and FP8 activations per token), fp8-static, fp8-block (a scale per 128x128 "
+                        "weight block, FP8 activations per token per 128 columns; layers whose K is not a "
+                        "multiple of 128 stay dense), fp8-block-weight (weight-only), nvfp4, mxfp4; "
+                        "--bits/--group-size name the integer schemes")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--kv-cache", choices=["fp8", "int8"],
                    help="calibrate KV-cache scales (keys after RoPE, values) on the calibration data and write them "

@@ -12,6 +12,10 @@ naive-quantized), fp8 with  weight_scale fp32 [N, 1]     per output channel
 fp8-token-dynamic or        input_scale fp32 [1]         fp8-tensor-static only: amax / 448 of
 fp8-tensor-static                                        the layer's calibration inputs
 (float-quantized)
+fp8 block (group_size 128;  weight float8_e4m3fn [N, K]  the E4M3FN codes
+weight-only: naive-         weight_scale fp32            one per block of 128 rows x 128
+quantized; with fp8-group-  [ceil(N/128), K/128]         columns (the last row of blocks may be
+dynamic: float-quantized)                                shorter; K must be a multiple of 128)
 nvfp4                       weight_packed uint8 [N, K/2] E2M1 nibbles, column 2j in the low
                                                          nibble of byte j, 2j+1 in the high
                             weight_scale float8_e4m3fn   per 16 columns, divided by the global
@@ -20,6 +24,11 @@ nvfp4                       weight_packed uint8 [N, K/2] E2M1 nibbles, column 2j
 mxfp4                       weight_packed uint8 [N, K/2] as nvfp4
                             weight_scale uint8 [N, K/32] E8M0: ``2 ** (e - 127)``
 ==========================  ===========================  =====================================
+
+FP8 block (compressed-tensors' FP8_BLOCK): weights ``strategy "block"``, ``block_structure
+[128, 128]``; activations (fp8-group-dynamic) ``strategy "group"``, ``group_size 128``,
+``dynamic true``. ``pack`` keeps one row of ``QuantResult.scales`` per block (and raises when
+the rows of a block disagree), ``unpack`` repeats it on every row of its block.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..quant.floatcodes import pack_fp4_pairs, unpack_fp4_pairs
-from ..quant.scheme import QuantResult, QuantScheme
+from ..quant.scheme import FP8_BLOCK, QuantResult, QuantScheme
 
 FP8_WEIGHT_ONLY = "naive-quantized"
 FP8_DYNAMIC = "float-quantized"
@@ -42,6 +51,9 @@ _FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": N
               "strategy": "token", "dynamic": True}
 _FP8_TENSOR = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
                "strategy": "tensor", "dynamic": False}
+_FP8_GROUP = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": FP8_BLOCK,
+              "strategy": "group", "dynamic": True}
+_INPUT_ARGS = {"fp8-token-dynamic": _FP8_TOKEN, "fp8-tensor-static": _FP8_TENSOR, "fp8-group-dynamic": _FP8_GROUP}
 
 
 def format_name(scheme: QuantScheme) -> str:
@@ -51,6 +63,9 @@ def format_name(scheme: QuantScheme) -> str:
 
 
 def cannot_hold(scheme: QuantScheme, out_features: int, in_features: int) -> str | None:
+    if scheme.is_block and in_features % FP8_BLOCK:
+        return (f"in_features={in_features} is not a multiple of {FP8_BLOCK} "
+                f"(fp8 block scales cover {FP8_BLOCK}x{FP8_BLOCK} blocks; loaders need whole column blocks)")
     if scheme.weights != "fp8" and in_features % scheme.group_size:
         return f"in_features={in_features} is not a multiple of {scheme.group_size} ({scheme.weights} groups)"
     return None
@@ -58,7 +73,8 @@ def cannot_hold(scheme: QuantScheme, out_features: int, in_features: int) -> str
 
 def tensor_specs(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if scheme.weights == "fp8":
-        specs = {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, 1), torch.float32)}
+        scale_shape = (-(-n // FP8_BLOCK), k // FP8_BLOCK) if scheme.is_block else (n, 1)
+        specs = {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": (scale_shape, torch.float32)}
         if scheme.static_activations:
             specs["input_scale"] = ((1,), torch.float32)
         return specs
@@ -74,8 +90,9 @@ def tensor_specs(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[i
 def pack(result: QuantResult) -> dict[str, torch.Tensor]:
     scheme = result.scheme
     if scheme.weights == "fp8":
+        scales = result.scales.to(torch.float32)
         out = {"weight": result.qweight.contiguous().view(torch.float8_e4m3fn),
-               "weight_scale": result.scales.to(torch.float32).contiguous()}
+               "weight_scale": _block_rows(scales) if scheme.is_block else scales.contiguous()}
         if scheme.static_activations:
             out["input_scale"] = result.input_scale.to(torch.float32).reshape(1).contiguous()
         return out
@@ -91,15 +108,33 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: QuantScheme, n: int, k: int
     if scheme.weights == "fp8":
         codes = tensors["weight"].contiguous().view(torch.uint8)
         inp = tensors["input_scale"].contiguous() if scheme.static_activations else None
-        return QuantResult(codes, tensors["weight_scale"].to(torch.float32).contiguous(), None, None, scheme,
-                           input_scale=inp)
+        scales = tensors["weight_scale"].to(torch.float32)
+        if scheme.is_block:
+            scales = scales.repeat_interleave(FP8_BLOCK, dim=0)[:n]
+        return QuantResult(codes, scales.contiguous(), None, None, scheme, input_scale=inp)
     packed = tensors["weight_packed"]
     codes = unpack_fp4_pairs(packed)
     gscale = tensors["weight_global_scale"].contiguous() if scheme.weights == "nvfp4" else None
     return QuantResult(codes, tensors["weight_scale"].contiguous(), None, None, scheme, global_scale=gscale)
 
 
+def _block_rows(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, G] per-row scales of an FP8 block result -> [ceil(N/128), G], one row per block;
+    ValueError when the rows of a block do not all hold the block's scale."""
+    blocks = scales[::FP8_BLOCK].contiguous()
+    if not torch.equal(blocks.repeat_interleave(FP8_BLOCK, dim=0)[: scales.shape[0]], scales):
+        raise ValueError(f"fp8 block scales differ within a block of {FP8_BLOCK} rows; "
+                         "an FP8 block result holds its block's scale on every row")
+    return blocks
+
+
 def weights_args(scheme: QuantScheme) -> dict:
+    if scheme.is_block:  # compressed-tensors' FP8_BLOCK weights, field for field
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                "block_structure": [FP8_BLOCK, FP8_BLOCK], "group_size": None, "dynamic": False}
+        if scheme.act_order:
+            args["actorder"] = "weight"
+        return args
     args = {
         "num_bits": scheme.bits,
         "type": "float",
@@ -116,7 +151,8 @@ def weights_args(scheme: QuantScheme) -> dict:
 
 
 def input_args(scheme: QuantScheme) -> dict | None:
-    return {"fp8-token-dynamic": _FP8_TOKEN, "fp8-tensor-static": _FP8_TENSOR}.get(scheme.activations)
+    args = _INPUT_ARGS.get(scheme.activations)
+    return None if args is None else dict(args)
 
 
 def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
@@ -126,16 +162,19 @@ def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
     group = w.get("group_size")
     if bits == 8 and strategy == "channel":
         weights, group_size = "fp8", -1
+    elif bits == 8 and strategy == "block" and group is None and list(w.get("block_structure") or []) == [
+            FP8_BLOCK, FP8_BLOCK]:
+        weights, group_size = "fp8", FP8_BLOCK
     elif bits == 4 and group == 16 and strategy in ("tensor_group", "group"):
         weights, group_size = "nvfp4", 16
     elif bits == 4 and group == 32 and strategy == "group":
         weights, group_size = "mxfp4", 32
     else:
         raise QuantspecError(
-            f"compressed-tensors float weights ({bits} bits, strategy {strategy!r}, group {group}) "
-            "are not supported.",
-            "use FP8 per channel, NVFP4 (group 16) or MXFP4 (group 32); per-tensor and block FP8 "
-            "are not read yet.",
+            f"compressed-tensors float weights ({bits} bits, strategy {strategy!r}, group {group}, "
+            f"block_structure {w.get('block_structure')}) are not supported.",
+            "use FP8 per channel or in 128x128 blocks, NVFP4 (group 16) or MXFP4 (group 32); per-tensor "
+            "FP8 and other block shapes are not read yet.",
         )
     if not w.get("symmetric", True):
         raise QuantspecError("asymmetric float weights are not supported.", "use symmetric FP8/FP4.")
@@ -163,8 +202,10 @@ def _fp8_activations(acts: dict) -> str:
         return "fp8-token-dynamic"
     if fp8 and strategy == "tensor" and dynamic is False:
         return "fp8-tensor-static"
+    if fp8 and strategy == "group" and acts.get("group_size") == FP8_BLOCK and dynamic is True:
+        return "fp8-group-dynamic"
     raise QuantspecError(
         f"compressed-tensors float input_activations {acts} are not supported.",
-        "quantspec runs FP8 activations per token dynamically (FP8_DYNAMIC) or per tensor with a "
-        "calibrated scale (FP8).",
+        "quantspec runs FP8 activations per token dynamically (FP8_DYNAMIC), per tensor with a "
+        f"calibrated scale (FP8) or per token per {FP8_BLOCK} columns dynamically (FP8_BLOCK).",
     )

@@ -318,8 +318,9 @@ def prepare_float(result: QuantResult) -> dict[str, torch.Tensor]:
 
 
 class CpuBackend:
-    """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors; FP8 / NVFP4
-    / MXFP4 weight-only with unquantized activations (``prepare_float``)."""
+    """Packed 2/3/4/8-bit weights (any group size, act-order, W8A8) on CPU tensors; FP8 (per
+    channel) / NVFP4 / MXFP4 weight-only with unquantized activations (``prepare_float``). FP8
+    block scales and FP8 activations are left to the reference backend (``cannot_run`` says so)."""
 
     name = "cpu"
 
@@ -327,6 +328,9 @@ class CpuBackend:
         if scheme.is_float:
             if scheme.activations is not None:
                 return f"{scheme.short_name} (FP8 activations) runs on the reference backend"
+            if scheme.is_block:
+                return ("fp8 block scales (one per 128x128 block) run on the reference backend "
+                        "(cpu_fgemv.cpp takes one fp8 scale per output channel)")
             if load_cpu_ext() is None:
                 return f"{scheme.weights} weights need the C++ extension (cpu_fgemv.cpp), which is not built here"
             if in_features % (16 if scheme.weights == "fp8" else scheme.group_size):

@@ -62,7 +62,9 @@ def _qualifies(experts: LinearExperts) -> bool:
     if not all(isinstance(m, QuantLinear) and m.backend_name == "triton" and m.bias is None for m in lins):
         return False
     schemes = {m.scheme for m in lins}
-    if len(schemes) != 1 or next(iter(schemes)).act_order or next(iter(schemes)).activations:
+    scheme = next(iter(schemes))
+    # the grouped kernel reads integer layouts (qweight); float weights (fcodes) go per expert
+    if len(schemes) != 1 or scheme.act_order or scheme.activations or scheme.is_float:
         return False
     return not any({"perm", "g_idx"} & set(m.prepared()) for m in lins)
 

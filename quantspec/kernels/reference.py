@@ -1,9 +1,11 @@
 """The reference backend: dequantize, then a dense matmul. Runs every scheme on any device.
 
 It is the oracle of every test: slow, simple, and obviously correct. W8A8 layers also quantize
-their activations per token (symmetric int8, dynamic; FP8 E4M3 for fp8-dynamic) so the
-reference matches what the fast W8A8 kernels compute. Float weights (FP8, NVFP4, MXFP4) are
-decoded through their code tables (``quant/floatcodes.py``).
+their activations per token (symmetric int8, dynamic; FP8 E4M3 for fp8-dynamic; FP8 E4M3 per
+token per 128 columns for FP8 block's fp8-group-dynamic, multiplied as the dequantized
+activations ``q * scale``, as compressed-tensors does) so the reference matches what the fast
+W8A8 kernels compute. Float weights (FP8, NVFP4, MXFP4) are decoded through their code tables
+(``quant/floatcodes.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.floatcodes import dequantize_values, round_fp8
-from ..quant.floatgrid import quantize_per_token_fp8
+from ..quant.floatgrid import quantize_per_group_fp8, quantize_per_token_fp8
 from ..quant.scheme import QuantResult, QuantScheme
 
 
@@ -70,6 +72,10 @@ class ReferenceBackend:
         if scheme.activations == "fp8-token-dynamic":
             qx, sx = quantize_per_token_fp8(flat)
             y = (qx @ w.T) * sx
+        elif scheme.activations == "fp8-group-dynamic":
+            glen = scheme.group_len(in_features)
+            qx, sx = quantize_per_group_fp8(flat, glen)
+            y = (qx * sx.repeat_interleave(glen, dim=1)) @ w.T
         elif scheme.static_activations:
             sx = prepared["input_scale"].to(torch.float32)
             qx = round_fp8(flat.to(torch.float32) / sx)

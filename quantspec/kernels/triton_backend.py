@@ -12,8 +12,10 @@ Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
   asymmetric; with act-order either ``perm`` int32 [K] (strategy "permute") or ``g_idx``
   int32 [K] (strategy "gidx").
 * W8A8: ``qweight`` int8 [N, K] (code - 128), ``wscale`` fp32 [N].
-* float weight-only (FP8, NVFP4, MXFP4): ``fcodes`` uint8 and decoded fp32 ``fscales``
-  (``triton/fp_gemm.py``); FP8 activations run on the reference backend for now.
+* float weight-only (FP8 per channel or in 128x128 blocks, NVFP4, MXFP4): ``fcodes`` uint8 and
+  decoded fp32 ``fscales`` [G, N] (``triton/fp_gemm.py``; FP8 block: the per-row scales of the
+  canonical result, one row of scales per 128 input columns); FP8 activations run on the
+  reference backend for now.
 
 Act-order strategies. "permute" (default) sorts the rows of W by group once at load, so every
 group is contiguous again and a tile reads one row of scales, and gathers x's columns at run
@@ -148,7 +150,7 @@ class TritonBackend:
         if scheme.is_float:
             fp8 = scheme.weights == "fp8"
             y = fp_linear(x2, prepared["fcodes"], prepared["fscales"], bias, FP8 if fp8 else FP4,
-                          PER_CHANNEL_GROUP if fp8 else scheme.group_size)
+                          PER_CHANNEL_GROUP if scheme.group_size == -1 else scheme.group_size)
         elif scheme.activations == "int8-token-dynamic":
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         else:

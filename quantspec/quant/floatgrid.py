@@ -4,19 +4,21 @@ Pure tensor functions. A float scheme's ``QuantResult`` holds
 
 * ``qweight``: uint8 codes, the FP8 E4M3FN byte (``fp8``) or the E2M1 nibble (``nvfp4``,
   ``mxfp4``: bits 0-2 the magnitude index into 0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign);
-* ``scales``: as the checkpoint stores them: float32 [N, G] (``fp8``), float8_e4m3fn [N, K/16]
-  to be divided by the per-tensor ``global_scale`` (``nvfp4``), uint8 E8M0 exponents
-  [N, K/32] meaning ``2 ** (e - 127)`` (``mxfp4``);
+* ``scales``: float32 [N, 1] (``fp8`` per channel), float32 [N, K/128] (FP8 block: every row of
+  a block of 128 rows holds the block's scale; the checkpoint stores one row per block),
+  float8_e4m3fn [N, K/16] to be divided by the per-tensor ``global_scale`` (``nvfp4``), uint8
+  E8M0 exponents [N, K/32] meaning ``2 ** (e - 127)`` (``mxfp4``);
 * ``global_scale``: float32 [1], ``nvfp4`` only.
 
 ``w[n, k] = value(code[n, k]) * decoded_scale[n, g]`` with ``g = k // group_len``.
 
 Scales (element codes and rounding: ``floatcodes.py``):
-``fp8`` amax / 448; ``nvfp4`` the global scale ``448 * 6 / amax(W)`` maps the largest group scale
-to E4M3's top, each group's ``amax / 6`` is stored as ``E4M3(amax / 6 * global)``; ``mxfp4``
-tries the two power-of-two exponents around ``amax / 6`` (the OCP rule ``floor(log2 amax) - 2``,
-which may clip the group max, and the next one, which never clips) and keeps the one with the
-smaller squared error of the group.
+``fp8`` amax / 448 of the channel, or of the 128x128 block (``block_scales``; the last block of
+rows may be shorter, K must be a multiple of 128); ``nvfp4`` the global scale
+``448 * 6 / amax(W)`` maps the largest group scale to E4M3's top, each group's ``amax / 6`` is
+stored as ``E4M3(amax / 6 * global)``; ``mxfp4`` tries the two power-of-two exponents around
+``amax / 6`` (the OCP rule ``floor(log2 amax) - 2``, which may clip the group max, and the next
+one, which never clips) and keeps the one with the smaller squared error of the group.
 """
 
 from __future__ import annotations
@@ -67,6 +69,26 @@ def group_scales(
     return (best + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
 
 
+def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
+    """FP8 block scales of ``w`` [N, K] (K a multiple of ``block``): fp32 [N, K / block], the
+    amax / 448 of each ``block`` x ``block`` block (1 for an all-zero block) on every row of the
+    block; a last block of fewer than ``block`` rows takes the amax of its own rows."""
+    n, k = w.shape
+    if k % block:
+        raise ValueError(f"fp8 block: K={k} is not a multiple of the block size {block}")
+    rows = -(-n // block)
+    a = torch.nn.functional.pad(w.detach().to(torch.float32).abs(), (0, 0, 0, rows * block - n))  # |0| adds nothing
+    scale = a.view(rows, block, k // block, block).amax(dim=(1, 3)) / FP8_MAX  # [rows, K / block]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale.repeat_interleave(block, dim=0)[:n].contiguous()
+
+
+def fake_quantize_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] quantized and dequantized on FP8 block scales (fp32): ``rtn_float``'s values."""
+    scale = block_scales(w, block).repeat_interleave(block, dim=1)
+    return on_grid(w.to(torch.float32), scale, "fp8")
+
+
 def fake_quantize_groups(groups: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None) -> torch.Tensor:
     """Each row of ``groups`` ([R, L], one group each) quantized and dequantized with its own
     scale (NVFP4: under the tensor's ``gscale``), fp32: ``rtn_float``'s values."""
@@ -75,7 +97,8 @@ def fake_quantize_groups(groups: torch.Tensor, scheme: QuantScheme, gscale: torc
 
 
 def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
-    """Round-to-nearest of a [N, K] weight onto ``scheme``'s float grid, group by group."""
+    """Round-to-nearest of a [N, K] weight onto ``scheme``'s float grid, group by group (FP8
+    block: with the scale of each 128x128 block)."""
     n, k = weight.shape
     glen = scheme.group_len(k)
     if k % glen:
@@ -83,7 +106,7 @@ def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
     w = weight.detach().to(torch.float32)
     gs = global_scale(w) if scheme.weights == "nvfp4" else None
     groups = w.reshape(-1, glen)
-    stored = group_scales(groups, scheme, gs)
+    stored = block_scales(w, glen).reshape(-1) if scheme.is_block else group_scales(groups, scheme, gs)
     scale = decode_scales(stored, scheme.weights, gs).unsqueeze(1)
     codes = encode(groups / scale, scheme.weights).reshape(n, k)
     return QuantResult(codes, stored.reshape(n, -1), None, None, scheme, global_scale=gs)
@@ -94,6 +117,15 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = (amax / FP8_MAX).clamp(min=1e-12)
     return round_fp8(x.to(torch.float32) / scale), scale
+
+
+def quantize_per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, K / group]: absmax / 448 of each
+    token's ``group`` consecutive columns, dynamic (``fp8-group-dynamic``; K a multiple of group)."""
+    m, k = x.shape
+    xg = x.to(torch.float32).view(m, k // group, group)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return round_fp8(xg / scale).view(m, k), scale.view(m, k // group)
 
 
 def e4m3fn_to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ updates of ``block_size`` columns). The grid is RTN's (``rtn.qparams`` / ``quant
 
 Group parameters are found from the *current* (error-updated) columns of a group when the group
 starts (float schemes: FP8 / FP4 scales, ``floatgrid.py``, and the nearest value of their
-non-uniform grid for each column). Blocks are split at group starts so that every column of the group is up to date at that
+non-uniform grid for each column; FP8 block: one scale per 128 rows of the group's current
+columns). Blocks are split at group starts so that every column of the group is up to date at that
 moment, which makes the blocked algorithm equal to the unblocked column-by-column one (the
 reference implementation reads partly stale columns when group_size < block_size).
 
@@ -22,7 +23,7 @@ import torch
 from ..errors import QuantspecError
 from .hessian import accumulate_hessian, make_empty_hessian
 from .floatcodes import code_values, decode_scales, encode
-from .floatgrid import global_scale, group_scales
+from .floatgrid import block_scales, global_scale, group_scales
 from .rtn import qparams
 from .scheme import QuantResult, QuantScheme
 
@@ -77,7 +78,10 @@ def _params(
     W: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, gscale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(stored scale [N], zero [N] | None) of the group ``W`` ([N, L]): RTN's grid, or a float
-    scheme's scales (``floatgrid.group_scales``, no zero)."""
+    scheme's scales (``floatgrid.group_scales``, no zero; FP8 block: ``block_scales`` of the
+    group's blocks of rows, on each row)."""
+    if scheme.is_block:
+        return block_scales(W, scheme.group_size)[:, 0], None  # K % 128 != 0 raises here
     if scheme.is_float:
         return group_scales(W, scheme, gscale), None
     return qparams(W, scheme, scale_dtype)

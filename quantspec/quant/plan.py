@@ -7,6 +7,8 @@ The documented rule for a layer the format cannot hold with the recipe's scheme:
    format holds that; the checkpoint records it as a per-layer override (GPTQ ``dynamic``,
    compressed-tensors config groups), so loaders read the true group size. Real engines
    (vLLM, Marlin) reject partial groups, so a partial last group is never written.
+   Float schemes are never regrouped: their group sizes are fixed by the number format (NVFP4
+   16, MXFP4 32, FP8 block 128x128), so such a layer stays dense (rule 2).
 2. Anything else the format cannot hold (AWQ and N not divisible by 8, say) stays dense.
 
 Both are reported per layer in quant_report.json; nothing is dropped silently.
@@ -87,7 +89,8 @@ def _fit(scheme: QuantScheme, fmt, n: int, k: int) -> tuple[QuantScheme | None, 
 
     regroup = fmt.name in SUPPORTS_OVERRIDES
     permuted = scheme.act_order and not scheme.static_groups  # g_idx written: kept as asked
-    if regroup and scheme.group_size != -1 and k % scheme.group_size != 0 and not permuted:
+    fixed = scheme.is_float  # float group sizes belong to the number format: never regrouped
+    if regroup and not fixed and scheme.group_size != -1 and k % scheme.group_size != 0 and not permuted:
         for g in (128, 64, 32, -1):
             if g != -1 and (g >= scheme.group_size or k % g != 0):
                 continue

@@ -77,6 +77,12 @@ class Recipe:
                 f"use one of {[m for m, sp in METHODS.items() if not sp.activations]} with --scheme "
                 f"{self.scheme.short_name}.",
             )
+        if self.scheme.is_block and self.awq.clip and "awq" in (self.method, *spec.steps):
+            raise QuantspecError(
+                "AWQ's clip search scores each row's group on that row's own scale, but fp8 block "
+                "weights share one scale per 128 rows.",
+                "drop --clip (awq.clip: false); AWQ's scale search itself runs on fp8 blocks.",
+            )
         if self.scheme.activations is not None and self.format != "compressed-tensors":
             raise QuantspecError(
                 f"W8A8 cannot be written in the {self.format!r} format.",

@@ -12,7 +12,10 @@ Conventions (shared by every algorithm, format and kernel):
 
 Float schemes (``weights`` "fp8", "nvfp4", "mxfp4") keep the same result type with float codes
 and scales as ``floatgrid.py`` describes (codes are E4M3 bytes or E2M1 nibbles, symmetric,
-no zeros; NVFP4 adds a per-tensor ``global_scale``).
+no zeros; NVFP4 adds a per-tensor ``global_scale``). FP8 *block* (``weights="fp8"``,
+``group_size=128``: DeepSeek-V3's and compressed-tensors' FP8_BLOCK) has one scale per block of
+128 rows x 128 columns; its ``scales`` stay [N, K/128] per row, every row of a block holding the
+block's scale, so every consumer keeps reading ``scales[n, g]``.
 """
 
 from __future__ import annotations
@@ -28,15 +31,20 @@ from .floatcodes import dequantize_values
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+FP8_BLOCK = 128  # rows and columns of an FP8 block scale
 # per weight type: its bits and the group sizes it allows (None: SUPPORTED_GROUP_SIZES)
 WEIGHT_TYPES: dict[str, tuple[int | None, tuple[int, ...] | None]] = {
     "int": (None, None),
-    "fp8": (8, (-1,)),  # E4M3FN, one fp32 scale per output channel
+    # E4M3FN, fp32 scales: -1 one per output channel; 128 one per block of 128 rows x 128 columns
+    # (FP8 block: ``QuantScheme.is_block``; stored per row as [N, K/128])
+    "fp8": (8, (-1, FP8_BLOCK)),
     "nvfp4": (4, (16,)),  # E2M1, E4M3 scale per 16 values, fp32 global scale
     "mxfp4": (4, (32,)),  # E2M1, E8M0 (power-of-two) scale per 32 values
 }
-ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic", "fp8-tensor-static")
-FP8_ACTIVATIONS = ("fp8-token-dynamic", "fp8-tensor-static")
+ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic", "fp8-tensor-static", "fp8-group-dynamic")
+FP8_ACTIVATIONS = ("fp8-token-dynamic", "fp8-tensor-static", "fp8-group-dynamic")
+# which fp8 weights each fp8 activation scheme goes with: per channel, or FP8 block
+_FP8_ACTIVATIONS_OF = {-1: ("fp8-token-dynamic", "fp8-tensor-static"), FP8_BLOCK: ("fp8-group-dynamic",)}
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,10 @@ class QuantScheme:
     processed in order of decreasing Hessian diagonal; the checkpoint carries g_idx).
     static_groups: with act_order, groups are fixed before reordering so g_idx stays
     ``k // group_size``. activations: None (weight-only) or "int8-token-dynamic" (W8A8).
+    weights: "int", or a float type (``WEIGHT_TYPES``); "fp8" with group_size 128 is FP8 block:
+    one scale per 128x128 block (``is_block``), whose activations are weight-only or
+    "fp8-group-dynamic" (absmax / 448 per token per 128 input columns, dynamic); per-channel
+    fp8 takes "fp8-token-dynamic" or "fp8-tensor-static".
     """
 
     bits: int = 4
@@ -115,19 +127,24 @@ class QuantScheme:
                 f"{self.weights} checkpoints store no g_idx: act-order needs static groups.",
                 "set static_groups=true (or drop act_order).",
             )
-        if self.activations not in (None, *FP8_ACTIVATIONS) or (
-            self.activations is not None and (self.weights != "fp8" or self.group_size != -1)
-        ):
+        allowed = _FP8_ACTIVATIONS_OF.get(self.group_size, ()) if self.weights == "fp8" else ()
+        if self.activations is not None and self.activations not in allowed:
             raise QuantspecError(
                 f"activations={self.activations!r} do not go with {self.weights} weights "
                 f"(group_size {self.group_size}).",
-                "use fp8-token-dynamic or fp8-tensor-static with per-channel fp8 weights, or weight-only.",
+                "use fp8-token-dynamic or fp8-tensor-static with per-channel fp8 weights, fp8-group-dynamic "
+                "with fp8 block weights (group_size 128), or weight-only.",
             )
 
     @property
     def static_activations(self) -> bool:
         """Activations quantized with one scale calibrated on data (``QuantResult.input_scale``)."""
         return self.activations == "fp8-tensor-static"
+
+    @property
+    def is_block(self) -> bool:
+        """FP8 block: one scale per 128 rows x 128 columns (``group_size`` both ways)."""
+        return self.weights == "fp8" and self.group_size == FP8_BLOCK
 
     @property
     def is_float(self) -> bool:
@@ -153,7 +170,11 @@ class QuantScheme:
 
     @property
     def short_name(self) -> str:
-        """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``, ``fp8``, ``fp8-dynamic``, ``nvfp4``."""
+        """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``, ``fp8``, ``fp8-dynamic``, ``fp8-block``,
+        ``nvfp4``."""
+        if self.is_block:
+            name = "fp8-block" + ("" if self.activations else "-weight")
+            return name + ("-actorder" if self.act_order else "")
         if self.is_float:
             name = self.weights + {None: "", "fp8-token-dynamic": "-dynamic", "fp8-tensor-static": "-static"}[self.activations]
             return name + ("-actorder" if self.act_order else "")
@@ -183,11 +204,14 @@ class QuantScheme:
 
 # The float schemes by the names the CLI's --scheme takes (compressed-tensors' presets:
 # FP8 weight-only, FP8_DYNAMIC, FP8 (static per-tensor activations; weights per channel here),
-# NVFP4A16, MXFP4A16).
+# FP8_BLOCK (128x128 weight blocks, activations per token per 128 columns) and its weight-only
+# variant, NVFP4A16, MXFP4A16).
 SCHEME_PRESETS: dict[str, QuantScheme] = {
     "fp8-weight": QuantScheme(bits=8, group_size=-1, weights="fp8"),
     "fp8-dynamic": QuantScheme(bits=8, group_size=-1, weights="fp8", activations="fp8-token-dynamic"),
     "fp8-static": QuantScheme(bits=8, group_size=-1, weights="fp8", activations="fp8-tensor-static"),
+    "fp8-block": QuantScheme(bits=8, group_size=FP8_BLOCK, weights="fp8", activations="fp8-group-dynamic"),
+    "fp8-block-weight": QuantScheme(bits=8, group_size=FP8_BLOCK, weights="fp8"),
     "nvfp4": QuantScheme(bits=4, group_size=16, weights="nvfp4"),
     "mxfp4": QuantScheme(bits=4, group_size=32, weights="mxfp4"),
 }

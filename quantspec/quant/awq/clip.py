@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..floatgrid import fake_quantize_groups, global_scale
+from ..floatgrid import fake_quantize_blocks, fake_quantize_groups, global_scale
 from ..rtn import dequantize_codes, qparams, quantize_codes, rtn
 from ..scheme import QuantResult, QuantScheme
 
@@ -54,7 +54,10 @@ def _global_scale(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor | N
 
 def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """RTN quantize-dequantize of [N, K] (fp32 out), equal to ``rtn(w).dequantize()``;
-    a partial last group is quantized on its own."""
+    a partial last group is quantized on its own. FP8 block weights share a scale across 128
+    rows, so they are quantized as a whole (K a multiple of 128)."""
+    if scheme.is_block:
+        return fake_quantize_blocks(weight, scheme.group_size)
     n, k = weight.shape
     w = grouped(weight, scheme)
     q = _fake_quantize_rows(w.reshape(-1, w.shape[-1]), scheme, _global_scale(weight, scheme)).reshape(w.shape)
@@ -75,6 +78,8 @@ def clip_error_curve(
     the group to ``amax * (1 - i/grid)``; error ``mean_t (x_g . (w_g - Q(clip(w_g))))^2`` (fp32;
     G = number of groups, a partial last group included). Step 0 is the unclipped group.
     """
+    if scheme.is_block:  # a row's clip would move the scale of its 127 block neighbours too
+        raise ValueError("AWQ clip search scores rows on their own scales; fp8 block weights share them")
     xg = grouped(x.detach(), scheme).permute(1, 0, 2)  # [G, T, L]
     gscale = _global_scale(weight, scheme)  # NVFP4: the unclipped tensor's
     steps = max(1, int(max_shrink * grid))
