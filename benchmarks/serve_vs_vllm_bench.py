@@ -83,7 +83,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--engine-python", required=True)
-    ap.add_argument("--engine-args", default="--dtype bfloat16 --max-model-len 2048")
+    # no prefix caching: both clients replay the same prompts, and neither may find the other's
+    # prefills cached
+    ap.add_argument("--engine-args", default="--dtype bfloat16 --max-model-len 2048 --no-enable-prefix-caching")
     ap.add_argument("--engine-env", default="VLLM_CPU_KVCACHE_SPACE=2")
     ap.add_argument("--levels", default="c1,c4,r2")
     ap.add_argument("--dataset", default="c4-bundled-heldout")

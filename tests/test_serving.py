@@ -167,6 +167,34 @@ def test_workload_files(tmp_path):
         build_workload("wikitext2", None, num_prompts=2)
 
 
+def test_each_level_gets_its_own_prompts():
+    from quantspec.serving.workload import split_levels
+
+    pool = [Request(f"p{i}", 4) for i in range(11)]
+    warm, levels, distinct = split_levels(pool, 3, 3, 2)
+    assert [[r.prompt for r in lv] for lv in levels] == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6", "p7", "p8"]]
+    assert [r.prompt for r in warm] == ["p9", "p10"] and distinct
+    warm, levels, distinct = split_levels(pool[:5], 2, 3, 1)
+    assert [r.prompt for r in levels[1]] == ["p3", "p4", "p0"] and not distinct
+
+
+def test_cli_draws_distinct_prompts_per_level(engine_python, smollm2_dir, tmp_path):
+    """Prompts drawn from a text: every level (and the warm-up) gets windows no other level
+    sends, so the engine's prefix cache cannot serve a later level's prefill."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(smollm2_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i}" for i in range(3000)))
+    p = _cli([str(model), "--engine-python", engine_python, "--concurrency", "1,2", "--dataset", str(text),
+              "--num-prompts", "3", "--input-len", "16", "--output-len", "2", "--out", str(tmp_path / "o"),
+              "--no-progress", "--baseline", "none"])
+    assert p.returncode == 0, p.stderr
+    r = json.loads((tmp_path / "o" / "serve-bench.json").read_text())
+    assert r["prompts_distinct"] is True
+
+
 def test_targets_and_spec_variants():
     t = build_targets(["ck"], baseline="dense", specs=["ngram:3", "draft=/x/y:2"], url=None)
     assert [x.role for x in t] == ["baseline", "checkpoint"] + ["speculative"] * 4
@@ -261,7 +289,7 @@ def test_engine_that_fails_to_start(engine_python, tmp_path, monkeypatch):
 
 def test_server_dying_mid_run_keeps_partial_results(engine_python, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_DIE_AFTER", "6")  # 2 warm-up + 4 of the first level, then it exits
-    cfg = BenchConfig(levels=[Level("concurrency", 1), Level("concurrency", 2)], warmup=2)
+    cfg = BenchConfig(levels=[Level("concurrency", 1), Level("concurrency", 2)], warmup=2, num_prompts=4)
     out = serve_bench([Target("m", "folder")], EngineSpec(python=engine_python, startup_timeout=60),
                       [Request("x", 3)] * 4, cfg, out_dir=tmp_path, json_path=tmp_path / "r.json")
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -279,7 +307,8 @@ def test_unusable_answers_fail_the_target_not_the_run(engine_python, smollm2_dir
     monkeypatch.setenv("FAKE_REJECT_ECHO", "1")
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    cfg = BenchConfig(levels=[Level("concurrency", 1)], warmup=1, ppl_data=str(text), ppl_seqlen=32, ppl_windows=1)
+    cfg = BenchConfig(levels=[Level("concurrency", 1)], warmup=1, num_prompts=1, ppl_data=str(text), ppl_seqlen=32,
+                      ppl_windows=1)
     out = serve_bench([Target("a", "folder"), Target("b", "folder")], EngineSpec(python=engine_python, startup_timeout=60),
                       [Request("x", 3)], cfg, out_dir=tmp_path, json_path=tmp_path / "r.json",
                       tokenizer=AutoTokenizer.from_pretrained(smollm2_dir))

@@ -169,8 +169,9 @@ def run(args: argparse.Namespace) -> int:
                           _env_pairs(args.engine_env), args.startup_timeout)
         engine_version = check_engine(spec)
     tokenizer, tokenizer_path = _tokenizer(args, targets)
-    requests = build_workload(args.dataset, tokenizer, num_prompts=args.num_prompts, input_len=args.input_len,
-                              output_len=args.output_len, seed=args.seed)
+    # one set of prompts per level and for the warm-up: no level's prefill is a prefix-cache hit
+    requests = build_workload(args.dataset, tokenizer, num_prompts=args.num_prompts * len(levels) + args.warmup,
+                              input_len=args.input_len, output_len=args.output_len, seed=args.seed)
     if (args.ppl or args.tasks) and tokenizer is None:
         raise QuantspecError("accuracy through the server needs the model's tokenizer.", "pass --tokenizer FOLDER")
     if args.ppl:
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
               "dataset": args.dataset, "machine": describe_machine()}
     json_path = args.json or args.out / "serve-bench.json"
     _terminate_as_interrupt()
-    say(f"{len(targets)} server run(s) x {len(levels)} level(s), {len(requests)} requests each; JSON {json_path}")
+    say(f"{len(targets)} server run(s) x {len(levels)} level(s), {args.num_prompts} requests each; JSON {json_path}")
     result = serve_bench(targets, spec, requests, cfg, out_dir=args.out, json_path=json_path, tokenizer=tokenizer,
                          tokenizer_path=tokenizer_path, header=header, say=say)
     files = write_serving_report(result, args.out)

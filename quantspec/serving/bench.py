@@ -19,7 +19,7 @@ from .server import EngineServer, EngineSpec
 from .slo import SLO
 from .stats import summarize
 from .variants import Target
-from .workload import Request
+from .workload import Request, split_levels
 
 Say = Callable[[str], None]
 
@@ -77,12 +77,12 @@ def check_url(ep: Endpoint) -> None:
                                  "pass --served-model-name NAME")
 
 
-def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list[Request], cfg: BenchConfig,
+def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, pool: list[Request], cfg: BenchConfig,
              entry: dict, alive: Callable[[], bool], save: Callable[[], None], say: Say) -> None:
     from .accuracy import server_lm_eval, server_perplexity
 
-    for i in range(cfg.warmup):
-        r = requests[i % len(requests)]
+    warm, per_level, _ = split_levels(pool, len(cfg.levels), cfg.num_prompts, cfg.warmup)
+    for r in warm:
         rec = stream_completion(ep, r.prompt, min(r.max_tokens, 16), ignore_eos=cfg.ignore_eos)
         if not rec.ok:
             raise ServerDied(f"warm-up request failed: {rec.error}")
@@ -96,7 +96,7 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
         entry["accuracy"]["lm_eval"] = server_lm_eval(ep, tokenizer_path, cfg.tasks, limit=cfg.task_limit,
                                                       seed=cfg.seed, include_path=cfg.include_path)
         save()
-    for level in cfg.levels:
+    for level, requests in zip(cfg.levels, per_level):
         if not alive():
             raise ServerDied("the server is no longer running")
         say(f"{entry['label']}: {level} ({len(requests)} requests)")
@@ -125,10 +125,18 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, requests: list
 def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[Request], cfg: BenchConfig, *,
                 out_dir: Path, json_path: Path, tokenizer=None, tokenizer_path: str | None = None,
                 header: dict | None = None, say: Say = lambda m: None) -> dict:
-    """Measure every target; returns (and keeps writing to ``json_path``) the result."""
+    """Measure every target; returns (and keeps writing to ``json_path``) the result.
+
+    ``requests`` is the pool: each level takes its own ``cfg.num_prompts`` of it and the warm-up
+    the next ``cfg.warmup`` (``split_levels``); the JSON says whether any prompt repeats."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    _, _, distinct = split_levels(requests, len(cfg.levels), cfg.num_prompts, cfg.warmup)
     result = {"kind": "serve-bench", **(header or {}), "config": cfg.to_dict(), "targets": [],
-              "status": "running"}
+              "status": "running", "prompts_distinct": distinct}
+    if not distinct:
+        say("prompts repeat across levels (the workload has fewer than levels x --num-prompts + --warmup): "
+            "the engine's prefix cache can answer repeated prefills; pass a larger workload or "
+            "--engine-args --no-enable-prefix-caching")
 
     def save() -> None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

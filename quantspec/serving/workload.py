@@ -79,7 +79,8 @@ def _text_windows(source: str, tokenizer, n: int, input_len: int, output_len: in
         raise QuantspecError(f"{source!r} has {len(ids)} tokens, fewer than --input-len {input_len}.",
                              "lower --input-len or pass a longer text")
     rng = random.Random(seed)
-    starts = [rng.randrange(0, len(ids) - input_len) for _ in range(n)]
+    span = len(ids) - input_len
+    starts = rng.sample(range(span), n) if n <= span else [rng.randrange(span) for _ in range(n)]
     return [Request(tokenizer.decode(ids[s:s + input_len]), output_len, input_len) for s in starts]
 
 
@@ -126,3 +127,16 @@ def write_prompts(requests: list[Request], path: Path) -> None:
     with open(path, "w") as f:
         for r in requests:
             f.write(json.dumps({"prompt": r.prompt, "max_tokens": r.max_tokens, "output_tokens": r.max_tokens}) + "\n")
+
+
+def split_levels(pool: list[Request], levels: int, per_level: int, warmup: int
+                 ) -> tuple[list[Request], list[list[Request]], bool]:
+    """(warm-up requests, one list of ``per_level`` requests per level, whether no prompt is sent
+    twice). Each level gets its own prompts while the pool has them, so an engine's prefix cache
+    cannot answer a later level's prefill from an earlier one; a shorter pool (a small file) is
+    cycled and the flag says so."""
+    need = levels * per_level + warmup
+    distinct = len({r.prompt for r in pool[:need]}) == need
+    take = [pool[i % len(pool)] for i in range(need)]
+    lists = [take[i * per_level:(i + 1) * per_level] for i in range(levels)]
+    return take[levels * per_level:], lists, distinct
