@@ -137,6 +137,12 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.lmeval_adapter import _check_tasks, _require_lm_eval, _task_manager
 
         _require_lm_eval()
+        from importlib.util import find_spec
+
+        missing = [m for m in ("aiohttp", "tenacity", "requests", "tqdm") if find_spec(m) is None]
+        if missing:  # what lm-eval's API models need, checked before a server starts
+            raise QuantspecError(f"lm-eval through a server needs {', '.join(missing)}.",
+                                 'pip install "lm-eval[api]" (or "quantspec[lm-eval]")')
         _check_tasks(args.tasks, _task_manager(args.include_path))
     for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,6 +78,17 @@ def check_url(ep: Endpoint) -> None:
                                  "pass --served-model-name NAME")
 
 
+def _went_away(alive: Callable[[], bool], wait: float = 3.0) -> bool:
+    """Whether the server stops running within ``wait`` s: a server that crashed under a level
+    fails its requests a moment before its process has finished exiting."""
+    deadline = time.monotonic() + wait
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, pool: list[Request], cfg: BenchConfig,
              entry: dict, alive: Callable[[], bool], save: Callable[[], None], say: Say) -> None:
     from .accuracy import server_lm_eval, server_perplexity
@@ -106,7 +118,7 @@ def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, pool: list[Req
         engine = sampler.stop()
         row = {"level": str(level), "kind": level.kind, "value": level.value,
                **summarize(records, wall, cfg.slo), "engine_metrics": engine}
-        died = row["failed"] > 0 and not alive()
+        died = row["failed"] > 0 and _went_away(alive)
         if died:
             row["partial"] = True  # the server went away during this level: its figures are not a measurement
         if cfg.keep_records:

@@ -42,6 +42,19 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies, waiting to be reaped by
+    their new parent, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -188,7 +201,15 @@ class EngineServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        self._wait_group_gone()
         return self.proc.poll()
+
+    def _wait_group_gone(self, timeout: float = 10.0) -> None:
+        """Wait (bounded) until no running process is left in the server's group: SIGKILL returns
+        before the kernel has taken the processes down."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _group_running(self.proc.pid):
+            time.sleep(0.1)
 
     def __enter__(self) -> EngineServer:
         return self.start()

