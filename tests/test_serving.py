@@ -203,6 +203,10 @@ def test_targets_and_spec_variants():
     assert parse_spec("draft=/a/b")[1] == {"model": "/a/b", "num_speculative_tokens": 4}
     with pytest.raises(QuantspecError, match="speculative variant"):
         parse_spec("eagle")
+    for bad in ("ngram:x", "ngram:0"):
+        with pytest.raises(QuantspecError, match="whole number"):
+            parse_spec(bad)
+    assert parse_spec("ngram")[1]["num_speculative_tokens"] == 4
     with pytest.raises(QuantspecError, match="--url"):
         build_targets(["ck"], baseline=None, specs=[], url="http://x")
     assert build_targets([], baseline=None, specs=[], url="http://x")[0] == Target("http://x", None, url="http://x", role="url")

@@ -20,21 +20,27 @@ class Target:
     speculative: dict | None = field(default=None, hash=False)
 
 
+def _count(text: str, k: str) -> int:
+    if not k:
+        return 4
+    if not k.isdigit() or int(k) < 1:
+        raise QuantspecError(f"--spec {text!r}: K must be a whole number of at least 1.", "e.g. --spec ngram:4")
+    return int(k)
+
+
 def parse_spec(text: str) -> tuple[str, dict]:
-    """``ngram[:K]`` or ``draft=PATH[:K]`` -> (label suffix, vLLM speculative config)."""
-    head, _, k = text.partition(":") if not text.startswith("draft=") else (text, "", "")
+    """``ngram[:K]`` or ``draft=PATH[:K]`` (K default 4) -> (label suffix, vLLM speculative config)."""
     if text.startswith("draft="):
         path, sep, k = text[len("draft="):].rpartition(":")
-        if not sep or not k.isdigit():
+        if not sep or not k.isdigit():  # no ":K" (a ":" may belong to the path)
             path, k = text[len("draft="):], ""
         if not path:
             raise QuantspecError(f"--spec {text!r} names no draft model.", "write --spec draft=PATH[:K]")
-        n = int(k) if k else 4
+        n = _count(text, k)
         return f"draft:{Path(path).name}:{n}", {"model": str(path), "num_speculative_tokens": n}
+    head, _, k = text.partition(":")
     if head == "ngram":
-        if k and not k.isdigit():
-            raise QuantspecError(f"--spec {text!r}: K must be a whole number.", "write --spec ngram:4")
-        n = int(k) if k else 4
+        n = _count(text, k)
         return f"ngram:{n}", {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 4,
                               "prompt_lookup_min": 2}
     raise QuantspecError(f"--spec {text!r} is not a speculative variant.",
