@@ -133,17 +133,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.burstiness > 0:
         raise QuantspecError(f"--burstiness {args.burstiness} must be positive.", "use 1 for Poisson arrivals")
     slo = parse_slo(args.slo)
-    if args.tasks:  # unknown task names fail here, not after a server has started
-        from ..eval.lmeval_adapter import _check_tasks, _require_lm_eval, _task_manager
+    if args.tasks:  # unknown task names or missing packages fail here, not after a server has started
+        from ..eval.lmeval_adapter import check_tasks
 
-        _require_lm_eval()
-        from importlib.util import find_spec
-
-        missing = [m for m in ("aiohttp", "tenacity", "requests", "tqdm") if find_spec(m) is None]
-        if missing:  # what lm-eval's API models need, checked before a server starts
-            raise QuantspecError(f"lm-eval through a server needs {', '.join(missing)}.",
-                                 'pip install "lm-eval[api]" (or "quantspec[lm-eval]")')
-        _check_tasks(args.tasks, _task_manager(args.include_path))
+        check_tasks(args.tasks, args.include_path, api=True)
     for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise QuantspecError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range.",

@@ -112,6 +112,20 @@ def _check_tasks(tasks: list[str], manager) -> None:
         )
 
 
+def check_tasks(tasks: list[str], include_path: str | Path | list | None = None, api: bool = False) -> None:
+    """QuantspecError before any model or server starts: lm-eval missing, a task it does not
+    know, or (``api``: tasks through an endpoint) the packages of lm-eval's API models missing."""
+    _require_lm_eval()
+    if api:
+        from importlib.util import find_spec
+
+        missing = [m for m in ("aiohttp", "tenacity", "requests", "tqdm") if find_spec(m) is None]
+        if missing:
+            raise QuantspecError(f"lm-eval through a server needs {', '.join(missing)}.",
+                                 'pip install "lm-eval[api]" (or "quantspec[lm-eval]")')
+    _check_tasks(tasks, _task_manager(include_path))
+
+
 def _plain(value: Any) -> Any:
     """Make lm-eval's numbers JSON-safe (numpy scalars, NaN stays a float)."""
     if isinstance(value, dict):

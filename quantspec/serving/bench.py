@@ -89,11 +89,11 @@ def _went_away(alive: Callable[[], bool], wait: float = 3.0) -> bool:
     return True
 
 
-def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, pool: list[Request], cfg: BenchConfig,
-             entry: dict, alive: Callable[[], bool], save: Callable[[], None], say: Say) -> None:
+def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, warm: list[Request],
+             per_level: list[list[Request]], cfg: BenchConfig, entry: dict, alive: Callable[[], bool],
+             save: Callable[[], None], say: Say) -> None:
     from .accuracy import server_lm_eval, server_perplexity
 
-    warm, per_level, _ = split_levels(pool, len(cfg.levels), cfg.num_prompts, cfg.warmup)
     for r in warm:
         rec = stream_completion(ep, r.prompt, min(r.max_tokens, 16), ignore_eos=cfg.ignore_eos)
         if not rec.ok:
@@ -142,7 +142,7 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
     ``requests`` is the pool: each level takes its own ``cfg.num_prompts`` of it and the warm-up
     the next ``cfg.warmup`` (``split_levels``); the JSON says whether any prompt repeats."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _, _, distinct = split_levels(requests, len(cfg.levels), cfg.num_prompts, cfg.warmup)
+    warm, per_level, distinct = split_levels(requests, len(cfg.levels), cfg.num_prompts, cfg.warmup)
     result = {"kind": "serve-bench", **(header or {}), "config": cfg.to_dict(), "targets": [],
               "status": "running", "prompts_distinct": distinct}
     if not distinct:
@@ -168,7 +168,7 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
                     check_url(ep)
                     entry["label"] = ep.model if t.label == t.url else t.label
                     entry["server"] = {"url": t.url, "started": False}
-                    _measure(ep, tokenizer, tokenizer_path, requests, cfg, entry, lambda: True, save, say)
+                    _measure(ep, tokenizer, tokenizer_path, warm, per_level, cfg, entry, lambda: True, save, say)
                 else:
                     assert spec is not None
                     run_spec = EngineSpec(spec.engine, spec.python, [*spec.args, *t.engine_args], spec.env,
@@ -181,7 +181,7 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
                         entry["server"]["pid"] = srv.proc.pid  # also its process group
                         entry["server"]["startup_s"] = round(srv.startup_s, 2)
                         say(f"{t.label}: ready in {srv.startup_s:.0f} s on port {srv.port}")
-                        _measure(srv.endpoint, tokenizer, tokenizer_path, requests, cfg, entry, srv.alive, save, say)
+                        _measure(srv.endpoint, tokenizer, tokenizer_path, warm, per_level, cfg, entry, srv.alive, save, say)
                     entry["server"]["exit_code"] = srv.proc.returncode if srv.proc else None
                 entry["status"] = "ok"
             except ServerDied as exc:

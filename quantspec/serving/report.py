@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.report_plot import pareto_front
-from .table import serve_markdown
+from .table import serve_markdown, serve_rows
 
 Y_AXES = {"ttft": "TTFT p50 (ms)", "tpot": "TPOT p50 (ms)", "e2e": "E2E latency p99 (ms)"}
 _Y_KEY = {"ttft": ("ttft", "p50_ms"), "tpot": ("tpot", "p50_ms"), "e2e": ("e2e", "p99_ms")}
@@ -142,13 +142,10 @@ cursor:pointer}.legend button.off{opacity:.35}.charts{display:flex;flex-wrap:wra
 pre{background:#f7f7f7;padding:1em;font-size:12px;overflow-x:auto}"""
 
 
-def _table_html(md: str) -> str:
-    rows = [ln.strip("|").split("|") for ln in md.splitlines() if ln.startswith("|") and not ln.startswith("|---")]
-    if not rows:
-        return ""
-    head, body = rows[0], rows[1:]
-    return ("<table><tr>" + "".join(f"<th>{html.escape(c.strip())}</th>" for c in head) + "</tr>"
-            + "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in r) + "</tr>" for r in body)
+def _table_html(result: dict) -> str:
+    head, rows = serve_rows(result)
+    return ("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
             + "</table>")
 
 
@@ -169,7 +166,7 @@ def serving_html(result: dict) -> str:
     meta = {k: result.get(k) for k in ("command", "engine", "config", "machine", "dataset", "status")}
     return ("<!doctype html><html><head><meta charset='utf-8'><title>quantspec serve-bench</title>"
             f"<style>{_CSS}</style></head><body><h1>quantspec serve-bench</h1>"
-            f"{_table_html(serve_markdown(result))}<h2>Latency against throughput</h2>"
+            f"{_table_html(result)}<h2>Latency against throughput</h2>"
             f"<div class=legend>{legend}</div><div class=charts>{charts}</div>{pareto}"
             f"<h2>Run</h2><pre>{html.escape(json.dumps(meta, indent=2, default=str))}</pre>"
             f"<script>{_JS}</script></body></html>\n")

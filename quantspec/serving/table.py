@@ -12,17 +12,18 @@ def _num(v, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def serve_markdown(result: dict) -> str:
+def serve_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """(column heads, one row of cells per target and load level): what the Markdown table and
+    the HTML page both show."""
     slo = result.get("config", {}).get("slo")
     head = ["target", "level", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
             "E2E p50", "E2E p99"] + (["goodput req/s", "good %"] if slo else []) + ["KV max %", "ppl"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for t in result.get("targets", []):
         ppl = t.get("accuracy", {}).get("ppl", {}).get("ppl")
         status = "" if t.get("status") == "ok" else f" ({t.get('status')})"
         if not t.get("levels"):
-            lines.append("| " + " | ".join([t["label"] + status, t.get("error", "-")] + ["-"] * (len(head) - 3)
-                                           + [_num(ppl, ".3f")]) + " |")
+            rows.append([t["label"] + status, t.get("error", "-")] + ["-"] * (len(head) - 3) + [_num(ppl, ".3f")])
         for lv in t.get("levels", []):
             em = lv.get("engine_metrics", {})
             kv = em.get("kv_cache_usage_max")
@@ -34,7 +35,15 @@ def serve_markdown(result: dict) -> str:
                 row += [_num(lv.get("goodput")), _num(None if lv.get("good_fraction") is None
                                                       else 100 * lv["good_fraction"], ".0f")]
             row += [_num(None if kv is None else 100 * kv, ".1f"), _num(ppl, ".3f")]
-            lines.append("| " + " | ".join(row) + " |")
+            rows.append(row)
+    return head, rows
+
+
+def serve_markdown(result: dict) -> str:
+    slo = result.get("config", {}).get("slo")
+    head, rows = serve_rows(result)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     notes = [f"Times in ms. Engine: {result.get('engine', {}).get('name')} {result.get('engine', {}).get('version') or ''}"
              .rstrip() + (f"; SLO {slo}" if slo else "") + f"; status {result.get('status')}."]
     return "\n".join(lines + [""] + notes)

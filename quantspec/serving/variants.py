@@ -14,10 +14,14 @@ from ..errors import QuantspecError
 class Target:
     label: str
     model: str | None  # what the engine loads; None for --url
-    engine_args: tuple[str, ...] = ()
     url: str | None = None
     role: str = "checkpoint"  # "checkpoint" | "baseline" | "speculative" | "url"
-    speculative: dict | None = field(default=None, hash=False)
+    speculative: dict | None = field(default=None, hash=False)  # vLLM's speculative config
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """The engine flags this target adds to the common ones."""
+        return ("--speculative-config", json.dumps(self.speculative)) if self.speculative else ()
 
 
 def _count(text: str, k: str) -> int:
@@ -68,5 +72,5 @@ def build_targets(checkpoints: list[str], *, baseline: str | None, specs: list[s
         for t in list(targets):
             if t.role in ("checkpoint", "baseline"):
                 targets.append(Target(label=f"{t.label} +{suffix}", model=t.model, role="speculative",
-                                      engine_args=("--speculative-config", json.dumps(cfg)), speculative=cfg))
+                                      speculative=cfg))
     return targets
