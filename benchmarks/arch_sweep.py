@@ -27,7 +27,7 @@ from helpers import make_tiny_tokenizer  # noqa: E402
 import quantspec  # noqa: E402
 from quantspec.errors import QuantspecError  # noqa: E402
 from quantspec.quant.recipe import CalibrationConfig, Recipe  # noqa: E402
-from quantspec.quant.scheme import QuantScheme  # noqa: E402
+from quantspec.core.scheme import QuantScheme  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

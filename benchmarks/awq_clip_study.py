@@ -107,7 +107,7 @@ def nll(model, ids: torch.Tensor) -> float:
 
 
 def study(args) -> None:
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     model, data = load(args)
     arch = get_arch(model)

@@ -39,7 +39,7 @@ def method_for(row: str, search_tokens: int = 2048, clip_tokens: int = 512):
     from quantspec.quant.awq import AWQMethod, AWQSettings
     from quantspec.quant.block_methods import RTNMethod
     from quantspec.quant.compose import Composed
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
     from quantspec.quant.smoothquant import SmoothQuantMethod
 
     awq = AWQSettings(search_tokens=search_tokens, clip_tokens=clip_tokens)

@@ -59,7 +59,7 @@ from quantspec.quant.awq import AWQMethod, AWQProbe, AWQSettings, apply_clip, fa
 from quantspec.quant.calibrate import run_blockwise  # noqa: E402
 from quantspec.quant.plan import make_plan  # noqa: E402
 from quantspec.quant.recipe import AWQOptions, Recipe  # noqa: E402
-from quantspec.quant.scheme import QuantScheme  # noqa: E402
+from quantspec.core.scheme import QuantScheme  # noqa: E402
 
 SAMPLES, SEQLEN, SEED = 64, 512, 0  # the calibration of every published AWQ table
 VAL_FIRST_DOC = 1800  # validation documents: from here to the file's end, outside the draw

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from quantspec.quant.scheme import QuantResult, QuantScheme  # noqa: E402
+from quantspec.core.scheme import QuantResult, QuantScheme  # noqa: E402
 
 M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NK_LIST = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672))

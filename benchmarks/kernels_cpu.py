@@ -44,7 +44,7 @@ from quantspec.kernels.cpu_ext import compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.models.paths import cache_root
-from quantspec.quant.scheme import SCHEME_PRESETS, QuantScheme
+from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme
 from quantspec.sizes import tensors_bytes
 
 KERNELS = ("ours", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")

@@ -31,9 +31,9 @@ import quantspec  # noqa: E402
 from quantspec.eval.perplexity import perplexity  # noqa: E402
 from quantspec.models import load_tokenizer  # noqa: E402
 from quantspec.models.source import dense_folder  # noqa: E402
-from quantspec.quant.kv_config import KVCacheConfig  # noqa: E402
+from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
 from quantspec.quant.recipe import Recipe  # noqa: E402
-from quantspec.quant.scheme import SCHEME_PRESETS  # noqa: E402
+from quantspec.core.scheme import SCHEME_PRESETS  # noqa: E402
 
 SETTINGS = [("off", "calibrated"), ("fp8", "calibrated"), ("fp8", "unit"), ("fp8", "dynamic"),
             ("int8", "calibrated"), ("int8", "unit"), ("int8", "dynamic")]

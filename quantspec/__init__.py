@@ -30,7 +30,7 @@ def __getattr__(name: str):
 
         return load_quantized
     if name == "QuantScheme":
-        from .quant.scheme import QuantScheme
+        from .core.scheme import QuantScheme
 
         return QuantScheme
     if name == "QuantspecError":

@@ -67,6 +67,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
     MoE families: 8 experts of intermediate 32, top-2 (DeepSeek/GLM: one shared expert, the
     first block dense; DeepSeek's MLA attention with all 4 KV heads).
 
+    Families with no declaration (``UNDECLARED``: OPT, GPT-J, GPT-2, GPT-NeoX, Falcon, Phi,
+    Cohere, Bloom) get the same hidden size, layers and heads in their own field names.
+
     All Linear input sizes (64, 128, 32) are divisible by 32. ``overrides`` replace any field.
     """
     import transformers
@@ -85,11 +88,33 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
         "phi3": ("Phi3Config", {}),
         **_moe_configs(),
     }
-    if arch not in per_arch:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + tuple(_moe_configs())}")
-    cls_name, extra = per_arch[arch]
+    if arch in UNDECLARED:  # their own field names: only the sizes every config reads
+        cls_name, extra = UNDECLARED[arch]
+        common = {k: common[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                         "num_attention_heads", "pad_token_id", "bos_token_id",
+                                         "eos_token_id")}
+    elif arch in per_arch:
+        cls_name, extra = per_arch[arch]
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from "
+                         f"{ARCHS + tuple(_moe_configs()) + tuple(UNDECLARED)}")
     kwargs = {**common, **extra, **overrides}
     return getattr(transformers, cls_name)(**kwargs)
+
+
+# families quantspec has no declaration for (quant/arch_infer.py infers them): config class and
+# the fields of their own names (FFN width 128, 2 KV heads where the family has them); tied
+# embeddings as the family's default
+UNDECLARED = {
+    "opt": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 128}),
+    "gptj": ("GPTJConfig", {"n_inner": 128, "rotary_dim": 8, "n_positions": 128}),
+    "gpt2": ("GPT2Config", {"n_inner": 128, "n_positions": 128}),
+    "gpt_neox": ("GPTNeoXConfig", {"intermediate_size": 128}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "phi": ("PhiConfig", {"intermediate_size": 128}),
+    "cohere": ("CohereConfig", {"intermediate_size": 128, "num_key_value_heads": 2}),
+    "bloom": ("BloomConfig", {}),
+}
 
 
 def _moe_configs() -> dict[str, tuple[str, dict]]:

@@ -5,41 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
-    LlamaConfig,
-    MistralConfig,
-    Phi3Config,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM
 
 from quantspec.errors import QuantspecError
 from quantspec.quant.arch import ARCHS, block_linears, check_arch
 from quantspec.quant.arch_infer import get_arch, infer_arch
 from quantspec.quant.smoothing import fold_scales, resolve_pairs
 
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+from helpers import ARCHS as ARCH_NAMES, UNDECLARED, tiny_config
 
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**COMMON),
-    "qwen2": lambda: Qwen2Config(**COMMON),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
-    "mistral": lambda: MistralConfig(**COMMON),
-    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=16),
-    "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=16),
-    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0),
-}
+# the declared dense families, with a 96-wide MLP (not a multiple of 64) and 128 tokens
+CONFIGS = {arch: (lambda arch=arch: tiny_config(arch, vocab_size=128, intermediate_size=96,
+                                                max_position_embeddings=64)) for arch in ARCH_NAMES}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -162,19 +139,9 @@ def test_generic_fallback_finds_the_declared_pairs(model_type, kv_heads):
 
 
 def _undeclared():
-    from transformers import (BloomConfig, CohereConfig, FalconConfig, GPTJConfig, GPTNeoXConfig,
-                              OPTConfig, PhiConfig)
-
-    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    return {
-        "opt": lambda: OPTConfig(**base, ffn_dim=96, word_embed_proj_dim=64, max_position_embeddings=64),
-        "gptj": lambda: GPTJConfig(**base, n_inner=96, rotary_dim=8, n_positions=64),
-        "gpt_neox": lambda: GPTNeoXConfig(**base, intermediate_size=96),
-        "falcon": lambda: FalconConfig(**base, new_decoder_architecture=True, num_kv_heads=2),
-        "phi": lambda: PhiConfig(**base, intermediate_size=96),
-        "cohere": lambda: CohereConfig(**base, intermediate_size=96, num_key_value_heads=2),
-        "bloom": lambda: BloomConfig(**base),
-    }
+    narrow = {"opt": {"ffn_dim": 96}, "gptj": {"n_inner": 96}, "gpt_neox": {"intermediate_size": 96},
+              "phi": {"intermediate_size": 96}, "cohere": {"intermediate_size": 96}}
+    return {f: (lambda f=f: tiny_config(f, vocab_size=128, **narrow.get(f, {}))) for f in UNDECLARED}
 
 
 # pairs each undeclared family must yield (prev -> its Linears); others may be found too
@@ -222,7 +189,7 @@ def test_smoothing_methods_refuse_a_model_without_pairs():
     from quantspec.quant.job import check_smoothing
     from quantspec.quant.registry import build_method
     from quantspec.quant.recipe import Recipe
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     model = tiny("llama")
     bare = replace(ARCHS["llama"], smooth=())

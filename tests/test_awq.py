@@ -35,7 +35,7 @@ from quantspec.quant.method import BlockContext
 from quantspec.quant.capture import capture_inputs
 from quantspec.quant.recipe import AWQOptions, CalibrationConfig, Recipe
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.quant.smoothing import ResolvedPair
 
 ASYM4 = QuantScheme(bits=4, group_size=32, symmetric=False)

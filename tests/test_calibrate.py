@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from quantspec.errors import QuantspecError
 from quantspec.quant.arch import ARCHS, block_linears
@@ -18,22 +17,22 @@ from quantspec.quant.block_ops import block_forward
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.capture import capture_inputs
 from quantspec.quant.recipe import GPTQOptions
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
+
+from helpers import tiny_model
 
 SCHEME = QuantScheme(bits=4, group_size=32)
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+# 96-wide MLPs, 128 tokens, 64 positions
+SMALL = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=64)
 
 
 def tiny_llama(layers: int = 3) -> nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, num_hidden_layers=layers)).eval()
+    return tiny_model("llama", num_hidden_layers=layers, **SMALL)
+
+
+def tiny_gemma2() -> nn.Module:
+    """Sliding window (8) below the calibration length: blocks get different masks."""
+    return tiny_model("gemma2", num_hidden_layers=3, sliding_window=8, **SMALL)
 
 
 def calib(n: int = 4, L: int = 24) -> torch.Tensor:
@@ -55,12 +54,7 @@ def full_plan(model, arch, scheme=SCHEME):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_captured_inputs_replay_the_model(family):
-    if family == "llama":
-        model = tiny_llama()
-    else:  # sliding window < seqlen: blocks get different masks
-        torch.manual_seed(0)
-        cfg = Gemma2Config(**SMALL, num_hidden_layers=3, head_dim=16, sliding_window=8)
-        model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_llama() if family == "llama" else tiny_gemma2()
     arch, ids = get_arch(model), calib(3, 20)
     with torch.no_grad():
         h, kwargs = capture_inputs(model, arch, ids, torch.device("cpu"))
@@ -199,12 +193,7 @@ def test_group_hessians_are_shared_and_exact():
 def test_gptq_single_pass_matches_per_group_path(family):
     """One batched forward quantizing each Linear just before it runs gives the per-group
     path's results (the same true-sequential inputs), up to float summation order."""
-    if family == "llama":
-        model = tiny_llama()
-    else:
-        torch.manual_seed(0)
-        cfg = Gemma2Config(**SMALL, num_hidden_layers=3, head_dim=16, sliding_window=8)
-        model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_llama() if family == "llama" else tiny_gemma2()
     arch = get_arch(model)
     plan = full_plan(model, arch)
     out = {}

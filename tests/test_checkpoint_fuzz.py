@@ -14,7 +14,7 @@ import quantspec
 from quantspec.checkpoint.checksums import MANIFEST
 from quantspec.errors import QuantspecError
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model
 

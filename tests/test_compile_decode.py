@@ -23,7 +23,7 @@ from transformers import DynamicCache
 import quantspec
 from quantspec.kernels.cpu_ext import compiler_available
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model, missing_asset
 

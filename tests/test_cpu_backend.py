@@ -26,7 +26,7 @@ from quantspec.kernels.cpu import (
 from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 EXT_TOL, EXACT_TOL, TORCH_TOL, BF16_TOL = 2e-2, 1e-5, 1.5e-2, 2.5e-2
 MS = (1, 2, 5, 16, 33)

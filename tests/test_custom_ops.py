@@ -23,7 +23,7 @@ from quantspec.kernels.custom_ops import (
 )
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 SCHEMES = [
     QuantScheme(4, 32, False),

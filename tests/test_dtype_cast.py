@@ -27,7 +27,7 @@ from quantspec.errors import QuantspecError
 from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model
 

@@ -16,7 +16,7 @@ from quantspec.eval.perplexity import perplexity
 from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.models import load_dense
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 
 @pytest.fixture(scope="module")

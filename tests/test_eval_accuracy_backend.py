@@ -12,7 +12,7 @@ from helpers import make_tiny_model
 
 from quantspec.cli.main import main
 from quantspec.kernels.backend import available_backends, choose_backend
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 # Both sides compute in fp32 from the same dequantized weights; only the order of the sums differs
 # (K <= 128 here), which moves logits by ~1e-6 relative: a perplexity agrees to 1e-5 relative.

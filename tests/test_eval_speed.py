@@ -27,7 +27,7 @@ def dense_dir(tmp_path_factory):
 def quant_dir(dense_dir, tmp_path_factory):
     from quantspec.quant.pipeline import quantize
     from quantspec.quant.recipe import Recipe
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     out = tmp_path_factory.mktemp("q") / "rtn"
     recipe = Recipe(name="rtn-w4g32", method="rtn", format="gptq", scheme=QuantScheme(bits=4, group_size=32))

@@ -15,7 +15,7 @@ from quantspec.cli.main import main
 from quantspec.errors import QuantspecError
 from quantspec.quant.recipe import CalibrationConfig, Recipe
 from quantspec.quant.resume import ResumeState
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model
 

@@ -16,12 +16,12 @@ from quantspec.errors import QuantspecError
 from quantspec.formats import get_format, read_quantization_config
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.awq.clip import fake_quantize
-from quantspec.quant.floatcodes import code_values, e2m1_codes, fp8_codes
-from quantspec.quant.floatgrid import e4m3fn_to_fnuz, group_scales, quantize_per_token_fp8
+from quantspec.core.floatcodes import code_values, e2m1_codes, e4m3fn_to_fnuz, fp8_codes, quantize_per_token_fp8
+from quantspec.quant.floatgrid import group_scales
 from quantspec.quant.gptq import gptq_quantize
 from quantspec.quant.recipe import Recipe
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
+from quantspec.core.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
 
 PRESETS = list(SCHEME_PRESETS)
 CT = get_format("compressed-tensors")

@@ -22,7 +22,7 @@ from quantspec.formats import (
     read_quantization_config,
 )
 from quantspec.formats.bitpack import pack_int32, unpack_int32
-from quantspec.quant.scheme import QuantResult, QuantScheme
+from quantspec.core.scheme import QuantResult, QuantScheme
 
 NS = (24, 40, 64)
 KS = (96, 320, 384)

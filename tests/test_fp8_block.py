@@ -25,7 +25,7 @@ from quantspec.quant.awq.clip import fake_quantize
 from quantspec.quant.gptq import gptq_quantize
 from quantspec.quant.recipe import Recipe
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
+from quantspec.core.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
 
 BLOCK = SCHEME_PRESETS["fp8-block"]
 WEIGHT_ONLY = SCHEME_PRESETS["fp8-block-weight"]

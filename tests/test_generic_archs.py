@@ -13,25 +13,15 @@ import dataclasses
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 
 import quantspec
 from quantspec.errors import QuantspecError
 from quantspec.quant.recipe import CalibrationConfig, Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
-from helpers import make_tiny_tokenizer
+from helpers import make_tiny_model, tiny_model
 
-BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
-CONFIGS = {
-    "bloom": lambda: transformers.BloomConfig(**BASE),
-    "opt": lambda: transformers.OPTConfig(**BASE, ffn_dim=128, word_embed_proj_dim=64,
-                                          max_position_embeddings=128),
-    "gptj": lambda: transformers.GPTJConfig(**BASE, n_inner=128, rotary_dim=8, n_positions=128),
-    "gpt2": lambda: transformers.GPT2Config(**BASE, n_inner=128, n_positions=128),
-}
 RECIPES = {
     "gptq": lambda cal: Recipe(name="t", method="gptq", format="gptq",
                                scheme=QuantScheme(4, 32, True), calibration=cal),
@@ -47,11 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _save(tmp_path, family):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
-    folder = tmp_path / family
-    model.save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
+    folder = make_tiny_model(tmp_path, family)
+    model = tiny_model(family)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
     return model, folder, CalibrationConfig(data=str(text), samples=4, seqlen=64)
@@ -99,8 +86,7 @@ def test_conv1d_models_get_a_clear_error_where_unsupported():
     from quantspec.formats import get_format
     from quantspec.quant.plan import make_plan
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
+    model = tiny_model("gpt2")
     with pytest.raises(QuantspecError, match="Conv1D") as err:
         make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
     assert "nn.Linear" in str(err.value)

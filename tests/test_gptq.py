@@ -13,7 +13,7 @@ from quantspec.quant.gptq import (
     make_empty_hessian,
 )
 from quantspec.quant.rtn import dequantize_codes, qparams, quantize_codes, rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -30,7 +30,7 @@ import torch
 import quantspec
 from helpers import make_tiny_model
 from quantspec.quant.recipe import Recipe
-from quantspec.quant.scheme import SCHEME_PRESETS, QuantScheme
+from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 

@@ -16,7 +16,7 @@ from helpers import make_tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.formats.overrides import read_with_overrides
 from quantspec.quant.kv_calibrate import kv_scales, observe_kv
-from quantspec.quant.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
+from quantspec.core.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
 from quantspec.quant.recipe import Recipe
 from quantspec.runtime.kv import cache_kwarg
 from quantspec.runtime.kv_quant import KVSetting, QuantKVCache, fake_quant

@@ -24,7 +24,7 @@ from quantspec.models.experts import (
 )
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.recipe import CalibrationConfig, Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.quant.smoothing import fold_scales, resolve_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")

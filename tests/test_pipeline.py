@@ -19,7 +19,7 @@ from quantspec.errors import QuantspecError
 from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.quant.recipe import Recipe
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model
 

@@ -19,7 +19,7 @@ from quantspec.quant.block_methods import GPTQMethod, RTNMethod
 from quantspec.quant.compose import Composed
 from quantspec.quant.method import BlockContext, BlockMethod, BlockOutput
 from quantspec.quant.recipe import CalibrationConfig, Recipe, SmoothQuantOptions
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.quant.smoothquant import SmoothQuantMethod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,15 +123,7 @@ def test_a_new_method_is_one_registry_entry(tmp_path, monkeypatch):
 
 
 def _undeclared(tmp_path):
-    config = transformers.OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                    ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=128,
-                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    folder = tmp_path / "opt"
-    model.save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return make_tiny_model(tmp_path, "opt", num_hidden_layers=3)
 
 
 def test_resume_on_an_undeclared_architecture(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import torch
 
 from quantspec.errors import QuantspecError
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 
 def slow_rtn(w, scheme):

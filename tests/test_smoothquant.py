@@ -15,7 +15,7 @@ from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.block_methods import RTNMethod
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.recipe import CalibrationConfig, Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.quant.block_methods import GPTQMethod
 from quantspec.quant.compose import Composed
 from quantspec.quant.recipe import SmoothQuantOptions

@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import tiny_model
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.specdec import (
     DraftModel,
     NGram,

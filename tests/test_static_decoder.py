@@ -20,7 +20,7 @@ from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.kernels.siblings import Siblings
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 from quantspec.runtime.decoder import StaticDecoder, fast_decoder
 from quantspec.runtime.kv import KVDecoder
 from quantspec.specdec.selfdraft import quantize_in_memory

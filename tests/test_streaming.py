@@ -15,7 +15,7 @@ from safetensors import safe_open
 import quantspec
 from quantspec.checkpoint.save import folder_size_bytes
 from quantspec.quant.recipe import CalibrationConfig, Recipe
-from quantspec.quant.scheme import QuantScheme
+from quantspec.core.scheme import QuantScheme
 
 from helpers import make_tiny_model
 
@@ -71,7 +71,7 @@ PROBE = textwrap.dedent(
     import quantspec
     from quantspec.quant import sources
     from quantspec.quant.recipe import CalibrationConfig, Recipe
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     def status(key):  # kB; VmHWM: this process's peak (ru_maxrss would carry the forking parent's across exec)
         return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])

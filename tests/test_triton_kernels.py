@@ -29,7 +29,7 @@ import torch
 
 from quantspec.kernels.reference import ReferenceBackend, quantize_per_token_int8
 from quantspec.quant.rtn import rtn
-from quantspec.quant.scheme import QuantResult, QuantScheme
+from quantspec.core.scheme import QuantResult, QuantScheme
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 GPU_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # fp32 uses IEEE tl.dot
@@ -393,7 +393,7 @@ def test_float_weight_only_matches_reference(tk, preset, m, dtype, n, k):
     """FP8 / NVFP4 / MXFP4 weight-only (triton/fp_gemm.py): codes decoded by integer arithmetic,
     scales decoded at prepare, against the reference's code tables (same TOL as the integer
     kernels: the dequantized tile is rounded to x's dtype before tl.dot)."""
-    from quantspec.quant.scheme import SCHEME_PRESETS
+    from quantspec.core.scheme import SCHEME_PRESETS
 
     scheme = SCHEME_PRESETS[preset]
     g = torch.Generator().manual_seed(m * 7 + n)
@@ -409,7 +409,7 @@ def test_float_weight_only_matches_reference(tk, preset, m, dtype, n, k):
 def test_fp8_block_weight_only_matches_reference(tk, m, n, k):
     """FP8 block scales (one per 128x128 block, held per row: fscales [K/128, N], GROUP 128);
     rows of very different magnitudes so a scale read from the wrong block shows."""
-    from quantspec.quant.scheme import SCHEME_PRESETS
+    from quantspec.core.scheme import SCHEME_PRESETS
 
     scheme = SCHEME_PRESETS["fp8-block-weight"]
     g = torch.Generator().manual_seed(m + n)
@@ -427,7 +427,7 @@ def test_float_decoders_cover_every_code(tk):
     import triton.language as tl
 
     from quantspec.kernels.triton import fp_gemm
-    from quantspec.quant.floatcodes import code_values
+    from quantspec.core.floatcodes import code_values
 
     globals()["fp_gemm"] = fp_gemm  # the jit function below resolves names in this module
 

@@ -20,8 +20,8 @@ from peer_common import perplexity
 
 from quantspec.formats import get_format
 from quantspec.kernels.reference import quantize_per_token_int8
-from quantspec.quant.floatgrid import quantize_per_token_fp8
-from quantspec.quant.scheme import SCHEME_PRESETS
+from quantspec.core.floatcodes import quantize_per_token_fp8
+from quantspec.core.scheme import SCHEME_PRESETS
 from quantspec.models import load_dense
 from quantspec.quant.arch_infer import get_arch
 from quantspec.quant.calibrate import run_blockwise

@@ -169,7 +169,7 @@ def load_quantized(
 def _kv_cache(model: nn.Module, kv, tensors: dict[str, torch.Tensor], path: Path):
     """(KVCacheConfig, per-layer scales) of a checkpoint with a kv_cache_scheme, else None;
     ``eval.perplexity`` and the KV decoders run attention on the cache it describes."""
-    from ..quant.kv_config import scales_from_tensors
+    from ..core.kv_config import scales_from_tensors
 
     if kv is None:
         if tensors:

@@ -15,7 +15,7 @@ from ._common import write_json
 def add_parser(sub) -> None:
     from ..formats import FORMAT_NAMES
     from ..quant.registry import METHODS
-    from ..quant.scheme import SCHEME_PRESETS
+    from ..core.scheme import SCHEME_PRESETS
 
     p = sub.add_parser(
         "quantize",
@@ -90,7 +90,7 @@ def recipe_from_args(args):
     from ..errors import QuantspecError
     from ..quant.recipe import default_recipe_name
     from ..quant.registry import METHODS, default_scheme
-    from ..quant.scheme import SCHEME_PRESETS
+    from ..core.scheme import SCHEME_PRESETS
 
     recipe = resolve_recipe(args.recipe)
     scheme_fields = {

@@ -132,7 +132,7 @@ class SweepPoint:
     def validate(self) -> None:
         """Raise QuantspecError when the recipe it stands for is impossible."""
         from ..quant.recipe import Recipe
-        from ..quant.scheme import QuantScheme
+        from ..core.scheme import QuantScheme
 
         if self.is_dense:
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 def default_g_idx(scheme: QuantScheme, in_features: int, device=None) -> torch.Tensor:

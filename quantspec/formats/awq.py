@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from ._common import check_tensors, g_idx_to_store, group_rule
 from .base import FormatConfig
 from .bitpack import pack_int32, unpack_int32

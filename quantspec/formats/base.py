@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 @dataclass

@@ -49,9 +49,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
-from ..quant.kv_config import parse_kv_cache_scheme
+from ..core.kv_config import parse_kv_cache_scheme
 from . import ct_float
 from .base import FormatConfig
 from .bitpack import pack_int32, pack_multiple, packed_len, unpack_int32

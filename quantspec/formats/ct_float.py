@@ -2,7 +2,7 @@
 ("nvfp4-pack-quantized") and MXFP4 ("mxfp4-pack-quantized"), as compressed-tensors 0.20.1
 writes them (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``,
 ``MXFP4PackedCompressor``; cross-checked by the tests when it is installed, never imported here).
-The codes and scales are those of ``quant/floatgrid.py``. One Linear [N, K]:
+The codes and scales are those of ``quant/floatgrid.py`` (element codes: ``core/floatcodes.py``). One Linear [N, K]:
 
 ==========================  ===========================  =====================================
 scheme                      tensors                      content
@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantspecError
-from ..quant.floatcodes import pack_fp4_pairs, unpack_fp4_pairs
-from ..quant.scheme import FP8_BLOCK, QuantResult, QuantScheme
+from ..core.floatcodes import pack_fp4_pairs, unpack_fp4_pairs
+from ..core.scheme import FP8_BLOCK, QuantResult, QuantScheme
 
 FP8_WEIGHT_ONLY = "naive-quantized"
 FP8_DYNAMIC = "float-quantized"

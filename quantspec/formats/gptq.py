@@ -51,7 +51,7 @@ import re
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
 from .base import FormatConfig
 from .bitpack import pack_int32, pack_multiple, unpack_int32

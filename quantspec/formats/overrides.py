@@ -14,7 +14,7 @@ import re
 from copy import deepcopy
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 SUPPORTS_OVERRIDES = ("gptq", "compressed-tensors")
 # projection -> the fused module vLLM builds from it

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 class Backend(Protocol):

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.floatcodes import pack_fp4_pairs
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.floatcodes import pack_fp4_pairs
+from ..core.scheme import QuantResult, QuantScheme
 from .cpu_ext import load_cpu_ext
 from .reference import quantize_per_token_int8
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 OP_NAME = "quantspec::quant_linear"
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..formats import get_format
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from .backend import choose_backend, get_backend
 
 

@@ -5,16 +5,15 @@ their activations per token (symmetric int8, dynamic; FP8 E4M3 for fp8-dynamic; 
 token per 128 columns for FP8 block's fp8-group-dynamic, multiplied as the dequantized
 activations ``q * scale``, as compressed-tensors does) so the reference matches what the fast
 W8A8 kernels compute. Float weights (FP8, NVFP4, MXFP4) are decoded through their code tables
-(``quant/floatcodes.py``).
+(``core/floatcodes.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant.floatcodes import dequantize_values, round_fp8
-from ..quant.floatgrid import quantize_per_group_fp8, quantize_per_token_fp8
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.floatcodes import dequantize_values, quantize_per_group_fp8, quantize_per_token_fp8, round_fp8
+from ..core.scheme import QuantResult, QuantScheme
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.scheme import QuantResult
+from ..core.scheme import QuantResult
 from .dense import fast_linear
 from .quant_linear import QuantLinear
 

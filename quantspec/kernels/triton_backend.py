@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
 
-from ..quant.floatcodes import decode_scales
-from ..quant.scheme import QuantResult, QuantScheme
+from ..core.floatcodes import decode_scales
+from ..core.scheme import QuantResult, QuantScheme
 from .triton import configs
 from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
 from .triton.w8a8 import w8a8_linear

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .recipe import Recipe
-from .scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 
 def quantize_model(

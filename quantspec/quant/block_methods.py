@@ -35,7 +35,7 @@ from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hess
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
 from .rtn import rtn
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 if TYPE_CHECKING:
     from .recipe import Recipe

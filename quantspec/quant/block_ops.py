@@ -14,7 +14,7 @@ from torch import nn
 from ..errors import QuantspecError
 from .arch import ArchSpec
 from .capture import StopBlock
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 def check_finite(x: torch.Tensor, block_name: str, where: str) -> None:

@@ -33,11 +33,11 @@ from .arch import ArchSpec
 from .block_ops import apply_results, block_forward, check_finite, input_scales, planned_linears
 from .capture import capture_inputs
 from .distributed import Reducer
-from .floatcodes import FP8_MAX
+from ..core.floatcodes import FP8_MAX
 from .heap import reuse_freed_memory
 from .method import BlockContext, BlockMethod, BlockOutput, FinishContext
 from .moe import routed_tokens
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from .sinks import BlockRecord, MemorySink, Sink
 
 # Per-layer output errors are measured on the first ERROR_SAMPLES calibration samples only

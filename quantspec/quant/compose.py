@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .method import BlockContext, BlockMethod, BlockOutput, Finish, FinishContext, Smoother, merge_info
-from .scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 
 class Composed(BlockMethod):

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode, round_fp8
-from .scheme import QuantResult, QuantScheme
+from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode, round_fp8
+from ..core.scheme import QuantResult, QuantScheme
 
 
 def global_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -110,30 +110,3 @@ def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
     scale = decode_scales(stored, scheme.weights, gs).unsqueeze(1)
     codes = encode(groups / scale, scheme.weights).reshape(n, k)
     return QuantResult(codes, stored.reshape(n, -1), None, None, scheme, global_scale=gs)
-
-
-def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, 1] (absmax / 448, dynamic)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return round_fp8(x.to(torch.float32) / scale), scale
-
-
-def quantize_per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, K / group]: absmax / 448 of each
-    token's ``group`` consecutive columns, dynamic (``fp8-group-dynamic``; K a multiple of group)."""
-    m, k = x.shape
-    xg = x.to(torch.float32).view(m, k // group, group)
-    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return round_fp8(xg / scale).view(m, k), scale.view(m, k // group)
-
-
-def e4m3fn_to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An E4M3FN weight (uint8 bytes) and its scales as MI300's E4M3FNUZ computes them.
-
-    The same byte read as E4M3FNUZ (exponent bias 8, not 7) is worth half as much, so the bytes
-    are kept and the scales doubled: ``fnuz(b) * 2s == fn(b) * s`` exactly for every finite
-    byte. The one exception is 0x80 (-0 in FN, NaN in FNUZ), which becomes 0x00.
-    """
-    codes = torch.where(codes == 0x80, torch.zeros_like(codes), codes)
-    return codes, scales.to(torch.float32) * 2.0

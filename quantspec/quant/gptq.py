@@ -22,10 +22,10 @@ import torch
 
 from ..errors import QuantspecError
 from .hessian import accumulate_hessian, make_empty_hessian
-from .floatcodes import code_values, decode_scales, encode
+from ..core.floatcodes import code_values, decode_scales, encode
 from .floatgrid import block_scales, global_scale, group_scales
 from .rtn import qparams
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 __all__ = [
     "accumulate_hessian",

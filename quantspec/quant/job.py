@@ -22,7 +22,7 @@ from ..models.experts import experts_modules, set_calibration
 from .plan import LayerPlan, make_plan
 from .recipe import Recipe
 from .registry import build_method
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 @dataclass

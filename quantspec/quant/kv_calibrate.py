@@ -12,7 +12,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import KVObserver, scales_from_amax
-from .kv_config import KVCacheConfig, scale_tensors
+from ..core.kv_config import KVCacheConfig, scale_tensors
 
 def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
     """``{block}.self_attn`` of every block, or QuantspecError when a block has no attention

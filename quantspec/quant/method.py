@@ -25,7 +25,7 @@ from torch import nn
 
 from .arch import ArchSpec
 from .distributed import Reducer
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 @dataclass

@@ -11,7 +11,7 @@ from torch import nn
 from ..checkpoint.save import write_checkpoint
 from ..models.conv1d import conv1d_layout
 from .plan import LayerPlan, override_patterns
-from .scheme import QuantResult
+from ..core.scheme import QuantResult
 
 if TYPE_CHECKING:
     from .recipe import Recipe

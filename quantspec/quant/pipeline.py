@@ -199,7 +199,7 @@ def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, repor
     from ..checkpoint.load import read_config
     from ..checkpoint.save import write_config, write_report
     from .kv_calibrate import calibrate_checkpoint_kv
-    from .kv_config import kv_cache_scheme
+    from ..core.kv_config import kv_cache_scheme
 
     t0 = time.perf_counter()
     cfg = recipe.kv_cache

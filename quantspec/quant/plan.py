@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from ..errors import QuantspecError
-from .scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 
 @dataclass

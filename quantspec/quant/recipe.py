@@ -23,10 +23,10 @@ from typing import Any
 from ..errors import QuantspecError
 from ..formats import FORMAT_NAMES
 from ..strict import from_dict_strict, reject_unknown
-from .kv_config import KVCacheConfig
+from ..core.kv_config import KVCacheConfig
 from .options import AWQOptions, CalibrationConfig, GPTQOptions, SmoothQuantOptions
 from .registry import METHODS, default_scheme
-from .scheme import QuantScheme
+from ..core.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

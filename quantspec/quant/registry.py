@@ -18,7 +18,7 @@ from .awq import method_from_recipe as awq_method, smoother_from_recipe as awq_s
 from .block_methods import RTNMethod, gptq_from_recipe
 from .compose import Composed
 from .method import BlockMethod, Smoother
-from .scheme import QuantScheme
+from ..core.scheme import QuantScheme
 from .smoothquant import method_from_recipe as smoothquant_smoother
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from ..checkpoint.atomic import atomic_save_file, atomic_write_text
 from ..errors import QuantspecError
 from .arch import ArchSpec, head_name
 from .digest import module_digest, tensors_digest, update_tensor
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 from .sinks import BlockRecord, Sink
 
 VERSION = 3  # 3: method tensors per block and carried (2: AWQ alternatives as alt.*)

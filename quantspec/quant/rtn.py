@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .floatgrid import rtn_float
-from .scheme import QuantResult, QuantScheme
+from ..core.scheme import QuantResult, QuantScheme
 
 
 def qparams(

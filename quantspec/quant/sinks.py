@@ -25,7 +25,7 @@ from ..sizes import tensors_bytes
 
 from .block_ops import apply_results, relative
 from .pack import checkpoint_state
-from .scheme import QuantResult
+from ..core.scheme import QuantResult
 
 
 @dataclass

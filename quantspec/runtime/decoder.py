@@ -188,6 +188,15 @@ class StaticDecoder(Decoder):
     def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:
         """Feed ``chunks[b]`` (int64 [T_b]) to row b; returns logits [B, T, V] (``keep`` > 0:
         the last ``keep`` positions only), row b's in its last T_b positions."""
+        return self.lm_head(self._features(chunks, keep))
+
+    @torch.inference_mode()
+    def forward_features(self, chunks: list[torch.Tensor], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = self._features(chunks, keep)
+        return self.lm_head(feats), feats
+
+    def _features(self, chunks: list[torch.Tensor], keep: int) -> torch.Tensor:
+        """The final-normed hidden states [B, T or keep, H] of ``forward``."""
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
             raise ValueError("forward needs at least one new token in some row")
@@ -228,7 +237,7 @@ class StaticDecoder(Decoder):
         self.width = hi
         if keep:
             x = x[:, -keep:]
-        return self.lm_head(rms_norm(x, self.final_norm, self.eps))
+        return rms_norm(x, self.final_norm, self.eps)
 
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""

@@ -61,6 +61,16 @@ class KVDecoder(Decoder):
         T = max T_b; row b's logits are the last T_b positions (right-aligned). ``keep`` > 0
         computes only the last ``keep`` positions' logits.
         """
+        return self._run(chunks, keep, features=False).logits
+
+    def forward_features(self, chunks: list[torch.Tensor], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the last hidden states (transformers' last ``hidden_states``: after
+        the final norm, what the LM head reads), of the same positions."""
+        out = self._run(chunks, keep, features=True)
+        feats = out.hidden_states[-1]
+        return out.logits, feats[:, -keep:] if keep else feats
+
+    def _run(self, chunks: list[torch.Tensor], keep: int, features: bool):
         self._ensure(len(chunks))
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
@@ -81,10 +91,11 @@ class KVDecoder(Decoder):
             position_ids=positions,
             use_cache=True,
             logits_to_keep=keep,
+            output_hidden_states=features,
             **{self._cache_kw: self.cache},
         )
         self.mask = mask
-        return out.logits
+        return out
 
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""

@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import QuantspecError
-from ..quant.floatcodes import round_fp8
-from ..quant.kv_config import KV_MAX
+from ..core.floatcodes import round_fp8
+from ..core.kv_config import KV_MAX
 KV_SCALES = ("calibrated", "unit", "dynamic")
 
 

@@ -38,6 +38,12 @@ class Decoder(ABC):
         [B, T, V], T = max T_b, row b's in its last T_b positions (``keep`` > 0: the last
         ``keep`` positions only). A batch of another size than the cache holds starts afresh."""
 
+    def forward_features(self, chunks: list[torch.Tensor], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits and the features they were computed from: the final-normed
+        hidden states [B, T, H] the LM head reads, for the same positions (feature-level drafts
+        such as EAGLE heads draft from them). Decoders that cannot expose them raise."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose the target's features")
+
     def step(self, ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
         """Every row takes the T tokens of its row of ``ids`` (int64 [B, T]): the logits of
         ``forward(list(ids), keep)``, which this is unless overridden (``PlainDecoder`` hands

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QuantspecError
-from ..quant.scheme import QuantScheme
+from ..core.scheme import QuantScheme
 from .proposers import DraftModel, NGram, Proposer
 from .selfdraft import QuantizedSelf
 

@@ -135,9 +135,14 @@ def speculative_generate(
         else contextlib.nullcontext()
     proposer.reset()
     start = time.perf_counter()
+    feeds = proposer.needs_features
     with torch.inference_mode(), fast:
         if any(s.numel() > 1 for s in seqs):
-            decoder.forward([s[:-1] for s in seqs], keep=1)
+            if feeds:  # every prompt position's features but the pending token's
+                _, feats = decoder.forward_features([s[:-1] for s in seqs])
+                proposer.observe([f[f.shape[0] - (s.numel() - 1):] for f, s in zip(feats, seqs)])
+            else:
+                decoder.forward([s[:-1] for s in seqs], keep=1)
         while not all(done):
             left = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b])
             kk = min(control.k, left - 1)
@@ -152,13 +157,17 @@ def speculative_generate(
             offered = [width] * len(seqs) if prop.lengths is None else prop.lengths.tolist()
             chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
             t0 = time.perf_counter()
-            logits = decoder.forward(chunks, keep=width + 1)
+            if feeds:
+                logits, feats = decoder.forward_features(chunks, keep=width + 1)
+            else:
+                logits = decoder.forward(chunks, keep=width + 1)
             stats.target_s += time.perf_counter() - t0
             stats.target_calls += 1
             stats.k_used.append(width)
             n_acc, nxt = _verify(prop, logits, sampling, generator)
             n_acc, nxt = n_acc.tolist(), nxt.tolist()
             active = [b for b in range(len(seqs)) if not done[b]]
+            done_before = list(done)
             drops, kept = [], []
             for b in range(len(seqs)):
                 if done[b]:
@@ -174,6 +183,9 @@ def speculative_generate(
                 seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
             decoder.drop_last(drops)
             proposer.accept(kept)
+            if feeds:  # the pending token's and the accepted drafts' features
+                proposer.observe([feats[b, : kept[b] + 1] if not done_before[b] else feats[b, :0]
+                                  for b in range(len(seqs))])
             stats.record([n_acc[b] for b in active], [offered[b] for b in active])
             control.update([n_acc[b] for b in active], [offered[b] for b in active])
     stats.wall_s = time.perf_counter() - start

@@ -1,12 +1,14 @@
 """Proposers: where the k candidate tokens of each speculative step come from.
 
-The protocol is deliberately small, so that EAGLE/Medusa-style heads can implement it later:
+The interface (``Proposer``) is small:
 
 * ``propose(sequences, k, sampling, generator) -> Proposal``: ``sequences[b]`` is row b's
   whole committed text so far (prompt + accepted tokens, int64 [L_b], no padding).
 * ``accept(n_accepted)``: how many of the last proposal's drafts each row kept; a stateful
   proposer crops its own state (KV cache) to that prefix.
 * ``reset()``: forget everything (a new batch).
+* ``observe(features)``: the target's features of newly committed tokens, for proposers that
+  declare ``needs_features`` (feature-level drafts, ``specdec/eagle``).
 
 ``DraftModel`` runs any causal LM that shares the target's tokenizer with its own KV cache;
 ``NGram`` is prompt lookup (no model). ``QuantizedSelf`` (selfdraft.py) is a DraftModel over
@@ -16,7 +18,6 @@ the target quantized by this library.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -39,8 +40,16 @@ class Proposal:
     model_calls: int = 0
 
 
-class Proposer(Protocol):
-    name: str
+class Proposer:
+    """The base of every proposer: ``propose`` is required; the hooks have no-op defaults.
+
+    ``needs_features``: the proposer drafts from the target's features (the final-normed hidden
+    states its LM head reads, e.g. an EAGLE head); the loop then verifies through
+    ``Decoder.forward_features`` and hands each row's new ones to ``observe``.
+    """
+
+    name: str = "proposer"
+    needs_features: bool = False
 
     def propose(
         self,
@@ -48,14 +57,22 @@ class Proposer(Protocol):
         k: int,
         sampling: SamplingConfig,
         generator: torch.Generator | None = None,
-    ) -> Proposal: ...
+    ) -> Proposal:
+        raise NotImplementedError
 
-    def accept(self, n_accepted: list[int]) -> None: ...
+    def accept(self, n_accepted: list[int]) -> None:
+        """Each row kept the first ``n_accepted[b]`` drafts of the last proposal."""
 
-    def reset(self) -> None: ...
+    def observe(self, features: list[torch.Tensor]) -> None:
+        """The target's features [n_b, H] of row b's committed tokens not handed over before,
+        in order: after the prompt's prefill (every prompt token but the last) and after each
+        verification (the pending token and the accepted drafts). Only if ``needs_features``."""
+
+    def reset(self) -> None:
+        """Forget everything (a new batch)."""
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """A smaller causal LM as the draft, with its own KV cache (never recomputed).
 
     Invariant between calls: the cache holds a prefix of each row's committed text (never
@@ -125,7 +142,7 @@ class DraftModel:
         self._fed_drafts = 0
 
 
-class NGram:
+class NGram(Proposer):
     """Prompt lookup decoding: find the most recent earlier occurrence of the last n tokens
     (n from max_n down to min_n) in the row's own text and propose the tokens that followed it.
 
@@ -139,12 +156,6 @@ class NGram:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
-
-    def reset(self) -> None:
-        pass
-
-    def accept(self, n_accepted: list[int]) -> None:
-        pass
 
     def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """The k tokens that followed the most recent match of seq's suffix (int64 [k]), or none."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..quant.arch import head_name
-from ..quant.scheme import QuantScheme
+from ..core.scheme import QuantScheme
 from .proposers import DraftModel
 
 

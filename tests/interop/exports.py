@@ -115,7 +115,7 @@ def make_export(name: str, model_dir: str | Path, out: str | Path) -> Path:
     """Write export ``name`` of ``model_dir`` to ``out`` (reused when already complete)."""
     from quantspec.quant.pipeline import quantize
     from quantspec.quant.recipe import CalibrationConfig, Recipe
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "quant_report.json").is_file():

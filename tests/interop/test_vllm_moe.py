@@ -38,7 +38,7 @@ def moe_dir(tmp_path_factory) -> Path:
 def _export(moe_dir: Path, fmt: str, out: Path) -> Path:
     import quantspec
     from quantspec.quant.recipe import Recipe
-    from quantspec.quant.scheme import QuantScheme
+    from quantspec.core.scheme import QuantScheme
 
     recipe = Recipe(name="t", method="rtn", format=fmt, scheme=QuantScheme(4, 32, True))
     return quantspec.quantize(str(moe_dir), recipe, out, progress=False).out

@@ -7,7 +7,7 @@ Layout (the Triton backend's ``prepare`` writes it):
   2j (low nibble) and 2j+1 (high nibble) in byte j. N is contiguous (coalesced tile loads).
 * ``scales`` fp32 [G, N], already decoded (NVFP4: E4M3 scale / global scale; MXFP4:
   2**(e - 127)), so the kernel does one multiply per element and equals the reference
-  (``quant/floatcodes.py``) bit for bit before the dot.
+  (``core/floatcodes.py``) bit for bit before the dot.
 
 The codes are decoded with integer arithmetic into fp32 bit patterns (no fp8 type, so one
 source serves NVIDIA, MI300's FNUZ and the interpreter alike; E4M3FN bytes are read as FN on
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant.floatcodes import pack_fp4_pairs
+from ...core.floatcodes import pack_fp4_pairs
 from . import configs
 from .tiles import swizzled_tile
 

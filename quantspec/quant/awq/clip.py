@@ -16,7 +16,7 @@ import torch
 
 from ..floatgrid import fake_quantize_blocks, fake_quantize_groups, global_scale
 from ..rtn import dequantize_codes, qparams, quantize_codes, rtn
-from ..scheme import QuantResult, QuantScheme
+from ...core.scheme import QuantResult, QuantScheme
 
 # Linears whose outputs feed attention scores: the output MSE of a clip search means little there.
 CLIP_SKIP = ("q_proj", "k_proj", "qkv_proj")

@@ -32,7 +32,7 @@ from ..digest import module_digest
 from ..method import BlockContext, BlockOutput, Finish, FinishContext, Smoother
 from ..options import AWQOptions
 from ..resume import result_tensors, results_from_tensors
-from ..scheme import QuantResult, QuantScheme
+from ...core.scheme import QuantResult, QuantScheme
 from ..smoothing import ResolvedPair, collect_input_stats, fold_scales, resolve_pairs
 from .clip import CLIP_SKIP, awq_quantize, clip_error_curve, clip_wanted, pick_clip
 from .model_check import ModelClipCheck

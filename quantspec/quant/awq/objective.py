@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..block_ops import block_forward
-from ..scheme import QuantScheme
+from ...core.scheme import QuantScheme
 from ..smoothing import ResolvedPair
 from .clip import apply_clip, fake_quantize
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..scheme import QuantScheme
+from ...core.scheme import QuantScheme
 from .clip import grouped
 
 

@@ -1,6 +1,6 @@
 """Float element codes: FP8 E4M3FN bytes and FP4 E2M1 nibbles, their values, and the decoding
 of stored group scales. Pure functions keyed by the weight type ("fp8", "nvfp4", "mxfp4");
-what the codes and scales of a float ``QuantResult`` mean is in ``floatgrid.py``.
+what the codes and scales of a float ``QuantResult`` mean is in ``quant/floatgrid.py``.
 
 Rounding is to nearest, ties to even (the IEEE rule, which torch's float8 casts apply); values
 beyond the grid saturate at its largest finite value (448 for E4M3FN, 6 for E2M1). Zero is
@@ -93,3 +93,28 @@ def dequantize_values(
     return values * scale.repeat_interleave(group_len, dim=1)[:, :k]
 
 
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, 1] (absmax / 448, dynamic)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    return round_fp8(x.to(torch.float32) / scale), scale
+
+
+def quantize_per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> E4M3 values as fp32 [M, K] and fp32 scales [M, K / group]: absmax / 448 of each
+    token's ``group`` consecutive columns, dynamic (``fp8-group-dynamic``; K a multiple of group)."""
+    m, k = x.shape
+    xg = x.to(torch.float32).view(m, k // group, group)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return round_fp8(xg / scale).view(m, k), scale.view(m, k // group)
+
+
+def e4m3fn_to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An E4M3FN weight (uint8 bytes) and its scales as MI300's E4M3FNUZ computes them.
+
+    The same byte read as E4M3FNUZ (exponent bias 8, not 7) is worth half as much, so the bytes
+    are kept and the scales doubled: ``fnuz(b) * 2s == fn(b) * s`` exactly for every finite
+    byte. The one exception is 0x80 (-0 in FN, NaN in FNUZ), which becomes 0x00.
+    """
+    codes = torch.where(codes == 0x80, torch.zeros_like(codes), codes)
+    return codes, scales.to(torch.float32) * 2.0

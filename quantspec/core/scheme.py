@@ -11,7 +11,7 @@ Conventions (shared by every algorithm, format and kernel):
   and algorithms quantize with those rounded scales, so ``unpack(pack(r)) == r`` is exact.
 
 Float schemes (``weights`` "fp8", "nvfp4", "mxfp4") keep the same result type with float codes
-and scales as ``floatgrid.py`` describes (codes are E4M3 bytes or E2M1 nibbles, symmetric,
+and scales as ``quant/floatgrid.py`` describes (codes are E4M3 bytes or E2M1 nibbles, symmetric,
 no zeros; NVFP4 adds a per-tensor ``global_scale``). FP8 *block* (``weights="fp8"``,
 ``group_size=128``: DeepSeek-V3's and compressed-tensors' FP8_BLOCK) has one scale per block of
 128 rows x 128 columns; its ``scales`` stay [N, K/128] per row, every row of a block holding the
@@ -148,7 +148,7 @@ class QuantScheme:
 
     @property
     def is_float(self) -> bool:
-        """FP8 / FP4 weights (``floatgrid.py``) rather than integer codes."""
+        """FP8 / FP4 weights (``quant/floatgrid.py``) rather than integer codes."""
         return self.weights != "int"
 
     @property
@@ -225,7 +225,7 @@ class QuantResult:
     scales:  [N, G] floating (the dtype the checkpoint stores, fp16 by default).
     zeros:   uint8 [N, G] integer zero points, or None for symmetric schemes.
     g_idx:   int32 [K] group of each input column, or None for ``k // group_len``.
-    global_scale: fp32 [1], NVFP4 only (``floatgrid.py``); None otherwise.
+    global_scale: fp32 [1], NVFP4 only (``quant/floatgrid.py``); None otherwise.
     input_scale: fp32 [1], the calibrated activation scale of static activation schemes
     (``fp8-tensor-static``: amax / 448 of the layer's inputs); None otherwise.
     """
