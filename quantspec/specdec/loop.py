@@ -167,8 +167,7 @@ def speculative_generate(
             n_acc, nxt = _verify(prop, logits, sampling, generator)
             n_acc, nxt = n_acc.tolist(), nxt.tolist()
             active = [b for b in range(len(seqs)) if not done[b]]
-            done_before = list(done)
-            drops, kept = [], []
+            drops, kept, committed = [], [], [0] * len(seqs)
             for b in range(len(seqs)):
                 if done[b]:
                     drops.append(width + 1)
@@ -179,13 +178,13 @@ def speculative_generate(
                 emitted = _until_stop(prop.tokens[b, : n_acc[b]].tolist() + [nxt[b]], stops,
                                       max_new_tokens - len(new[b]))
                 new[b].extend(emitted)
+                committed[b] = len(emitted)
                 done[b] = emitted[-1] in stops or len(new[b]) >= max_new_tokens
                 seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
             decoder.drop_last(drops)
             proposer.accept(kept)
-            if feeds:  # the pending token's and the accepted drafts' features
-                proposer.observe([feats[b, : kept[b] + 1] if not done_before[b] else feats[b, :0]
-                                  for b in range(len(seqs))])
+            if feeds:  # the features of the pending token and of every emitted token but the last
+                proposer.observe([feats[b, : committed[b]] for b in range(len(seqs))])
             stats.record([n_acc[b] for b in active], [offered[b] for b in active])
             control.update([n_acc[b] for b in active], [offered[b] for b in active])
     stats.wall_s = time.perf_counter() - start
