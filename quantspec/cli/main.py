@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "inspect",
     "bench",
     "bench_specdec",
+    "train_draft",
     "profile",
     "sweep",
     "serve_bench",

@@ -1,6 +1,7 @@
 """``make_proposer``: a proposer from a short spec, and the draft/target compatibility check.
 
-Specs: ``ngram`` (or ``ngram:MAX_N``), ``self:w4g128`` (the target quantized in memory; any
+Specs: ``ngram`` (or ``ngram:MAX_N``), ``eagle:/path/to/head`` (an EAGLE head trained for the
+target by ``quantspec train-draft``), ``self:w4g128`` (the target quantized in memory; any
 ``w{bits}g{group}`` or ``w{bits}gpc``), ``self:/path/to/checkpoint`` (a quantized checkpoint of
 the target, e.g. GPTQ or AWQ+GPTQ: they agree with the target more often than RTN), or a model
 id / folder / GGUF (a smaller model sharing the target's tokenizer). A ``self:`` draft's output
@@ -130,6 +131,10 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
     if spec == "ngram" or spec.startswith("ngram:"):
         max_n = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return NGram(max_n=max_n)
+    if spec.startswith("eagle:"):
+        from .eagle.proposer import eagle_proposer
+
+        return eagle_proposer(spec[len("eagle:"):], target)
     dtype = draft_dtype(target, dtype)
     if spec.startswith("self:"):
         rest = spec[len("self:"):]

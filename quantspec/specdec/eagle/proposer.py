@@ -1,0 +1,140 @@
+"""``EagleProposer``: chain drafts from an EAGLE head over the target's own features.
+
+State per row (rows are independent; a batch is a loop over them, the head being small):
+the head's keys and values for the pairs ``(f_t, x_{t+1})`` it has read, t = 0..n-1, where
+``f_t`` are the target's real features handed over by ``observe`` and ``x`` the committed
+tokens; the features not yet read; and the head's output at its last real position (the
+prediction of the next feature, from which the first draft comes).
+
+``propose`` reads every pending feature with its next committed token (one head forward),
+drafts the first token from the last output, then feeds each draft with the head's own
+predicted feature for the next k - 1 drafts. ``accept`` drops those draft positions again: the
+accepted drafts come back with the target's real features through ``observe``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import QuantspecError
+from ...kernels.small_ops import argmax
+from ..proposers import Proposal, Proposer
+from ..sampling import SamplingConfig, probs_from_logits, sample
+from .head import EagleHead, load_head
+
+
+class _Row:
+    def __init__(self):
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.read = 0  # features read into ``past`` (pairs (f_t, x_{t+1}), t < read)
+        self.pending: list[torch.Tensor] = []  # features [n, H] handed over, not read yet
+        self.last: torch.Tensor | None = None  # head output [H] at position read - 1
+        self.drafted = 0  # draft positions appended to ``past`` after ``read``
+
+
+class EagleProposer(Proposer):
+    """Drafts with ``head`` from the target's features; ``embed`` is the target's input
+    embedding (the head reads the embeddings of the tokens the target committed)."""
+
+    needs_features = True
+
+    def __init__(self, head: EagleHead, embed: nn.Module, name: str = "eagle"):
+        self.head = head.eval()
+        self.embed = embed
+        self.name = name
+        self.rows: list[_Row] = []
+
+    def reset(self) -> None:
+        self.rows = []
+
+    def observe(self, features: list[torch.Tensor]) -> None:
+        if len(self.rows) != len(features):
+            self.rows = [_Row() for _ in features]
+        for row, f in zip(self.rows, features):
+            if f.numel():
+                row.pending.append(f)
+
+    def _step(self, row: _Row, feats: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed pairs (feats[i], tokens[i]) at positions start.. ; returns the head's outputs [n, H]."""
+        dtype = self.head.lm_head.dtype
+        emb = self.embed(tokens.unsqueeze(0)).to(dtype)
+        pos = torch.arange(start, start + tokens.numel(), device=tokens.device).unsqueeze(0)
+        out, row.past = self.head(feats.to(dtype).unsqueeze(0), emb, pos, row.past)
+        return out[0]
+
+    def _catch_up(self, row: _Row, seq: torch.Tensor) -> None:
+        if not row.pending:
+            return
+        feats = torch.cat(row.pending)
+        row.pending = []
+        n = feats.shape[0]
+        tokens = seq[row.read + 1: row.read + 1 + n]
+        if tokens.numel() != n:
+            raise RuntimeError(f"EAGLE head got {row.read + n} features for {seq.numel()} committed tokens")
+        out = self._step(row, feats, tokens, row.read)
+        row.read += n
+        row.last = out[-1]
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
+        """A draft token (target id) from the draft vocabulary's logits [N], and q over the
+        target's vocabulary (None when greedy)."""
+        ids = self.head.token_ids
+        if sampling.greedy:
+            return int(ids[int(argmax(logits.unsqueeze(0))[0])]), None
+        full = torch.full((self.head.config.vocab_size,), float("-inf"), dtype=torch.float32, device=logits.device)
+        full[ids] = logits.to(torch.float32)
+        q = probs_from_logits(full.unsqueeze(0), sampling)[0]
+        return int(sample(q.unsqueeze(0), generator)[0]), q
+
+    @torch.inference_mode()
+    def propose(self, sequences, k, sampling, generator=None) -> Proposal:
+        if len(self.rows) != len(sequences):
+            self.rows = [_Row() for _ in sequences]
+        device = sequences[0].device
+        tokens = torch.zeros(len(sequences), k, dtype=torch.int64, device=device)
+        probs = None if sampling.greedy else torch.zeros(len(sequences), k, self.head.config.vocab_size,
+                                                          dtype=torch.float32, device=device)
+        lengths = torch.zeros(len(sequences), dtype=torch.int64, device=device)
+        calls = 0
+        for b, (row, seq) in enumerate(zip(self.rows, sequences)):
+            self._catch_up(row, seq)
+            if row.last is None:  # no feature yet (a one-token prompt): nothing to draft from
+                continue
+            calls += 1
+            feat = row.last
+            for i in range(k):
+                tok, q = self._choose(self.head.logits(feat), sampling, generator)
+                tokens[b, i] = tok
+                if q is not None:
+                    probs[b, i] = q
+                if i + 1 < k:
+                    feat = self._step(row, feat.unsqueeze(0), torch.tensor([tok], device=device),
+                                      row.read + i)[-1]
+            row.drafted = k - 1
+            lengths[b] = k
+        return Proposal(tokens=tokens, probs=probs, lengths=lengths, model_calls=calls * k)
+
+    def accept(self, n_accepted: list[int]) -> None:
+        for row in self.rows:
+            if row.drafted and row.past is not None:
+                keep = row.past[0].shape[2] - row.drafted
+                row.past = (row.past[0][:, :, :keep], row.past[1][:, :, :keep])
+            row.drafted = 0
+
+
+def eagle_proposer(folder: str, target: nn.Module) -> EagleProposer:
+    """The ``eagle:FOLDER`` draft of ``target``: the head's widths and vocabulary must be the
+    target's (a head trained for another model is refused)."""
+    param = next(target.parameters())
+    dtype = param.dtype if param.dtype != torch.bfloat16 or not param.is_cpu else torch.float32
+    head = load_head(folder, dtype=dtype, device=param.device)
+    embed = target.get_input_embeddings()
+    vocab, hidden = embed.weight.shape
+    c = head.config
+    if (c.vocab_size, c.hidden_size) != (int(vocab), int(hidden)):
+        raise QuantspecError(
+            f"EAGLE head {folder} was trained for a target with vocabulary {c.vocab_size} and width "
+            f"{c.hidden_size}; this target has {int(vocab)} and {int(hidden)}.",
+            "train a head for this target with `quantspec train-draft`.")
+    return EagleProposer(head, embed, name=f"eagle:{folder}")

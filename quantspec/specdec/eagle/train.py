@@ -1,0 +1,232 @@
+"""Training an EAGLE head on the target's features (``quantspec train-draft``).
+
+Data: ``samples`` windows of ``seqlen`` tokens of local text (``data.calibration_samples``),
+their target features (``features.py``; with ``--quantized``, the quantized target's, so the head
+learns the model that will serve). A seeded ``val_fraction`` of the windows is held out.
+
+Objective per position t (EAGLE-1): the head reads ``(f_t, x_{t+1})`` and predicts ``f_{t+1}``;
+loss = smooth-L1 to the real ``f_{t+1}`` + ``cls_weight`` x the cross-entropy of the head's
+draft-vocabulary distribution against the target's (its LM head on the real ``f_{t+1}``,
+restricted to the draft vocabulary). ``unroll`` > 1 adds EAGLE-3's training-time test: pass d
+reads the features pass d-1 predicted (the real ``f_0`` first), as drafting at depth d does,
+and adds its loss; gradients flow through the unrolled inputs.
+
+Draft vocabulary: the ``draft_vocab`` most frequent next tokens of the training windows.
+Resumable: ``train_state.pt`` in the output folder (head, optimizer, schedule, step, RNG) is
+written atomically every ``save_every`` steps and at each epoch's end; a run with the same
+settings continues from it. The report (``train_report.json``) holds the losses and, per
+epoch, the held-out top-1 agreement of the head with the target at depths 1..unroll.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ...checkpoint.atomic import atomic_write_bytes, atomic_write_text
+from ...errors import QuantspecError
+from .features import extract_features, load_features
+from .head import EagleConfig, EagleHead
+
+STATE_FILE = "train_state.pt"
+REPORT_FILE = "train_report.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str = "c4"
+    samples: int = 256
+    seqlen: int = 512
+    epochs: int = 3
+    batch_size: int = 4
+    lr: float = 1e-3
+    warmup: float = 0.05  # fraction of the steps
+    cls_weight: float = 0.1
+    unroll: int = 2
+    draft_vocab: int = 8192
+    val_fraction: float = 0.05
+    seed: int = 0
+    save_every: int = 50
+
+    def __post_init__(self):
+        checks = [
+            (self.samples >= 2, f"samples={self.samples}", "use at least 2 windows"),
+            (self.seqlen >= 8, f"seqlen={self.seqlen}", "use windows of at least 8 tokens"),
+            (self.epochs >= 1, f"epochs={self.epochs}", "train at least 1 epoch"),
+            (self.batch_size >= 1, f"batch_size={self.batch_size}", "use a batch of at least 1 window"),
+            (self.lr > 0, f"lr={self.lr}", "use a positive learning rate"),
+            (0 <= self.warmup < 1, f"warmup={self.warmup}", "use a fraction in [0, 1)"),
+            (self.cls_weight >= 0, f"cls_weight={self.cls_weight}", "use a weight >= 0"),
+            (1 <= self.unroll <= 8, f"unroll={self.unroll}", "use 1 (no training-time test) to 8"),
+            (self.draft_vocab >= 2, f"draft_vocab={self.draft_vocab}", "use at least 2 tokens"),
+            (0 < self.val_fraction < 1, f"val_fraction={self.val_fraction}", "use a fraction in (0, 1)"),
+            (self.save_every >= 1, f"save_every={self.save_every}", "use at least 1 step"),
+        ]
+        for ok, what, fix in checks:
+            if not ok:
+                raise QuantspecError(f"train-draft: {what} is invalid.", fix + ".")
+
+
+def draft_vocabulary(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` most frequent next tokens of ``tokens`` [n, L] (ties: lower id), ascending."""
+    counts = torch.bincount(tokens[:, 1:].reshape(-1), minlength=vocab).to(torch.float64)
+    counts -= torch.arange(vocab, dtype=torch.float64) / (2.0 * vocab)  # lower id first on ties
+    return counts.topk(min(size, vocab)).indices.sort().values
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The target's LM head as a dense [V, H] weight (a quantized head dequantized)."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "quant_result"):
+        return head.quant_result().dequantize(torch.float32)
+    return head.weight.detach().to(torch.float32)
+
+
+def unrolled_losses(head: EagleHead, feats: torch.Tensor, emb: torch.Tensor, unroll: int,
+                    cls_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The training loss of windows (features [B, L, H], next-token embeddings [B, L-1, H]) and
+    the head's predictions [B, L-1, H] of each pass (pass d predicts at depth d)."""
+    real_in, target = feats[:, :-1], feats[:, 1:]
+    pos = torch.arange(real_in.shape[1], device=feats.device).unsqueeze(0).expand(feats.shape[0], -1)
+    with torch.no_grad():
+        p = F.softmax(head.logits(target), dim=-1)
+    total, preds, inputs = feats.new_zeros(()), [], real_in
+    for d in range(unroll):
+        pred, _ = head(inputs, emb, pos)
+        sl = slice(d, None)  # positions before d read only real features: pass d-1 scored them
+        reg = F.smooth_l1_loss(pred[:, sl], target[:, sl])
+        ce = -(p[:, sl] * F.log_softmax(head.logits(pred[:, sl]), dim=-1)).sum(-1).mean()
+        total = total + reg + cls_weight * ce
+        preds.append(pred)
+        inputs = torch.cat([real_in[:, :1], pred[:, :-1]], dim=1)
+    return total / unroll, preds
+
+
+@torch.no_grad()
+def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) -> list[float]:
+    """Held-out top-1 agreement at depth 1..unroll over ``batches`` of (features, embeddings):
+    the head's draft (as a target id) equals the target's argmax next token, over the
+    positions each depth scores."""
+    hits, counts = [0.0] * unroll, [0] * unroll
+    for feats, emb in batches:
+        _, preds = unrolled_losses(head, feats, emb, unroll, 0.0)
+        truth = F.linear(feats[:, 1:], full_head).argmax(-1)
+        for d, pred in enumerate(preds):
+            same = (head.token_ids[head.logits(pred).argmax(-1)] == truth)[:, d:]
+            hits[d] += float(same.sum())
+            counts[d] += same.numel()
+    return [h / max(1, c) for h, c in zip(hits, counts)]
+
+
+def _schedule(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def _save_state(path: Path, **state) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, out: str | Path,
+               key: dict, progress: bool = True) -> dict:
+    """Train an EAGLE head for ``model`` on ``windows`` (int64 [n, L]); write it to ``out``.
+
+    ``key``: what the features are of (target, data, quantized checkpoint), for the feature
+    cache and the resume check. Returns the report (also written to ``train_report.json``).
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    paths = extract_features(model, windows, out / "features", key, progress=progress)
+    t_feat = time.perf_counter() - t0
+    tokens, feats16 = load_features(paths)
+    n = tokens.shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
+    n_val = max(1, round(n * cfg.val_fraction))
+    val, train = order[:n_val], order[n_val:]
+    if train.numel() == 0:
+        raise QuantspecError(f"train-draft: {n} windows leave none for training after the held-out ones.",
+                             "use more --samples.")
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    full_head = lm_head_weight(model)
+    table = model.get_input_embeddings().weight.detach().to(torch.float32)
+    ids = draft_vocabulary(tokens[train], cfg.draft_vocab, vocab)
+    hcfg = EagleConfig.for_target(model.config, ids.numel(), target=str(key.get("target", "")),
+                                  target_features=str(key.get("features", "dense")))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        head = EagleHead(hcfg)
+    head.set_vocabulary(ids, full_head)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(train.numel() / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    warm = max(1, round(total * cfg.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, total, warm))
+    run_key = {"features": key, "train": asdict(cfg)}
+    state_path = out / STATE_FILE
+    step, history = 0, []
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        if state["key"] != run_key:
+            raise QuantspecError(f"{out} holds a training run with other settings.",
+                                 "use another --out, or --overwrite to start over.")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, history = state["step"], state["history"]
+
+    def batch_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table)
+
+    def save() -> None:
+        _save_state(state_path, key=run_key, head=head.state_dict(), opt=opt.state_dict(),
+                    sched=sched.state_dict(), step=step, history=history)
+
+    t1 = time.perf_counter()
+    with tqdm(total=total, initial=step, desc="train eagle head", unit="step", disable=not progress) as bar:
+        while step < total:
+            epoch, within = divmod(step, steps_per_epoch)
+            perm = train[torch.randperm(train.numel(), generator=torch.Generator().manual_seed(cfg.seed + 1 + epoch))]
+            idx = perm[within * cfg.batch_size:(within + 1) * cfg.batch_size]
+            head.train()
+            loss, _ = unrolled_losses(head, *batch_of(idx), cfg.unroll, cfg.cls_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            end_of_epoch = step % steps_per_epoch == 0 or step == total
+            if end_of_epoch:
+                head.eval()
+                acc = agreement(head, (batch_of(val[i:i + cfg.batch_size])
+                                       for i in range(0, val.numel(), cfg.batch_size)), full_head, cfg.unroll)
+                history.append({"epoch": epoch + 1, "step": step, "loss": round(loss.item(), 5),
+                                "val_agreement": [round(a, 4) for a in acc]})
+            if end_of_epoch or step % cfg.save_every == 0:
+                save()
+    head.eval()
+    head.save(out)
+    val_tokens = tokens[val][:, 1:]
+    report = {
+        "head": asdict(hcfg), "train": asdict(cfg), "features": key, "windows": n, "held_out": n_val,
+        "history": history, "draft_vocab_coverage": round(float(torch.isin(val_tokens, ids).float().mean()), 4),
+        "feature_seconds": round(t_feat, 1), "train_seconds_this_run": round(time.perf_counter() - t1, 1),
+    }
+    atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=1) + "\n")
+    return report
