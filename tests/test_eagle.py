@@ -295,3 +295,40 @@ def test_cli_bad_input_exits_2_before_loading(tmp_path):
     folder = make_tiny_model(tmp_path, "llama")
     r = _cli("generate", str(folder), "--prompt", "hi", "--draft", f"eagle:{tmp_path / 'nothing'}")
     assert r.returncode == 2 and "not an EAGLE head" in r.stderr
+
+
+def test_the_vllm_export_is_a_llama_layer_that_computes_what_the_head_does(tmp_path):
+    """vLLM's EAGLE-1 runs fc, then transformers-Llama's decoder layer without its input norm:
+    built from the exported config and tensors, it gives the head's own output (fp32, 1e-5)."""
+    from safetensors.torch import load_file
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from quantspec.specdec.eagle.export import export_vllm, vllm_tensors
+
+    model = target("qwen2")  # a non-Llama target: the head is Llama-shaped all the same
+    head = random_head(model, 100, seed=4)
+    with torch.no_grad():  # a trained-looking norm, not ones
+        head.post_attention_layernorm.uniform_(0.5, 1.5)
+    export_vllm(head, model.config, tmp_path / "v")
+    saved = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert saved.keys() == vllm_tensors(head).keys()
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tmp_path / "v")
+    assert cfg.num_hidden_layers == 1 and cfg.vocab_size == 256 and cfg.architectures == ["LlamaForCausalLM"]
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0)
+    fp32 = vllm_tensors(head, torch.float32)
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in fp32.items() if k.startswith("layers.0.")},
+                          strict=False)
+    layer.input_layernorm = nn.Identity()
+    g = torch.Generator().manual_seed(0)
+    feats, emb = torch.randn(2, 7, 64, generator=g), torch.randn(2, 7, 64, generator=g)
+    pos = torch.arange(3, 10).expand(2, -1)
+    with torch.no_grad():
+        x = torch.cat([emb, feats], -1) @ fp32["fc.weight"].T
+        ref = layer(x, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos), position_ids=pos)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        ours, _ = head(feats, emb, pos)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

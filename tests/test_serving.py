@@ -195,14 +195,20 @@ def test_cli_draws_distinct_prompts_per_level(engine_python, smollm2_dir, tmp_pa
     assert r["prompts_distinct"] is True
 
 
-def test_targets_and_spec_variants():
+def test_targets_and_spec_variants(tmp_path):
     t = build_targets(["ck"], baseline="dense", specs=["ngram:3", "draft=/x/y:2"], url=None)
     assert [x.role for x in t] == ["baseline", "checkpoint"] + ["speculative"] * 4
     cfg = json.loads(t[2].engine_args[1])
     assert t[2].engine_args[0] == "--speculative-config" and cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == 3
     assert parse_spec("draft=/a/b")[1] == {"model": "/a/b", "num_speculative_tokens": 4}
     with pytest.raises(QuantspecError, match="speculative variant"):
-        parse_spec("eagle")
+        parse_spec("medusa")
+    with pytest.raises(QuantspecError, match="names no eagle"):
+        parse_spec("eagle=")
+    (tmp_path / "head" / "vllm-eagle").mkdir(parents=True)  # a train-draft folder: its export is served
+    assert parse_spec(f"eagle={tmp_path / 'head'}:3") == (
+        "eagle:head:3", {"method": "eagle", "model": str(tmp_path / "head" / "vllm-eagle"), "num_speculative_tokens": 3})
+    assert parse_spec("eagle=/v/e1")[1]["model"] == "/v/e1"  # a vLLM EAGLE folder as it is
     for bad in ("ngram:x", "ngram:0"):
         with pytest.raises(QuantspecError, match="whole number"):
             parse_spec(bad)

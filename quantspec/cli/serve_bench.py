@@ -35,8 +35,9 @@ def add_parser(subparsers) -> None:
                    help="dense model served first for comparison: auto (the source named in the first "
                         "checkpoint), none, or a model")
     p.add_argument("--spec", action="append", default=[], metavar="VARIANT",
-                   help="also serve each model with the engine's speculative decoding: ngram[:K] or "
-                        "draft=PATH[:K] (e.g. a quantized checkpoint of the target as its draft); repeatable")
+                   help="also serve each model with the engine's speculative decoding: ngram[:K], "
+                        "draft=PATH[:K] (e.g. a quantized checkpoint of the target as its draft) or "
+                        "eagle=HEAD[:K] (an EAGLE head from train-draft); repeatable")
     p.add_argument("--concurrency", help="fixed numbers of requests in flight, e.g. 1,4,16 (default)")
     p.add_argument("--rate", help="Poisson request rates per second, e.g. 1,2,4 (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,

@@ -1,6 +1,7 @@
 """``quantspec train-draft TARGET --out HEAD``: train an EAGLE draft head for a target.
 
-Use it with ``quantspec generate TARGET --draft eagle:HEAD`` (and in ``bench-specdec``).
+Use it with ``quantspec generate TARGET --draft eagle:HEAD`` (and in ``bench-specdec``), or in vLLM
+as ``--speculative-config '{"method": "eagle", "model": "HEAD/vllm-eagle", ...}'``.
 ``--quantized CKPT`` trains on the quantized target's features, for a head that drafts for that
 checkpoint. A stopped run continues from its output folder (features and training state);
 ``--overwrite`` starts over.

@@ -32,15 +32,30 @@ def _count(text: str, k: str) -> int:
     return int(k)
 
 
+def _eagle_folder(path: str) -> str:
+    """An EAGLE head trained by ``quantspec train-draft``: its vLLM export (``vllm-eagle/``)."""
+    from ..specdec.eagle.train import VLLM_FOLDER
+
+    export = Path(path).expanduser() / VLLM_FOLDER
+    return str(export) if export.is_dir() else path
+
+
 def parse_spec(text: str) -> tuple[str, dict]:
-    """``ngram[:K]`` or ``draft=PATH[:K]`` (K default 4) -> (label suffix, vLLM speculative config)."""
-    if text.startswith("draft="):
-        path, sep, k = text[len("draft="):].rpartition(":")
+    """``ngram[:K]``, ``draft=PATH[:K]`` or ``eagle=HEAD[:K]`` (K default 4) -> (label suffix,
+    vLLM speculative config). HEAD: a ``train-draft`` folder (its vLLM export is served) or a
+    vLLM EAGLE-1 draft folder."""
+    for kind in ("draft", "eagle"):
+        if not text.startswith(kind + "="):
+            continue
+        path, sep, k = text[len(kind) + 1:].rpartition(":")
         if not sep or not k.isdigit():  # no ":K" (a ":" may belong to the path)
-            path, k = text[len("draft="):], ""
+            path, k = text[len(kind) + 1:], ""
         if not path:
-            raise QuantspecError(f"--spec {text!r} names no draft model.", "write --spec draft=PATH[:K]")
+            raise QuantspecError(f"--spec {text!r} names no {kind} model.", f"write --spec {kind}=PATH[:K]")
         n = _count(text, k)
+        if kind == "eagle":
+            return (f"eagle:{Path(path).name}:{n}",
+                    {"method": "eagle", "model": _eagle_folder(path), "num_speculative_tokens": n})
         return f"draft:{Path(path).name}:{n}", {"model": str(path), "num_speculative_tokens": n}
     head, _, k = text.partition(":")
     if head == "ngram":
@@ -48,8 +63,8 @@ def parse_spec(text: str) -> tuple[str, dict]:
         return f"ngram:{n}", {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 4,
                               "prompt_lookup_min": 2}
     raise QuantspecError(f"--spec {text!r} is not a speculative variant.",
-                         "write --spec ngram[:K] or --spec draft=PATH[:K] (a draft model, e.g. a quantized "
-                         "checkpoint of the target)")
+                         "write --spec ngram[:K], --spec draft=PATH[:K] (a draft model, e.g. a quantized "
+                         "checkpoint of the target) or --spec eagle=HEAD[:K] (a train-draft head)")
 
 
 def build_targets(checkpoints: list[str], *, baseline: str | None, specs: list[str], url: str | None,

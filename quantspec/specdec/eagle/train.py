@@ -14,7 +14,8 @@ and adds its loss; gradients flow through the unrolled inputs.
 Draft vocabulary: the ``draft_vocab`` most frequent next tokens of the training windows.
 Resumable: ``train_state.pt`` in the output folder (head, optimizer, schedule, step, RNG) is
 written atomically every ``save_every`` steps and at each epoch's end; a run with the same
-settings continues from it. The report (``train_report.json``) holds the losses and, per
+settings continues from it. The head is also written as vLLM's EAGLE-1 draft
+(``vllm-eagle/``, ``export.py``). The report (``train_report.json``) holds the losses and, per
 epoch, the held-out top-1 agreement of the head with the target at depths 1..unroll.
 """
 
@@ -32,11 +33,13 @@ import torch.nn.functional as F
 
 from ...checkpoint.atomic import atomic_write_bytes, atomic_write_text
 from ...errors import QuantspecError
+from .export import export_vllm
 from .features import extract_features, load_features
 from .head import EagleConfig, EagleHead
 
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "train_report.json"
+VLLM_FOLDER = "vllm-eagle"  # the head as vLLM's EAGLE-1 draft (export.py)
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, 
                 save()
     head.eval()
     head.save(out)
+    export_vllm(head, model.config, out / VLLM_FOLDER, overwrite=True)
     val_tokens = tokens[val][:, 1:]
     report = {
         "head": asdict(hcfg), "train": asdict(cfg), "features": key, "windows": n, "held_out": n_val,
