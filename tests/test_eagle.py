@@ -16,8 +16,9 @@ import sys
 
 import pytest
 import torch
-
 from helpers import make_tiny_model, tiny_model
+from test_specdec_loop import _chi2, _exact_two_token_laws, left_pad, reference
+
 from quantspec.errors import QuantspecError
 from quantspec.specdec import SamplingConfig, speculative_generate
 from quantspec.specdec.eagle import features as features_mod
@@ -26,8 +27,6 @@ from quantspec.specdec.eagle.features import model_features
 from quantspec.specdec.eagle.head import EagleConfig, EagleHead, load_head
 from quantspec.specdec.eagle.proposer import EagleProposer, eagle_proposer
 from quantspec.specdec.eagle.train import TrainConfig, draft_vocabulary, train_head
-
-from test_specdec_loop import _chi2, _exact_two_token_laws, left_pad, reference
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -302,7 +301,10 @@ def test_the_vllm_export_is_a_llama_layer_that_computes_what_the_head_does(tmp_p
     built from the exported config and tensors, it gives the head's own output (fp32, 1e-5)."""
     from safetensors.torch import load_file
     from torch import nn
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     from quantspec.specdec.eagle.export import export_vllm, vllm_tensors
 

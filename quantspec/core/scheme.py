@@ -20,7 +20,7 @@ block's scale, so every consumer keeps reading ``scales[n, g]``.
 
 from __future__ import annotations
 
-from dataclasses import replace, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode, round_fp8
+from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode
 from ..core.scheme import QuantResult, QuantScheme
 
 
