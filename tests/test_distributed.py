@@ -24,7 +24,7 @@ import torch
 
 from helpers import calib_text, checkpoint_tensors, make_tiny_model
 
-ARGS = ["--calib-samples", "4", "--calib-seqlen", "32", "--no-act-order", "--no-progress", "--no-compare"]
+ARGS = ["--calib-seqlen", "32", "--no-act-order", "--no-progress", "--no-compare"]
 
 
 def _free_port() -> int:
@@ -38,7 +38,8 @@ def _quantize(folder: Path, out: Path, calib: Path, method: str, processes: int)
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
         f"--master-port={_free_port()}", "-m", "quantspec"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [*launcher, "quantize", str(folder), "--method", method, "--out", str(out), "--calib", str(calib), *ARGS]
+    cmd = [*launcher, "quantize", str(folder), "--method", method, "--out", str(out), "--calib", str(calib), *ARGS,
+           "--calib-samples", "4"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -73,6 +74,18 @@ def test_two_gloo_processes_give_the_one_process_checkpoint(tmp_path, calib):
     assert rb["processes"] == 2 and ra["processes"] == 1
     routed = {n: e["routed_tokens"] for n, e in ra["layers"].items() if "routed_tokens" in e}
     assert routed and routed == {n: e["routed_tokens"] for n, e in rb["layers"].items() if "routed_tokens" in e}
+
+
+def test_smoothquant_under_two_gloo_processes_is_the_one_process_checkpoint(tmp_path, calib):
+    """SmoothQuant's statistic (max |x| per channel) reduces exactly (a maximum has no order),
+    and RTN needs none: the two checkpoints are bit-identical."""
+    folder = make_tiny_model(tmp_path, "llama")
+    runs = [_quantize(folder, tmp_path / str(n), calib, "smoothquant", n) for n in (1, 2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = checkpoint_tensors(tmp_path / "1"), checkpoint_tensors(tmp_path / "2")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_methods_without_reductions_refuse_torchrun(tmp_path, calib):

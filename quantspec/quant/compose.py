@@ -23,6 +23,7 @@ class Composed(BlockMethod):
         super().__init__((smoother.options, rounder.options), rounder.scale_dtype)
         self.smoother, self.rounder = smoother, rounder
         self.needs_calibration = smoother.needs_calibration or rounder.needs_calibration  # type: ignore[misc]
+        self.data_parallel = smoother.data_parallel and rounder.data_parallel  # type: ignore[misc]
 
     def describe(self) -> str:
         return f"Composed({self.smoother.describe()}, {self.rounder.describe()})"

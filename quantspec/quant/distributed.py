@@ -4,7 +4,8 @@ Each process holds the model and calibration samples ``tensor_split(ids, N)[rank
 the blocks on its own samples and keeps its own activations. What a method computes from
 statistics is reduced across processes before it is used, so every process quantizes from the
 same numbers and the results agree: a GPTQ Hessian is the row-weighted mean of the processes'
-Hessians (``Reducer.hessian``), a routed-token count the sum. Rank 0 writes the checkpoint.
+Hessians (``Reducer.hessian``), a routed-token count the sum, SmoothQuant's per-channel max |x|
+(and a static activation scale) the maximum. Rank 0 writes the checkpoint.
 NCCL (or RCCL on ROCm) on GPUs, gloo on CPUs.
 
 Equality with one process: a Hessian summed in another order differs in its last bits, so a
@@ -105,9 +106,10 @@ class ProcessGroupReducer(Reducer):
     def max(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        where = t.device
         t = t.to(_device()).clone()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu()
+        return t.to(where)
 
 
 def _device() -> torch.device:

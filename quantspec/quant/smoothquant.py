@@ -55,6 +55,8 @@ class SmoothQuantMethod(Smoother):
     in place); a rounding step (``compose.py``) then quantizes the smoothed Linears. ``smooth``
     reports per layer ``sq_alpha``, ``sq_scale_max``/``min``."""
 
+    data_parallel = True  # its one statistic, max |x| per channel, is max-reduced across processes
+
     def __init__(self, options: SmoothQuantOptions | None = None):
         super().__init__(options or SmoothQuantOptions())
 
@@ -69,7 +71,7 @@ class SmoothQuantMethod(Smoother):
             return info
         stats = pair_stats(block, block_name, ctx.inputs, ctx.kwargs, pairs)
         for p, st in zip(pairs, stats):
-            s = smoothquant_scales(st.absmax, weight_absmax(p.linears), self.options.alpha)
+            s = smoothquant_scales(ctx.reducer.max(st.absmax), weight_absmax(p.linears), self.options.alpha)
             fold_scales(p, s)
             for n in p.linear_names:
                 if n in rel:
