@@ -13,87 +13,15 @@ every path and every config of every family and target.
 from __future__ import annotations
 
 import pytest
-import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from quantspec.kernels.triton import configs  # noqa: E402
-from quantspec.kernels.triton import w8a8 as w8a8_mod  # noqa: E402
-from quantspec.kernels.triton import wq_gemm  # noqa: E402
-
-TARGETS = {  # name -> (GPUTarget, shared memory per block in bytes)
-    "sm90": (GPUTarget("cuda", 90, 32), 232448),
-    "sm80": (GPUTarget("cuda", 80, 32), 166912),
-    "gfx942": (GPUTarget("hip", "gfx942", 64), 65536),
-}
-HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
-PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
-
-# code paths of the weight-only kernels: (activation dtype, bits, group, zeros, g_idx, even tiles)
-WQ_VARIANTS = {
-    "fp16-w4g128-sym": ("fp16", 4, 128, False, False, True),
-    "bf16-w4g128-asym": ("bf16", 4, 128, True, False, True),
-    "fp16-w4g128-gidx-masked": ("fp16", 4, 128, True, True, False),
-    "bf16-w8pc": ("bf16", 8, wq_gemm.PER_CHANNEL_GROUP, False, False, True),
-    "fp32-w3g32-masked": ("fp32", 3, 32, True, False, False),
-    "fp16-w2g64": ("fp16", 2, 64, False, False, True),
-}
+from quantspec.kernels.triton import aot, configs  # noqa: E402
+from quantspec.kernels.triton.aot import TARGETS, WQ_VARIANTS  # noqa: E402
 
 
-def _cuda_or_hip(target: GPUTarget) -> tuple[str, str]:
-    return target.backend, str(target.arch)
-
-
-def _compile(fn, types: dict, constexprs: dict, cfg, target_name: str):
-    target, smem_limit = TARGETS[target_name]
-    meta = {k: v for k, v in cfg.kwargs.items() if k not in HIP_OPTIONS}
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if target.backend == "hip":
-        options.update({k: v for k, v in cfg.kwargs.items() if k in HIP_OPTIONS})
-    consts = {**constexprs, **meta}
-    signature = {name: ("constexpr" if name in consts else types[name]) for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
-                            options=options)
-    assert kernel.metadata.shared <= smem_limit, (
-        f"{fn.__name__} {cfg} needs {kernel.metadata.shared} B of shared memory on {target_name}")
-    return kernel
-
-
-def _wq_types(act: str) -> dict:
-    return {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "gidx_ptr": "*i32",
-            "b_ptr": PTR[act], "out_ptr": PTR[act], "part_ptr": "*fp32", "M": "i32", "N": "i32",
-            "K": "i32", "stride_xm": "i32", "M_KEY": "i32", "code_mask": "i32"}
-
-
-def _wq_constexprs(family: str, variant: str, cfg, split_k: int = 2) -> dict:
-    act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
-    fb = wq_gemm.field_bits(bits)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
-    c = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros, HAS_GIDX=gidx,
-             HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
-    if family == "gemv":
-        c["BLOCK_M"] = 1
-    else:
-        c["DOT_F32"] = act == "fp32"
-        c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
-    return c
-
-
-def _compile_family(family: str, target_name: str, variant: str, cfg):
-    if family == "w8a8":
-        types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
-                 "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
-        return _compile(w8a8_mod._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    kernel = wq_gemm._wq_gemv_kernel if family == "gemv" else wq_gemm._wq_dot_kernel
-    fn = kernel.fn  # under the EVEN_K / EVEN_N heuristics
-    return _compile(fn, _wq_types(WQ_VARIANTS[variant][0]), _wq_constexprs(family, variant, cfg), cfg, target_name)
-
-
-def _first_config(family: str, target_name: str):
-    return configs.configs_for(family, _cuda_or_hip(TARGETS[target_name][0]))[0]
+def _binary(kernel, target_name: str):
+    return kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
 
 
 def _path_cases():
@@ -110,50 +38,68 @@ def _path_cases():
 
 @pytest.mark.parametrize("variant,family,target_name", list(_path_cases()))
 def test_every_weight_only_path_compiles(variant, family, target_name):
-    kernel = _compile_family(family, target_name, variant, _first_config(family, target_name))
-    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
+    kernel = aot.compile_path(family, target_name, variant, aot.first_config(family, target_name))
+    assert _binary(kernel, target_name)
 
 
 @pytest.mark.parametrize("target_name", list(TARGETS))
 def test_w8a8_compiles(target_name):
-    kernel = _compile_family("w8a8", target_name, "", _first_config("w8a8", target_name))
-    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
+    kernel = aot.compile_path("w8a8", target_name, "", aot.first_config("w8a8", target_name))
+    assert _binary(kernel, target_name)
 
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("target_name", list(TARGETS))
 @pytest.mark.parametrize("family", configs.FAMILIES)
 def test_every_config_compiles(family, target_name):
-    for cfg in configs.configs_for(family, _cuda_or_hip(TARGETS[target_name][0])):
-        _compile_family(family, target_name, "fp16-w4g128-sym", cfg)
+    for cfg in configs.configs_for(family, aot.target_key(target_name)):
+        aot.compile_path(family, target_name, "fp16-w4g128-sym", cfg)
 
 
 @pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
 @pytest.mark.parametrize("act,bits,zeros", [("bf16", 4, False), ("fp16", 4, True), ("bf16", 8, True)])
 def test_grouped_moe_kernel_compiles(act, bits, zeros, target_name):
     """The grouped MoE GEMM (kernels/triton/moe_gemm.py) with the launcher's tiles."""
-    from quantspec.kernels.triton import moe_gemm
-
-    types = {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": PTR[act],
-             "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "N": "i32", "K": "i32",
-             "stride_xm": "i32", "code_mask": "i32"}
-    consts = dict(FB=wq_gemm.field_bits(bits), GROUP=128, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros,
-                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
-    kernel = _compile(moe_gemm._moe_wq_kernel, types, consts, triton.Config({}, num_warps=4, num_stages=1),
-                      target_name)
-    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
+    assert _binary(aot.compile_moe(act, bits, zeros, target_name), target_name)
 
 
 @pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
 @pytest.mark.parametrize("act,kind", [("bf16", 0), ("fp16", 1), ("fp32", 1)])
 def test_float_weight_only_kernel_compiles(act, kind, target_name):
     """FP8 / FP4 weight-only (kernels/triton/fp_gemm.py) with its fixed GPU tiles."""
-    from quantspec.kernels.triton import fp_gemm
+    assert _binary(aot.compile_fp(act, kind, target_name), target_name)
 
-    types = {"x_ptr": PTR[act], "c_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": PTR[act], "out_ptr": PTR[act],
-             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "M_KEY": "i32"}
-    consts = dict(KIND=kind, GROUP=16 if kind else fp_gemm.PER_CHANNEL_GROUP, HAS_BIAS=True,
-                  DOT_F32=act == "fp32")
-    cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
-    kernel = _compile(fp_gemm._fp_dot_kernel, types, consts, cfg, target_name)
-    assert kernel.asm.get("cubin" if target_name.startswith("sm") else "hsaco")
+
+@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
+@pytest.mark.parametrize("family", ["gemv", "small_m", "large_m"])
+def test_the_main_w4_paths_do_not_spill(family, target_name):
+    """fp16 W4 g128 (the common checkpoint) on every weight-only path: no register spills, and
+    the main loop is found in the machine code (benchmarks/kernel_isa.py tabulates every path)."""
+    cfg = aot.first_config(family, target_name)
+    kernel = aot.compile_path(family, target_name, "fp16-w4g128-sym", cfg)
+    code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+    assert code["spills"] == 0, code
+    assert code["loop_instructions"] > 0 and code["registers"] > 0
+
+
+def test_loop_readers_on_known_listings():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/                   HFMA2 R4, R4, R5, R6 ;
+        /*0030*/                   ISETP.GE.AND P0, PT, R2, 0x10, PT ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   EXIT ;
+    """
+    assert aot.sass_loop(sass) == 4  # 0x10 .. 0x40
+    gcn = """
+    s_mov_b32 s0, 0
+.LBB0_1:                                ; =>This Inner Loop Header: Depth=1
+.Ltmp3:
+    v_add_u32 v1, v1, v2
+    s_add_i32 s0, s0, 1
+    s_cbranch_scc1 .LBB0_1
+.LBB0_2:
+    s_endpgm
+    """
+    assert aot.amdgcn_loop(gcn) == 3

@@ -1,0 +1,101 @@
+"""Machine code of every Triton kernel path, compiled here with no GPU (issue 33's offline part).
+
+Per path (kernel family x scheme variant x target, each family's first config, as launched
+before autotuning picks another): registers, spills (local memory / stack bytes on NVIDIA, the
+VGPR/SGPR spill counts on AMD), shared memory, the main loop's instruction count (the longest
+loop closed by a backward branch) and, from it, instructions per weight element: every thread
+issues the loop body once per K tile, so per weight it is ``body x threads / (BLOCK_N x
+BLOCK_K)`` (threads = warps x 32 on NVIDIA, x 64 on AMD's wavefronts); ``aot.machine_code``
+reads them (SASS from Triton's own ``cuobjdump``, AMDGCN from the compiler).
+
+    python benchmarks/kernel_isa.py                 # writes benchmarks/results/kernel-isa.{md,json}
+    python benchmarks/kernel_isa.py --targets sm90 --families gemv,small_m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+def cases(targets: list[str], families: list[str]):
+    import triton
+
+    from quantspec.kernels.triton import aot
+
+    for target in targets:
+        for family in families:
+            if family in ("gemv", "small_m", "large_m"):
+                for variant in aot.WQ_VARIANTS:
+                    cfg = aot.first_config(family, target)
+                    yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
+                           aot.compile_path(f, t, v, c))
+            elif family == "w8a8":
+                cfg = aot.first_config("w8a8", target)
+                yield family, "int8", target, cfg, lambda t=target, c=cfg: aot.compile_path("w8a8", t, "", c)
+            elif family == "moe":
+                cfg = triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=1)
+                yield family, "bf16-w4g128", target, cfg, lambda t=target: aot.compile_moe("bf16", 4, False, t)
+            elif family == "fp":
+                from quantspec.kernels.triton import fp_gemm
+
+                cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
+                for act, kind, name in (("bf16", 0, "bf16-fp8"), ("fp16", 1, "fp16-nvfp4")):
+                    yield family, name, target, cfg, lambda a=act, k=kind, t=target: aot.compile_fp(a, k, t)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Triton kernels' machine code (compiled here, no GPU): {result['date']}", "",
+             f"Triton {result['triton']}; command: `{result['command']}`. Raw data: kernel-isa.json.",
+             "Instructions per weight: the main loop's instructions x threads per block / (BLOCK_N x BLOCK_K), "
+             "thread-level (every thread issues the loop body once per K tile). Each family's first config.", "",
+             "| target | family | variant | warps | BLOCK_N x BLOCK_K | regs | spills | shared B | loop instr | instr/weight |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['target']} | {r['family']} | {r['variant']} | - | - | - | - | - | - | {r['error']} |")
+            continue
+        lines.append(f"| {r['target']} | {r['family']} | {r['variant']} | {r['num_warps']} | {r['block_n']} x {r['block_k']} "
+                     f"| {r['registers']} | {r['spills']} | {r['shared_bytes']} | {r['loop_instructions']} "
+                     f"| {r['instructions_per_weight']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    from quantspec.kernels.triton.aot import machine_code
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", default="sm90,gfx942")
+    p.add_argument("--families", default="gemv,small_m,large_m,w8a8,moe,fp")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="kernel-isa")
+    args = p.parse_args(argv)
+    rows = []
+    for family, variant, target, cfg, build in cases(args.targets.split(","), args.families.split(",")):
+        row = {"family": family, "variant": variant, "target": target, "config": str(cfg)}
+        try:
+            kernel = build()
+            bn = cfg.kwargs.get("BLOCK_N", 64)
+            bk = cfg.kwargs.get("BLOCK_K", 32)
+            row.update(machine_code(kernel, target, cfg, bn, bk))
+        except Exception as exc:  # a path that does not compile is a result too
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "rows": rows,
+              "command": "python benchmarks/kernel_isa.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""Ahead-of-time compilation of every Triton kernel path, with no GPU, for NVIDIA and AMD targets.
+
+Triton ships the NVIDIA (ptxas) and AMD (lld) back ends in its wheel, so ``triton.compile`` with
+a ``GPUTarget`` builds a cubin / hsaco on any machine. ``compile_path(family, target, variant,
+config)`` builds one code path (a kernel family, a scheme variant, a config) the way the
+launchers specialize it; tests/test_triton_compile.py checks that every path lowers and fits the
+target's shared memory. ``machine_code`` reads what was built (registers, spills, the main loop's
+instructions per weight); benchmarks/kernel_isa.py tabulates it for every path.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import configs, wq_gemm
+
+TARGETS = {  # name -> (GPUTarget, shared memory per block in bytes)
+    "sm90": (GPUTarget("cuda", 90, 32), 232448),
+    "sm80": (GPUTarget("cuda", 80, 32), 166912),
+    "gfx942": (GPUTarget("hip", "gfx942", 64), 65536),
+}
+HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+
+# code paths of the weight-only kernels: (activation dtype, bits, group, zeros, g_idx, even tiles)
+WQ_VARIANTS = {
+    "fp16-w4g128-sym": ("fp16", 4, 128, False, False, True),
+    "bf16-w4g128-asym": ("bf16", 4, 128, True, False, True),
+    "fp16-w4g128-gidx-masked": ("fp16", 4, 128, True, True, False),
+    "bf16-w8pc": ("bf16", 8, wq_gemm.PER_CHANNEL_GROUP, False, False, True),
+    "fp32-w3g32-masked": ("fp32", 3, 32, True, False, False),
+    "fp16-w2g64": ("fp16", 2, 64, False, False, True),
+}
+
+
+class SharedMemoryExceeded(ValueError):
+    """A compiled config needs more shared memory than the target has (it would fail at launch)."""
+
+
+def target_key(target_name: str) -> tuple[str, str]:
+    """(backend, arch) as ``configs.configs_for`` takes it."""
+    target = TARGETS[target_name][0]
+    return target.backend, str(target.arch)
+
+
+def first_config(family: str, target_name: str) -> triton.Config:
+    return configs.configs_for(family, target_key(target_name))[0]
+
+
+def compile_kernel(fn, types: dict, constexprs: dict, cfg: triton.Config, target_name: str):
+    """``fn`` (a @triton.jit function) compiled for ``target_name`` with ``cfg``'s meta-parameters
+    and launch options; raises SharedMemoryExceeded when it would not launch there."""
+    target, smem_limit = TARGETS[target_name]
+    meta = {k: v for k, v in cfg.kwargs.items() if k not in HIP_OPTIONS}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if target.backend == "hip":
+        options.update({k: v for k, v in cfg.kwargs.items() if k in HIP_OPTIONS})
+    consts = {**constexprs, **meta}
+    signature = {name: ("constexpr" if name in consts else types[name]) for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
+                            options=options)
+    if kernel.metadata.shared > smem_limit:
+        raise SharedMemoryExceeded(f"{fn.__name__} {cfg} needs {kernel.metadata.shared} B of shared memory "
+                                   f"on {target_name} (limit {smem_limit})")
+    return kernel
+
+
+def wq_types(act: str) -> dict:
+    return {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "gidx_ptr": "*i32",
+            "b_ptr": PTR[act], "out_ptr": PTR[act], "part_ptr": "*fp32", "M": "i32", "N": "i32",
+            "K": "i32", "stride_xm": "i32", "M_KEY": "i32", "code_mask": "i32"}
+
+
+def wq_constexprs(family: str, variant: str, split_k: int = 2) -> dict:
+    act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
+    fb = wq_gemm.field_bits(bits)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
+    c = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros, HAS_GIDX=gidx,
+             HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
+    if family == "gemv":
+        c["BLOCK_M"] = 1
+    else:
+        c["DOT_F32"] = act == "fp32"
+        c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
+    return c
+
+
+def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config):
+    """One code path: ``family`` gemv / small_m / large_m (weight-only, ``variant`` of
+    WQ_VARIANTS) or w8a8, with ``cfg``."""
+    if family == "w8a8":
+        from . import w8a8
+
+        types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
+                 "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
+        return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
+    kernel = wq_gemm._wq_gemv_kernel if family == "gemv" else wq_gemm._wq_dot_kernel
+    return compile_kernel(kernel.fn, wq_types(WQ_VARIANTS[variant][0]), wq_constexprs(family, variant), cfg,
+                          target_name)
+
+
+def compile_moe(act: str, bits: int, zeros: bool, target_name: str, block=(16, 64, 32)):
+    """The grouped MoE GEMM (moe_gemm.py) with the launcher's tiles."""
+    from . import moe_gemm
+
+    types = {"x_ptr": PTR[act], "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": PTR[act],
+             "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "code_mask": "i32"}
+    consts = dict(FB=wq_gemm.field_bits(bits), GROUP=128, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros,
+                  BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2])
+    return compile_kernel(moe_gemm._moe_wq_kernel, types, consts, triton.Config({}, num_warps=4, num_stages=1),
+                          target_name)
+
+
+def compile_fp(act: str, kind: int, target_name: str):
+    """FP8 (kind 0) / FP4 (kind 1) weight-only (fp_gemm.py) with its fixed GPU tiles."""
+    from . import fp_gemm
+
+    types = {"x_ptr": PTR[act], "c_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": PTR[act], "out_ptr": PTR[act],
+             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "M_KEY": "i32"}
+    consts = dict(KIND=kind, GROUP=16 if kind else fp_gemm.PER_CHANNEL_GROUP, HAS_BIAS=True,
+                  DOT_F32=act == "fp32")
+    cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
+    return compile_kernel(fp_gemm._fp_dot_kernel, types, consts, cfg, target_name)
+
+
+# -- reading the machine code -------------------------------------------------------------
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
+BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def sass_loop(sass: str) -> int:
+    """Instructions of the longest loop of a SASS listing (between a backward branch's target and
+    the branch, both included); 0 without a loop."""
+    addr, best = [], 0
+    for line in sass.splitlines():
+        m = SASS_LINE.search(line)
+        if not m:
+            continue
+        here = int(m.group(1), 16)
+        addr.append(here)
+        b = BRANCH.search(m.group(2))
+        if b and int(b.group(1), 16) < here:
+            start = int(b.group(1), 16)
+            best = max(best, sum(1 for a in addr if start <= a <= here))
+    return best
+
+
+def amdgcn_loop(asm: str) -> int:
+    """Instructions of the largest loop of an AMDGCN listing, by LLVM's own block annotations
+    (``; =>This Inner Loop Header`` / ``in Loop: Header=BB0_8``): the blocks of one innermost loop."""
+    size: dict[str, int] = {}
+    current = None
+    for ln in (raw.strip() for raw in asm.splitlines()):
+        label = re.match(r"^\.L(BB\d+_\d+):(.*)$", ln)
+        if label:
+            note = label.group(2)
+            head = re.search(r"Header=(BB\d+_\d+)", note)
+            current = head.group(1) if head else (label.group(1) if "Loop Header" in note else None)
+            continue
+        if re.match(r"^\.L\w+:", ln):  # a local label inside a block (debug line marks)
+            continue
+        if re.match(r"^[A-Za-z_.][\w.]*:", ln):  # a function's or section's label: out of loops
+            current = None
+            continue
+        if current and ln and not ln.startswith((";", ".", "//")):
+            size[current] = size.get(current, 0) + 1
+    return max(size.values(), default=0)
+
+
+def cuda_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
+            "local_bytes": int(fields.get("LOCAL", 0)), "loop_instructions": sass_loop(sass),
+            "spills": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0))}
+
+
+def hip_usage(asm: str) -> dict:
+    def field(name: str) -> int:
+        m = re.search(rf"\.{name}:\s+(\d+)", asm)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": field("vgpr_count"), "sgprs": field("sgpr_count"),
+            "spills": field("vgpr_spill_count") + field("sgpr_spill_count"),
+            "loop_instructions": amdgcn_loop(asm)}
+
+
+def machine_code(kernel, target_name: str, cfg, block_n: int, block_k: int) -> dict:
+    """Registers, spills, shared memory and the main loop's instructions (total and per weight
+    element: ``body x threads / (block_n x block_k)``) of a kernel compiled for ``target_name``."""
+    lanes = 32 if target_name.startswith("sm") else 64
+    use = cuda_usage(kernel.asm["cubin"]) if target_name.startswith("sm") else hip_usage(kernel.asm["amdgcn"])
+    threads = cfg.num_warps * lanes
+    per_weight = use["loop_instructions"] * threads / (block_n * block_k) if use["loop_instructions"] else None
+    return {**use, "shared_bytes": int(kernel.metadata.shared), "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "block_n": block_n, "block_k": block_k, "threads": threads,
+            "instructions_per_weight": round(per_weight, 3) if per_weight else None}
