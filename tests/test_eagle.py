@@ -334,3 +334,32 @@ def test_the_vllm_export_is_a_llama_layer_that_computes_what_the_head_does(tmp_p
         ref = ref[0] if isinstance(ref, tuple) else ref
         ours, _ = head(feats, emb, pos)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
+    """Ragged chat prompts in one batch, each continued as ``generate(do_sample=False)`` would,
+    past the end-of-turn token, to the window's length; train_head writes them once."""
+    from helpers import make_tiny_tokenizer
+
+    from quantspec.specdec.eagle.distill import chat_prompt, self_distilled_windows
+
+    model = target(vocab=320)
+    tok = make_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    windows = torch.stack([tok("The quick brown fox jumps over the lazy dog again and again", return_tensors="pt")
+                           .input_ids[0][:24], torch.arange(40, 64)])
+    out = self_distilled_windows(model, tok, windows, prompt_tokens=9, batch_size=2, progress=False)
+    assert out.shape == (2, 24)
+    for w, row in zip(windows, out):
+        prompt = chat_prompt(tok, w[:9])
+        assert prompt.numel() != 9 or not torch.equal(prompt, w[:9])  # the template was applied
+        ref = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.int64),
+                             do_sample=False, max_new_tokens=24 - prompt.numel(), eos_token_id=None,
+                             pad_token_id=0)[0]
+        assert torch.equal(row, ref[:24])
+    cfg = TrainConfig(samples=2, seqlen=24, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.5, prompt_tokens=9)
+    train_head(model, windows, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "h" / "features" / "distilled.safetensors"))["windows"], out)
+    assert torch.equal(features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0], out)

@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
     helps = {"data": "training text: c4 (default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl path",
              "samples": "token windows (a held-out fraction is kept for validation)",
              "unroll": "draft depths trained per window (EAGLE-3's training-time test; 1: none)",
-             "draft_vocab": "the head scores the N most frequent next tokens of the training text"}
+             "draft_vocab": "the head scores the N most frequent next tokens of the training text",
+             "prompt_tokens": "0: learn from the text as it is; P > 0: from the target's own greedy "
+                              "continuation of each window's first P tokens (as a chat prompt)"}
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
@@ -74,7 +76,7 @@ def run(args) -> int:
     windows = calibration_samples(tokenizer, cfg.data, cfg.samples, cfg.seqlen, cfg.seed)
     key = {"target": name, "features": args.quantized or "dense", "data": cfg.data, "samples": cfg.samples,
            "seqlen": cfg.seqlen, "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
-    report = train_head(model, windows, cfg, out, key, progress=not args.no_progress)
+    report = train_head(model, windows, cfg, out, key, progress=not args.no_progress, tokenizer=tokenizer)
     last = report["history"][-1] if report["history"] else {}
     acc = ", ".join(f"d{d + 1} {a:.3f}" for d, a in enumerate(last.get("val_agreement", [])))
     print(f"EAGLE head for {name} in {out}: held-out agreement with the target {acc}; "

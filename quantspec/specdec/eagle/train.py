@@ -1,7 +1,8 @@
 """Training an EAGLE head on the target's features (``quantspec train-draft``).
 
-Data: ``samples`` windows of ``seqlen`` tokens of local text (``data.calibration_samples``),
-their target features (``features.py``; with ``--quantized``, the quantized target's, so the head
+Data: ``samples`` windows of ``seqlen`` tokens of local text (``data.calibration_samples``), or
+with ``prompt_tokens`` > 0 the target's own greedy continuation of each window's first tokens as a
+chat prompt (self-distillation, ``distill.py``), and their target features (``features.py``; with ``--quantized``, the quantized target's, so the head
 learns the model that will serve). A seeded ``val_fraction`` of the windows is held out.
 
 Objective per position t (EAGLE-1): the head reads ``(f_t, x_{t+1})`` and predicts ``f_{t+1}``;
@@ -57,6 +58,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     save_every: int = 50
+    prompt_tokens: int = 0  # > 0: train on the target's own greedy text after that many (distill.py)
 
     def __post_init__(self):
         checks = [
@@ -71,6 +73,8 @@ class TrainConfig:
             (self.draft_vocab >= 2, f"draft_vocab={self.draft_vocab}", "use at least 2 tokens"),
             (0 < self.val_fraction < 1, f"val_fraction={self.val_fraction}", "use a fraction in (0, 1)"),
             (self.save_every >= 1, f"save_every={self.save_every}", "use at least 1 step"),
+            (0 <= self.prompt_tokens < self.seqlen, f"prompt_tokens={self.prompt_tokens}",
+             "use 0 (the text as it is) or fewer tokens than seqlen"),
         ]
         for ok, what, fix in checks:
             if not ok:
@@ -128,6 +132,23 @@ def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) ->
     return [h / max(1, c) for h, c in zip(hits, counts)]
 
 
+def _distilled(model, tokenizer, windows, cfg: TrainConfig, folder: Path, progress: bool) -> torch.Tensor:
+    """The target's own text (``distill.py``), written once beside the features."""
+    from safetensors.torch import load_file
+
+    from ...checkpoint.atomic import atomic_save_file
+    from .distill import self_distilled_windows
+
+    path = folder / "distilled.safetensors"
+    if path.is_file():
+        return load_file(str(path))["windows"]
+    if tokenizer is None:
+        raise ValueError("prompt_tokens needs the target's tokenizer")
+    text = self_distilled_windows(model, tokenizer, windows, cfg.prompt_tokens, progress=progress)
+    atomic_save_file({"windows": text.contiguous()}, path)
+    return text
+
+
 def _schedule(step: int, total: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -141,18 +162,23 @@ def _save_state(path: Path, **state) -> None:
 
 
 def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, out: str | Path,
-               key: dict, progress: bool = True) -> dict:
+               key: dict, progress: bool = True, tokenizer=None) -> dict:
     """Train an EAGLE head for ``model`` on ``windows`` (int64 [n, L]); write it to ``out``.
 
     ``key``: what the features are of (target, data, quantized checkpoint), for the feature
-    cache and the resume check. Returns the report (also written to ``train_report.json``).
+    cache and the resume check. ``tokenizer``: the target's, needed with ``cfg.prompt_tokens``
+    (the prompts go through its chat template). Returns the report (also written to
+    ``train_report.json``).
     """
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    paths = extract_features(model, windows, out / "features", key, progress=progress)
+    if cfg.prompt_tokens:
+        windows = _distilled(model, tokenizer, windows, cfg, out / "features", progress)
+    paths = extract_features(model, windows, out / "features", {**key, "prompt_tokens": cfg.prompt_tokens},
+                             progress=progress)
     t_feat = time.perf_counter() - t0
     tokens, feats16 = load_features(paths)
     n = tokens.shape[0]
