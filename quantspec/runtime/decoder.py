@@ -13,6 +13,11 @@ advance unevenly, each row's new tokens right-aligned in a chunk, ``drop_last`` 
 row's last tokens by masking their cache columns (a batch of one just shortens its cache).
 Logits agree with transformers' within rounding (fp32: 1e-4 relative; bf16: the roundings of
 two fused ops differ).
+
+Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``) run through
+the masked attention path: each node's mask row is the committed columns plus its ancestors'
+columns, and ``keep_path`` copies the kept nodes' keys and values next to the committed ones.
+Blocks with a sliding window refuse trees once the window would cut the cache.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from ..kernels.dense import fast_linear
 from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of, is_moe_block
-from .protocol import Decoder
+from .protocol import Decoder, TreeRegion
 
 
 def _eps(norm: nn.Module, default: float) -> float:
@@ -120,6 +125,7 @@ class StaticDecoder(Decoder):
         self.lengths: list[int] = []
         self.width = 0  # cache columns in use
         self.mask: torch.Tensor | None = None  # bool [B, width], once rows have holes or padding
+        self.tree: TreeRegion | None = None  # the tree nodes fed since the last keep_path
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
 
@@ -197,15 +203,94 @@ class StaticDecoder(Decoder):
 
     def _features(self, chunks: list[torch.Tensor], keep: int) -> torch.Tensor:
         """The final-normed hidden states [B, T or keep, H] of ``forward``."""
+        if self.tree is not None:
+            raise ValueError("a token tree is held: call keep_path before a plain forward")
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
             raise ValueError("forward needs at least one new token in some row")
         self._ensure(len(chunks), self.width + t)
         ids, pos = self._columns(chunks, t)
+        x = self._blocks(ids, pos, None)
+        if keep:
+            x = x[:, -keep:]
+        return rms_norm(x, self.final_norm, self.eps)
+
+    @torch.inference_mode()
+    def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
+        return self.lm_head(self._tree_features(chunks, parents))
+
+    @torch.inference_mode()
+    def forward_tree_features(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = self._tree_features(chunks, parents)
+        return self.lm_head(feats), feats
+
+    def _tree_features(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
+        """The final-normed hidden states [B, T, H] of ``forward_tree``."""
+        t = max(int(c.numel()) for c in chunks)
+        if t == 0:
+            raise ValueError("forward_tree needs at least one node in some row")
+        for blk in self.blocks:
+            if blk.window is not None and self.width + t > blk.window:
+                raise QuantspecError(f"token trees over {self.width + t} positions meet a sliding window "
+                                     f"of {blk.window}, which they do not support.",
+                                     "use chains (no tree) for this model.")
+        self._ensure(len(chunks), self.width + t)
+        batch, dev = len(chunks), self.device
+        if self.tree is None:
+            self.tree = TreeRegion(self.width, batch)
+        if self.mask is None:
+            self.mask = torch.ones(batch, self.width, dtype=torch.bool, device=dev)
+        ids = torch.zeros(batch, t, dtype=torch.int64, device=dev)
+        real = torch.zeros(batch, t, dtype=torch.bool, device=dev)
+        for b, c in enumerate(chunks):
+            if c.numel():
+                ids[b, t - c.numel():] = c.to(dev)
+                real[b, t - c.numel():] = True
+        depth, sees = self.tree.add(parents, t)
+        start = self.tree.start
+        pos = torch.tensor(self.lengths, dtype=torch.int64, device=dev).unsqueeze(1) + depth.to(dev)
+        committed = self.mask[:, :start].unsqueeze(1).expand(batch, t, start)
+        allowed = torch.cat([committed, sees.to(dev)], dim=2).unsqueeze(1)  # [B, 1, t, width + t]
+        self.mask = torch.cat([self.mask, real], dim=1)
+        return rms_norm(self._blocks(ids, pos, allowed), self.final_norm, self.eps)
+
+    @torch.inference_mode()
+    def keep_path(self, paths) -> None:
+        if self.tree is None:
+            if any(len(p) for p in paths):
+                raise ValueError("no token tree is held")
+            return
+        cols = self.tree.path_columns(paths)
+        start, n = self.tree.start, max(len(c) for c in cols)
+        self.tree = None
+        if n:
+            idx = torch.full((len(cols), n), start, dtype=torch.int64, device=self.device)
+            for b, c in enumerate(cols):
+                idx[b, : len(c)] = torch.tensor(c, dtype=torch.int64)
+            for cache in (self._k, self._v):
+                for kc in cache:
+                    sel = idx[:, None, :, None].expand(kc.shape[0], kc.shape[1], n, kc.shape[3])
+                    kc[:, :, start:start + n] = kc.gather(2, sel)
+        real = torch.arange(n, device=self.device).unsqueeze(0) < torch.tensor(
+            [len(c) for c in cols], device=self.device).unsqueeze(1)
+        self.mask = torch.cat([self.mask[:, :start], real], dim=1)
+        for b, c in enumerate(cols):
+            self.lengths[b] += len(c)
+        self.width = start + n
+        if bool(self.mask.all()):
+            self.mask = None  # no holes left (a batch of one): the unmasked fast path again
+
+    def _blocks(self, ids: torch.Tensor, pos: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run every block over new columns [width, width + t) (``ids`` [B, t] at positions
+        ``pos`` [B, t]), writing their keys and values to the cache; returns the last hidden
+        states [B, t, H] before the final norm. ``tree_mask``: bool [B, 1, t, width + t], the
+        attention of a tree forward (else the causal one over the row masks)."""
+        t = ids.shape[1]
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
         sin = signed_sin(sin)
-        b, h, kv, d = len(chunks), self.n_heads, self.n_kv, self.head_dim
+        b, h, kv, d = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         masks: dict[int | None, torch.Tensor | None] = {}
         lo, hi = self.width, self.width + t
         for i, blk in enumerate(self.blocks):
@@ -215,11 +300,11 @@ class StaticDecoder(Decoder):
             if blk.q_norm is not None:
                 q, k = rms_norm(q, blk.q_norm, self.eps), rms_norm(k, blk.k_norm, self.eps)
             kc, vc = self._k[i], self._v[i]
-            if self.mask is None and (blk.window is None or hi <= blk.window):
+            if tree_mask is None and self.mask is None and (blk.window is None or hi <= blk.window):
                 o = attend(q, k, v, cos, sin, kc, vc, lo)  # no holes: causal over the cache
             else:
                 if blk.window not in masks:
-                    masks[blk.window] = self._attn_mask(t, pos, blk.window)
+                    masks[blk.window] = tree_mask if tree_mask is not None else self._attn_mask(t, pos, blk.window)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
                 kc[:, :, lo:hi] = k.transpose(1, 2)
                 vc[:, :, lo:hi] = v.transpose(1, 2)
@@ -235,12 +320,12 @@ class StaticDecoder(Decoder):
                 gate, up = blk.gate_up(y)
                 x = x + blk.down(silu_mul(gate, up))
         self.width = hi
-        if keep:
-            x = x[:, -keep:]
-        return rms_norm(x, self.final_norm, self.eps)
+        return x
 
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""
+        if self.tree is not None:
+            raise ValueError("a token tree is held: call keep_path before drop_last")
         for b, c in enumerate(counts):
             if c > self.lengths[b]:
                 raise ValueError(f"row {b} holds {self.lengths[b]} tokens, cannot drop {c}")

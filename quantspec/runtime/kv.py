@@ -7,6 +7,12 @@ Columns that no row uses any more at the right end are cropped (``DynamicCache.c
 Masked columns are holes: the 2D attention mask hides them and the position ids count only
 real tokens, so each row computes what it would compute alone. Nothing is ever recomputed.
 
+Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``) hand
+transformers a 4-D additive float mask [B, 1, t, L + t] (taken as given, in every attention
+implementation) with each node's position ids; ``keep_path`` moves the kept nodes' keys and
+values (``cache.layers[i].keys/values``, [B, heads, L, D]) next to the committed ones and cuts
+the rest off. Sliding-window cache layers refuse trees.
+
 ``PlainDecoder`` is the same forward with nothing added, for rows that advance together: no
 attention mask, no position ids, what a plain greedy loop over transformers does.
 """
@@ -18,8 +24,9 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from ..errors import QuantspecError
 from .kv_quant import new_cache
-from .protocol import Decoder
+from .protocol import Decoder, TreeRegion
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -40,6 +47,7 @@ class KVDecoder(Decoder):
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # int64 [B, L]
         self.lengths: list[int] = []
+        self.tree: TreeRegion | None = None  # the tree nodes fed since the last keep_path
         self._cache_kw = cache_kwarg(model)
 
     @property
@@ -47,10 +55,11 @@ class KVDecoder(Decoder):
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        self.cache, self.mask, self.lengths = None, None, []
+        self.cache, self.mask, self.lengths, self.tree = None, None, [], None
 
     def _ensure(self, batch_size: int) -> None:
         if self.mask is None or self.mask.shape[0] != batch_size:
+            self.tree = None
             self.cache = new_cache(self.model)
             self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
             self.lengths = [0] * batch_size
@@ -71,6 +80,8 @@ class KVDecoder(Decoder):
         return out.logits, feats[:, -keep:] if keep else feats
 
     def _run(self, chunks: list[torch.Tensor], keep: int, features: bool):
+        if self.tree is not None:
+            raise ValueError("a token tree is held: call keep_path before a plain forward")
         self._ensure(len(chunks))
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
@@ -97,9 +108,72 @@ class KVDecoder(Decoder):
         self.mask = mask
         return out
 
+    def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
+        return self._tree_run(chunks, parents, features=False).logits
+
+    def forward_tree_features(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._tree_run(chunks, parents, features=True)
+        return out.logits, out.hidden_states[-1]
+
+    def _tree_run(self, chunks: list[torch.Tensor], parents: list[torch.Tensor], features: bool):
+        self._ensure(len(chunks))
+        if any(getattr(layer, "is_sliding", False) for layer in getattr(self.cache, "layers", [])):
+            raise QuantspecError("token trees do not support sliding-window KV caches.",
+                                 "use chains (no tree) for this model.")
+        t = max(int(c.numel()) for c in chunks)
+        if t == 0:
+            raise ValueError("forward_tree needs at least one node in some row")
+        batch, dev = len(chunks), self.device
+        if self.tree is None:
+            self.tree = TreeRegion(self.mask.shape[1], batch)
+        ids = torch.zeros(batch, t, dtype=torch.int64, device=dev)
+        real = torch.zeros(batch, t, dtype=torch.int64, device=dev)
+        for b, c in enumerate(chunks):
+            if c.numel():
+                ids[b, t - c.numel():] = c.to(dev)
+                real[b, t - c.numel():] = 1
+        depth, sees = self.tree.add(parents, t)
+        start = self.tree.start
+        committed = self.mask[:, :start].bool().unsqueeze(1).expand(batch, t, start)
+        allowed = torch.cat([committed, sees.to(dev)], dim=2).unsqueeze(1)  # [B, 1, t, L + t]
+        dtype = next(self.model.parameters()).dtype
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+        pos = torch.tensor(self.lengths, dtype=torch.int64, device=dev).unsqueeze(1) + depth.to(dev)
+        out = self.model(input_ids=ids, attention_mask=bias, position_ids=pos, use_cache=True,
+                         output_hidden_states=features, **{self._cache_kw: self.cache})
+        self.mask = torch.cat([self.mask, real], dim=1)
+        return out
+
+    def keep_path(self, paths) -> None:
+        if self.tree is None:
+            if any(len(p) for p in paths):
+                raise ValueError("no token tree is held")
+            return
+        cols = self.tree.path_columns(paths)
+        start, n = self.tree.start, max(len(c) for c in cols)
+        self.tree = None
+        idx = torch.full((len(cols), n), start, dtype=torch.int64, device=self.device)
+        for b, c in enumerate(cols):
+            idx[b, : len(c)] = torch.tensor(c, dtype=torch.int64)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)
+                if x is None or x.dim() != 4:  # a layer that holds nothing (shared KV)
+                    continue
+                sel = idx[:, None, :, None].to(x.device).expand(x.shape[0], x.shape[1], n, x.shape[3])
+                setattr(layer, name, torch.cat([x[:, :, :start], x.gather(2, sel)], dim=2))
+        real = torch.arange(n, device=self.device).unsqueeze(0) < torch.tensor(
+            [len(c) for c in cols], device=self.device).unsqueeze(1)
+        self.mask = torch.cat([self.mask[:, :start], real.to(self.mask.dtype)], dim=1)
+        for b, c in enumerate(cols):
+            self.lengths[b] += len(c)
+
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""
         assert self.mask is not None and self.cache is not None
+        if self.tree is not None:
+            raise ValueError("a token tree is held: call keep_path before drop_last")
         for b, c in enumerate(counts):
             if c <= 0:
                 continue

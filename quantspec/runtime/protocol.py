@@ -6,11 +6,20 @@ family), ``runtime.kv.KVDecoder`` (transformers' forward with per-row rollback; 
 decoding drafts and verifies through it or the static one) and ``runtime.kv.PlainDecoder``
 (transformers' forward with nothing added, every row in step: the speed bench's baseline).
 Callers (``specdec``, ``eval.speed``) hold a ``Decoder`` and use only what is declared here.
+
+Token trees (speculative decoding's tree verification): ``forward_tree`` feeds nodes that each
+attend to the committed cache and to their own ancestors only, at position committed length +
+depth; ``keep_path`` keeps one root-to-node path of them as committed tokens and forgets the
+rest, moving the kept columns next to the committed ones so the cache never grows by rejected
+nodes. A tree is the layout of ``parents`` (int64 [n], topological order: node i's parent is -1,
+the token before the tree, or a node j < i); ``tree_depths`` and ``ancestor_mask`` read it, and
+``TreeRegion`` is the bookkeeping both implementations share.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -53,3 +62,104 @@ class Decoder(ABC):
     @abstractmethod
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` tokens of each row (rejected drafts)."""
+
+    def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
+        """Feed row b the tree nodes ``chunks[b]`` (int64 [T_b]) with ``parents[b]`` (int64
+        [T_b]): node indices in the row's tree since the last ``keep_path`` (the nodes of earlier
+        ``forward_tree`` calls first, then this chunk's, in order), -1 for a child of the last
+        committed token. Each node sees the committed tokens and its ancestors, at position
+        ``lengths[b]`` + its depth (0 for a child of -1). Returns logits [B, T, V] laid out as
+        ``forward``'s. ``lengths`` does not count tree nodes; until ``keep_path``, ``forward``
+        and ``drop_last`` refuse to run."""
+        raise NotImplementedError(f"{type(self).__name__} does not run token trees")
+
+    def forward_tree_features(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_tree``'s logits and features (see ``forward_features``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run token trees")
+
+    def keep_path(self, paths: list[Sequence[int]]) -> None:
+        """End the tree: row b keeps the nodes ``paths[b]`` (a chain from a child of -1 down,
+        possibly empty) as committed tokens, moved to the columns right after its committed
+        ones; every other node is forgotten. No tree held: every path must be empty."""
+        raise NotImplementedError(f"{type(self).__name__} does not run token trees")
+
+
+def tree_depths(parents: Sequence[int] | torch.Tensor) -> list[int]:
+    """Each node's depth (0: a child of -1) from ``parents`` in topological order; a ValueError
+    when a parent does not come before its child."""
+    depths: list[int] = []
+    for i, p in enumerate(int(p) for p in parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not -1 or an earlier node")
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def ancestor_mask(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """bool [n, n]: row i is True at j iff j is i or an ancestor of i (what node i attends to
+    among the tree's nodes)."""
+    tree_depths(parents)  # validates the order
+    par = [int(p) for p in parents]
+    mask = torch.eye(len(par), dtype=torch.bool)
+    for i, p in enumerate(par):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+class TreeRegion:
+    """The tree nodes a decoder holds after its committed columns, per row of a batch.
+
+    Cache columns ``[start, end)`` hold the nodes of every ``forward_tree`` since the last
+    ``keep_path``, each call's row b right-aligned in its ``t`` columns (the columns before
+    them are padding). Columns here are absolute cache columns.
+    """
+
+    def __init__(self, start: int, batch: int):
+        self.start = self.end = start
+        self.cols: list[list[int]] = [[] for _ in range(batch)]
+        self.parents: list[list[int]] = [[] for _ in range(batch)]
+        self.depths: list[list[int]] = [[] for _ in range(batch)]
+        self._seen: list[list[list[int]]] = [[] for _ in range(batch)]  # columns each node sees
+
+    def add(self, parents: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the nodes of one ``forward_tree`` (row b's ``parents[b]`` in the last
+        len(parents[b]) of ``t`` new columns). Returns the depth of each new column (int64
+        [B, t], 0 for padding) and which region columns each new column attends to (bool
+        [B, t, end + t - start]; a padding column sees itself only)."""
+        width = self.end + t - self.start
+        depth = torch.zeros(len(parents), t, dtype=torch.int64)
+        sees = torch.zeros(len(parents), t, width, dtype=torch.bool)
+        for b, par in enumerate(parents):
+            pad = t - len(par)
+            for j in range(pad):
+                sees[b, j, self.end - self.start + j] = True
+            for j, p in enumerate(int(p) for p in par):
+                node = len(self.parents[b])
+                if not -1 <= p < node:
+                    raise ValueError(f"row {b}: node {node}'s parent {p} is not -1 or an earlier node")
+                col = self.end + pad + j
+                seen = (self._seen[b][p] if p >= 0 else []) + [col - self.start]
+                self.cols[b].append(col)
+                self.parents[b].append(p)
+                self.depths[b].append(0 if p < 0 else self.depths[b][p] + 1)
+                self._seen[b].append(seen)
+                sees[b, pad + j, seen] = True
+                depth[b, pad + j] = self.depths[b][-1]
+        self.end += t
+        return depth, sees
+
+    def path_columns(self, paths: list[Sequence[int]]) -> list[list[int]]:
+        """The cache columns of each row's kept path, checked to be a chain from a child of -1."""
+        if len(paths) != len(self.cols):
+            raise ValueError(f"{len(paths)} paths for a batch of {len(self.cols)} rows")
+        out = []
+        for b, path in enumerate(paths):
+            prev = -1
+            for node in (int(n) for n in path):
+                if not 0 <= node < len(self.parents[b]) or self.parents[b][node] != prev:
+                    raise ValueError(f"row {b}: {list(path)} is not a path from the tree's top")
+                prev = node
+            out.append([self.cols[b][int(n)] for n in path])
+        return out
