@@ -7,12 +7,19 @@ cache drops the ``k - n_b`` rejected drafts (so the new target token becomes the
 Rows accept different counts: the cache stays rectangular with masked holes (see kv.py), so
 batch > 1 gives each row exactly what it would get alone. Finished rows (EOS or
 max_new_tokens) stop growing and their step is dropped whole.
+
+With ``tree`` the proposer drafts a token tree per row instead (``tree.py``); one target
+``forward_tree`` over ``[pending, nodes...]`` scores every node, the tree verification keeps
+the longest accepted path plus one target token, and both caches keep only that path
+(``keep_path``), so rejected nodes never stay in either cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,7 +31,8 @@ from .adaptive import AdaptiveK, FixedK
 from .proposers import Proposal, Proposer
 from .sampling import SamplingConfig, probs_from_logits
 from .stats import SpecStats
-from .verify import verify_greedy, verify_sampling
+from .tree import TokenTree, TreeSpec
+from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -90,6 +98,7 @@ def speculative_generate(
     pad_token_id: int | None = None,
     k_max: int = 16,
     fast_verify: bool | None = None,
+    tree: TreeSpec | str | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate with speculative decoding (Leviathan et al. 2023).
 
@@ -108,10 +117,19 @@ def speculative_generate(
     False: transformers' own forward and matmuls. None (default): on for fp32 targets; off for
     bf16/fp16 ones, whose greedy ties the runtime's fused ops (rounded once) break differently
     from transformers' more often (see ``fast_verify_default``).
+    tree: draft token trees (``proposer.propose_tree``) instead of chains: a ``TreeSpec``, or
+    "static" / "dynamic" for that kind's default shape with paths of up to ``k`` nodes. Greedy
+    output and the sampled law stay exactly the target's; stats count each tree's nodes as
+    proposed and its accepted path as accepted.
     """
     sampling = sampling or SamplingConfig()
     if k < 0 or (adaptive and k < 1):
         raise QuantspecError(f"draft length k={k} is invalid.", "use k >= 1 (k = 0 is plain decoding).")
+    if isinstance(tree, str):
+        tree = TreeSpec(tree, depth=k)
+    if tree is not None and adaptive:
+        raise QuantspecError("adaptive draft length applies to chains, not token trees.",
+                             "drop --adaptive, or drop --tree.")
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     prompts = _prompts(input_ids, attention_mask)
@@ -144,52 +162,126 @@ def speculative_generate(
             else:
                 decoder.forward([s[:-1] for s in seqs], keep=1)
         while not all(done):
-            left = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b])
-            kk = min(control.k, left - 1)
-            if kk > 0:
-                t0 = time.perf_counter()
-                prop = proposer.propose(seqs, kk, sampling, generator)
-                stats.draft_s += time.perf_counter() - t0
-                stats.draft_calls += prop.model_calls
-            else:
-                prop = Proposal(tokens=torch.zeros(len(seqs), 0, dtype=torch.int64, device=device))
-            width = prop.tokens.shape[1]
-            offered = [width] * len(seqs) if prop.lengths is None else prop.lengths.tolist()
-            chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
-            t0 = time.perf_counter()
-            if feeds:
-                logits, feats = decoder.forward_features(chunks, keep=width + 1)
-            else:
-                logits = decoder.forward(chunks, keep=width + 1)
-            stats.target_s += time.perf_counter() - t0
-            stats.target_calls += 1
-            stats.k_used.append(width)
-            n_acc, nxt = _verify(prop, logits, sampling, generator)
-            n_acc, nxt = n_acc.tolist(), nxt.tolist()
+            room = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b]) - 1
+            ctx = (decoder, proposer, seqs, done, sampling, generator, feeds, stats)
+            step = _chain_step(*ctx, min(control.k, room)) if tree is None else _tree_step(*ctx, tree, room)
             active = [b for b in range(len(seqs)) if not done[b]]
-            drops, kept, committed = [], [], [0] * len(seqs)
-            for b in range(len(seqs)):
-                if done[b]:
-                    drops.append(width + 1)
-                    kept.append(0)
-                    continue
-                drops.append(width - n_acc[b])
-                kept.append(n_acc[b])
-                emitted = _until_stop(prop.tokens[b, : n_acc[b]].tolist() + [nxt[b]], stops,
-                                      max_new_tokens - len(new[b]))
+            committed = [0] * len(seqs)
+            for b in active:
+                emitted = _until_stop(step.accepted[b] + [step.nxt[b]], stops, max_new_tokens - len(new[b]))
                 new[b].extend(emitted)
                 committed[b] = len(emitted)
                 done[b] = emitted[-1] in stops or len(new[b]) >= max_new_tokens
                 seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
-            decoder.drop_last(drops)
-            proposer.accept(kept)
+            step.settle()
             if feeds:  # the features of the pending token and of every emitted token but the last
-                proposer.observe([feats[b, : committed[b]] for b in range(len(seqs))])
-            stats.record([n_acc[b] for b in active], [offered[b] for b in active])
-            control.update([n_acc[b] for b in active], [offered[b] for b in active])
+                proposer.observe([step.feats[b][: committed[b]] for b in range(len(seqs))])
+            n_acc = [len(step.accepted[b]) for b in active]
+            stats.record(n_acc, [step.nodes[b] for b in active], [step.offered[b] for b in active])
+            control.update(n_acc, [step.offered[b] for b in active])
     stats.wall_s = time.perf_counter() - start
     stats.new_tokens = sum(len(t) for t in new)
     return _assemble(input_ids, new, _pad_id(target, pad_token_id, stops)), stats
+
+
+@dataclass
+class _Step:
+    """One target call's outcome per row (done rows: nothing accepted). accepted: the kept
+    drafts' tokens; nxt: the target's token after them; offered: draft positions offered (a
+    chain's length, a tree's depth); nodes: draft tokens offered; feats: the target's features
+    [m, H] of the pending token and the accepted drafts, in order (feature-level proposers);
+    settle: crops both caches to the accepted drafts."""
+
+    accepted: list[list[int]]
+    nxt: list[int]
+    offered: list[int]
+    nodes: list[int]
+    feats: list[torch.Tensor] | None
+    settle: Callable[[], None]
+
+
+def _chain_step(decoder, proposer, seqs, done, sampling, generator, feeds, stats, kk) -> _Step:
+    """Propose a chain of ``kk`` drafts per row, verify it in one target forward."""
+    rows, device = len(seqs), seqs[0].device
+    if kk > 0:
+        t0 = time.perf_counter()
+        prop = proposer.propose(seqs, kk, sampling, generator)
+        stats.draft_s += time.perf_counter() - t0
+        stats.draft_calls += prop.model_calls
+    else:
+        prop = Proposal(tokens=torch.zeros(rows, 0, dtype=torch.int64, device=device))
+    width = prop.tokens.shape[1]
+    offered = [width] * rows if prop.lengths is None else prop.lengths.tolist()
+    chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
+    t0 = time.perf_counter()
+    feats = None
+    if feeds:
+        logits, feats = decoder.forward_features(chunks, keep=width + 1)
+    else:
+        logits = decoder.forward(chunks, keep=width + 1)
+    stats.target_s += time.perf_counter() - t0
+    stats.target_calls += 1
+    stats.k_used.append(width)
+    n_acc, nxt = _verify(prop, logits, sampling, generator)
+    n_acc, nxt = n_acc.tolist(), nxt.tolist()
+    kept = [0 if done[b] else n_acc[b] for b in range(rows)]
+    drops = [width + 1 if done[b] else width - n_acc[b] for b in range(rows)]
+
+    def settle() -> None:
+        decoder.drop_last(drops)
+        proposer.accept(kept)
+
+    return _Step([prop.tokens[b, : kept[b]].tolist() for b in range(rows)], nxt, offered, offered,
+                 None if feats is None else list(feats), settle)
+
+
+def _tree_step(decoder, proposer, seqs, done, sampling, generator, feeds, stats, spec, room) -> _Step:
+    """Propose a tree per row (paths of at most ``room`` nodes), verify every row's
+    ``[pending, nodes...]`` in one ``forward_tree``; done rows feed nothing."""
+    rows, device = len(seqs), seqs[0].device
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    trees = [TokenTree(empty, empty)] * rows
+    if room > 0:
+        t0 = time.perf_counter()
+        prop = proposer.propose_tree(seqs, spec.limited(room), sampling, generator)
+        stats.draft_s += time.perf_counter() - t0
+        stats.draft_calls += prop.model_calls
+        trees = prop.trees
+    active = [b for b in range(rows) if not done[b]]
+    chunks, parents = [empty] * rows, [empty] * rows
+    for b in active:
+        t = trees[b]
+        chunks[b] = torch.cat([seqs[b][-1:], t.tokens.to(device)])
+        parents[b] = torch.cat([torch.tensor([-1]), t.parents.cpu() + 1])  # node 0: the pending token
+    t0 = time.perf_counter()
+    feats = None
+    if feeds:
+        logits, feats = decoder.forward_tree_features(chunks, parents)
+    else:
+        logits = decoder.forward_tree(chunks, parents)
+    stats.target_s += time.perf_counter() - t0
+    stats.target_calls += 1
+    stats.k_used.append(max(trees[b].depth() for b in active))
+    probs = None if sampling.greedy else probs_from_logits(logits, sampling)
+    paths, nxt, kept_feats = [[] for _ in range(rows)], [0] * rows, [empty] * rows
+    for b in active:
+        lo = logits.shape[1] - len(chunks[b])
+        if probs is None:
+            paths[b], nxt[b] = verify_tree_greedy(trees[b], logits[b, lo:])
+        else:
+            paths[b], nxt[b] = verify_tree_sampling(trees[b], probs[b, lo:], generator)
+        if feats is not None:
+            kept_feats[b] = feats[b, [lo] + [lo + 1 + i for i in paths[b]]]
+
+    keep = [[0] + [i + 1 for i in paths[b]] if b in active else [] for b in range(rows)]
+
+    def settle() -> None:
+        decoder.keep_path(keep)
+        proposer.accept_tree(paths)
+
+    return _Step([trees[b].tokens[paths[b]].tolist() for b in range(rows)], nxt,
+                 [trees[b].depth() for b in range(rows)], [trees[b].size for b in range(rows)],
+                 kept_feats if feats is not None else None, settle)
 
 
 def _until_stop(tokens: list[int], stops: set[int], room: int) -> list[int]:

@@ -9,8 +9,12 @@ The interface (``Proposer``) is small:
 * ``reset()``: forget everything (a new batch).
 * ``observe(features)``: the target's features of newly committed tokens, for proposers that
   declare ``needs_features`` (feature-level drafts, ``specdec/eagle``).
+* ``propose_tree(sequences, spec, sampling, generator) -> TreeProposal`` and
+  ``accept_tree(paths)``: the same for token trees (``tree.py``); proposers that cannot grow
+  trees refuse by default.
 
-``DraftModel`` runs any causal LM that shares the target's tokenizer with its own KV cache;
+``DraftModel`` runs any causal LM that shares the target's tokenizer with its own KV cache
+(trees through its decoder's ``forward_tree``, the accepted path kept by ``keep_path``);
 ``NGram`` is prompt lookup (no model). ``QuantizedSelf`` (selfdraft.py) is a DraftModel over
 the target quantized by this library.
 """
@@ -21,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import QuantspecError
 from ..kernels.small_ops import argmax
 from ..runtime.decoder import fast_decoder
 from .sampling import SamplingConfig, probs_from_logits, sample
+from .tree import TokenTree, TreeSpec, grow_tree
 
 
 @dataclass
@@ -37,6 +43,15 @@ class Proposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    model_calls: int = 0
+
+
+@dataclass
+class TreeProposal:
+    """trees: one ``TokenTree`` per row (its ``probs``: the q each node was drawn from, or None
+    for deterministic children). model_calls: forward passes of a draft model spent on them."""
+
+    trees: list[TokenTree]
     model_calls: int = 0
 
 
@@ -63,6 +78,20 @@ class Proposer:
     def accept(self, n_accepted: list[int]) -> None:
         """Each row kept the first ``n_accepted[b]`` drafts of the last proposal."""
 
+    def propose_tree(
+        self,
+        sequences: list[torch.Tensor],
+        spec: TreeSpec,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> TreeProposal:
+        """A tree of candidates per row, shaped by ``spec``, after each row's committed text."""
+        raise QuantspecError(f"the {self.name} draft does not grow token trees.",
+                             "drop --tree (chains work with every draft), or use a draft model.")
+
+    def accept_tree(self, paths: list[list[int]]) -> None:
+        """Each row kept the nodes ``paths[b]`` (from the root's child down) of its last tree."""
+
     def observe(self, features: list[torch.Tensor]) -> None:
         """The target's features [n_b, H] of row b's committed tokens not handed over before,
         in order: after the prompt's prefill (every prompt token but the last) and after each
@@ -86,10 +115,12 @@ class DraftModel(Proposer):
         self.name = name
         self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
+        self._fed_nodes: list[torch.Tensor] | None = None  # per row, each tree node's index in the cache's tree
 
     def reset(self) -> None:
         self._decoder.reset()
         self._fed_drafts = 0
+        self._fed_nodes: list[torch.Tensor] | None = None
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
@@ -122,6 +153,25 @@ class DraftModel(Proposer):
             probs=torch.stack(probs, dim=1) if probs else None,
             model_calls=k,
         )
+
+    @torch.inference_mode()
+    def propose_tree(self, sequences, spec, sampling, generator=None) -> TreeProposal:
+        """Grows each row's tree through the draft's own decoder: the catch-up forward gives the
+        root's logits, then one ``forward_tree`` per level (the nodes of the last level are never
+        fed). The fed nodes stay in the cache until ``accept_tree`` keeps the accepted ones."""
+        dec = self._decoder
+        root = dec.forward(self._catch_up(sequences), keep=1)[:, -1]
+        grown = grow_tree(spec, root, dec.forward_tree, sampling, generator)
+        self._fed_nodes = grown.fed
+        return TreeProposal(trees=grown.trees, model_calls=1 + grown.calls)
+
+    def accept_tree(self, paths: list[list[int]]) -> None:
+        if self._fed_nodes is None:
+            return
+        fed = [f.tolist() for f in self._fed_nodes]
+        # an unfed node has no fed descendants: the fed part of a path is a prefix of it
+        self._decoder.keep_path([[fed[b][n] for n in path if fed[b][n] >= 0] for b, path in enumerate(paths)])
+        self._fed_nodes = None
 
     @torch.inference_mode()
     def next_token_logits(self, sequence: torch.Tensor, n: int) -> torch.Tensor:

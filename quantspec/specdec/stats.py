@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 class SpecStats:
     """Counters of one call. A *verification* is one row checked by one target call.
 
-    proposed / accepted: draft tokens offered and kept, summed over verifications.
-    hist: accepted drafts per verification -> count. k_used: draft length of each target call.
+    proposed / accepted: draft tokens offered and kept, summed over verifications (a token
+    tree offers all its nodes and keeps one path of them).
+    hist: accepted drafts per verification -> count. k_used: draft length (a tree's depth) of
+    each target call.
     offered_at / reached_at / accepted_at: per draft position d (1-based), the verifications that
-    proposed at least d drafts / of those, the ones that accepted the first d-1 / accepted at
-    least d (``by_depth`` turns them into rates).
+    proposed at least d drafts (a tree: had a node at depth d) / of those, the ones that accepted
+    the first d-1 / accepted at least d (``by_depth`` turns them into rates).
     draft_s / target_s: wall time inside the proposer and inside verifying target forwards (the
     rest of wall_s is the prompt's prefill and the loop's own work).
     """
@@ -34,14 +36,15 @@ class SpecStats:
     accepted_at: Counter = field(default_factory=Counter)
     reached_at: Counter = field(default_factory=Counter)
 
-    def record(self, n_accepted: list[int], n_proposed: list[int]) -> None:
-        """One verification per active row of one target call."""
-        for n, p in zip(n_accepted, n_proposed):
+    def record(self, n_accepted: list[int], n_proposed: list[int], depths: list[int] | None = None) -> None:
+        """One verification per active row of one target call: drafts accepted, draft tokens
+        offered, and the draft positions offered (a tree's depth; None: chains, ``n_proposed``)."""
+        for n, p, depth in zip(n_accepted, n_proposed, n_proposed if depths is None else depths):
             self.verifications += 1
             self.proposed += p
             self.accepted += n
             self.hist[n] += 1
-            for d in range(1, p + 1):
+            for d in range(1, depth + 1):
                 self.offered_at[d] += 1
                 self.reached_at[d] += n >= d - 1
                 self.accepted_at[d] += n >= d
@@ -113,6 +116,7 @@ class SpecStats:
             "target_s": round(self.target_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mean_k": round(sum(self.k_used) / len(self.k_used), 3) if self.k_used else 0.0,
+            "mean_proposed": round(self.proposed / self.verifications, 3) if self.verifications else 0.0,
             "mean_accepted_length": round(self.tokens_per_call, 4),
             "by_depth": self.by_depth(),
         }

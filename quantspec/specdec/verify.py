@@ -17,6 +17,20 @@ Shapes: B sequences, k draft positions, V vocabulary. ``lengths`` [B] (optional)
 of the k drafts of each row are real (a proposer may have fewer than k for some rows); the
 positions past it count as rejected and the next token then comes from ``p`` itself.
 A deterministic proposer has ``q`` one-hot: pass ``draft_probs=None``.
+
+Trees (``tree.TokenTree``, one row; ``target_*`` [n + 1, V]: row 0 the target's distribution
+after the pending token, row i + 1 after node i, from one ``Decoder.forward_tree``):
+
+* greedy: from the root, descend to the child whose token is the target's argmax while there is
+  one; then append the argmax at the last node reached. Exactly the target's greedy output.
+* sampling (recursive rejection sampling: SpecInfer; Jeon et al. 2024, arXiv:2402.14160, for
+  siblings drawn without replacement): at node v with residual law p (first p_v), try v's
+  children c_1, c_2, ... in order. Child c_i came from q_i: the parent's q with the siblings
+  already tried removed and renormalized (without replacement), or one-hot on c_i for
+  deterministic children (``probs`` None). Accept c_i with probability min(1, p(c_i) / q_i(c_i))
+  and descend; else p <- norm(max(0, p - q_i)) (one-hot: p loses c_i). When every child is
+  rejected, sample from p. Each try takes exactly p's mass of what it can emit, so the emitted
+  token is distributed as p_v and, by induction down the path, the emitted text as the target's.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import torch
 
 from ..kernels.small_ops import argmax
 from .sampling import sample
+from .tree import TokenTree
 
 
 def _valid(draft_tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -99,3 +114,56 @@ def verify_sampling(
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
         p_next = torch.where(rejected.unsqueeze(1), residual, p_next)
     return n, sample(p_next, generator)
+
+
+def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verification of one tree: ``(path, next_token)``, the accepted nodes from the
+    root down (indices into the tree) and the target's argmax after the last of them.
+    target_logits: [n + 1, V] (see the module docstring)."""
+    best = argmax(target_logits).tolist()
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    path, node = [], -1
+    while True:
+        want = best[node + 1]
+        node = next((c for c in kids[node + 1] if tokens[c] == want), None)
+        if node is None:
+            return path, want
+        path.append(node)
+
+
+def verify_tree_sampling(
+    tree: TokenTree,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling of one tree: ``(path, next_token)`` as the greedy one.
+
+    target_probs: fp32 [n + 1, V] after the same temperature/top-k/top-p as the draft's q.
+    ``tree.probs`` [n, V]: each node's q (siblings drawn without replacement, in order), or None
+    for deterministic children. Randomness only from ``generator``."""
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    path, node = [], -1
+    while True:
+        p, tried, nxt = target_probs[node + 1].float(), [], None
+        for c in kids[node + 1]:
+            x = tokens[c]
+            if tree.probs is None:
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+            else:
+                q = tree.probs[c].float().clone()
+                q[tried] = 0.0
+                q = q / q.sum().clamp(min=1e-30)
+            u = torch.rand((), generator=generator, device=p.device, dtype=torch.float32)
+            if u * q[x] < p[x]:
+                nxt = c
+                break
+            residual = (p - q).clamp(min=0)
+            mass = residual.sum()
+            # mass 0 only when p == q up to rounding (then rejection had probability 0)
+            p = residual / mass if mass > 0 else p
+            tried.append(x)
+        if nxt is None:
+            return path, int(sample(p, generator))
+        path.append(nxt)
+        node = nxt
