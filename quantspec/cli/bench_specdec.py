@@ -3,8 +3,12 @@ assisted generation, greedy, on the same prompts, repeated and interleaved (medi
 ``--repeats``); prints one table and writes JSON. ``--agreement`` adds the draft's
 teacher-forced greedy agreement with the target (``--no-timing``: that alone).
 
+``--tree static|dynamic`` also times token trees of the same draft (mode ``ours_tree``, paths
+of up to ``--k`` nodes, ``--tree-nodes`` nodes, ``--tree-topk`` children per node) beside chains.
+
 ``add_specdec_args`` is shared with ``quantspec generate`` (--draft, --k, --adaptive,
---fast-verify, --temperature, --top-k, --top-p); ``sampling_from_args`` turns them into a SamplingConfig.
+--fast-verify, --tree, --tree-nodes, --tree-topk, --temperature, --top-k, --top-p);
+``sampling_from_args`` turns them into a SamplingConfig and ``tree_from_args`` into a TreeSpec.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=None,
                    help="the target verifies through quantspec's static decoder and few-row CPU "
                         "products (default: for fp32 targets; off: transformers' forward)")
+    g.add_argument("--tree", default=None,
+                   help="draft token trees instead of chains: static (a fixed shape) or dynamic "
+                        "(EAGLE-2: grown by the draft's confidence); paths of up to --k nodes")
+    g.add_argument("--tree-nodes", type=int, default=None, help="nodes per tree (default 16)")
+    g.add_argument("--tree-topk", type=int, default=None, help="children per expanded node (default 4)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -43,6 +52,32 @@ def sampling_from_args(args: argparse.Namespace):
     from ..specdec.sampling import SamplingConfig
 
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def tree_from_args(args: argparse.Namespace):
+    """The TreeSpec of ``--tree``/``--tree-nodes``/``--tree-topk`` (None without ``--tree``);
+    refuses, before any model loads, values that cannot make a tree."""
+    from ..errors import QuantspecError
+    from ..specdec.tree import TREE_KINDS, TreeSpec
+
+    sized = [f for f, v in (("--tree-nodes", args.tree_nodes), ("--tree-topk", args.tree_topk)) if v is not None]
+    if args.tree is None:
+        if sized:
+            raise QuantspecError(f"{sized[0]} shapes a token tree, but no --tree was given.",
+                                 "add --tree static or --tree dynamic.")
+        return None
+    if args.tree not in TREE_KINDS:
+        raise QuantspecError(f"--tree {args.tree} is not a tree kind.", f"use --tree {' or --tree '.join(TREE_KINDS)}.")
+    if not args.draft:
+        raise QuantspecError("--tree needs a draft to grow the trees.", "add --draft SPEC.")
+    if args.draft.strip().startswith("ngram"):
+        raise QuantspecError("an n-gram draft proposes chains only.", "drop --tree, or use a model draft.")
+    if args.adaptive:
+        raise QuantspecError("--adaptive sets a chain's length, not a tree's.", "drop --adaptive or --tree.")
+    for flag, value in (("--tree-nodes", args.tree_nodes), ("--tree-topk", args.tree_topk), ("--k", args.k)):
+        if value is not None and value < 1:
+            raise QuantspecError(f"{flag} {value} makes no tree.", f"use {flag} 1 or more.")
+    return TreeSpec(args.tree, total=args.tree_nodes or 16, top_k=args.tree_topk or 4, depth=args.k)
 
 
 def add_parser(subparsers) -> None:
@@ -102,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timing:
         result.update(run_bench(target, tokenizer, proposer, prompts, max_new_tokens=args.max_new_tokens,
                                 k=args.k, adaptive=args.adaptive, chat=args.chat, hf=args.hf,
-                                progress=log, fast_verify=args.fast_verify, repeats=args.repeats))
+                                progress=log, fast_verify=args.fast_verify, repeats=args.repeats,
+                                tree=tree_from_args(args)))
         print(format_table(result))
     if args.agreement:
         result["agreement"] = greedy_agreement(target, proposer, tokenizer, prompts,
@@ -119,6 +155,10 @@ def _check_plan(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, a run that would measure nothing or the impossible."""
     from ..errors import QuantspecError
 
+    tree_from_args(args)
+    if args.tree is not None and not args.timing:
+        raise QuantspecError("--tree times token trees, but --no-timing times nothing.",
+                             "drop --no-timing, or drop --tree.")
     if not args.timing and not args.agreement:
         raise QuantspecError("--no-timing without --agreement measures nothing.",
                              "add --agreement, or drop --no-timing.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ._common import write_json
-from .bench_specdec import add_specdec_args, sampling_from_args
+from .bench_specdec import add_specdec_args, sampling_from_args, tree_from_args
 
 
 def add_parser(sub) -> None:
@@ -45,6 +45,8 @@ def timing(new_tokens: int, setup_s: float, generate_s: float) -> dict:
 def run(args) -> int:
     import torch
 
+    tree = tree_from_args(args)  # refused before anything loads
+    sampling = sampling_from_args(args)
     t_load = time.perf_counter()
     from ..models.load import load_model, model_label
 
@@ -61,10 +63,11 @@ def run(args) -> int:
         t1 = time.perf_counter()
         ids, stats = specdec.speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
-            adaptive=args.adaptive, sampling=sampling_from_args(args), eos_token_id=tok.eos_token_id,
-            seed=args.seed, fast_verify=args.fast_verify,
+            adaptive=args.adaptive, sampling=sampling, eos_token_id=tok.eos_token_id,
+            seed=args.seed, fast_verify=args.fast_verify, tree=tree,
         )
         out["specdec"] = stats.to_dict()
+        out["tree"] = tree.to_dict() if tree is not None else None
     else:
         t1 = time.perf_counter()  # the target alone builds nothing before generating
         kw = {"do_sample": args.temperature > 0}

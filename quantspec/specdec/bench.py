@@ -5,7 +5,8 @@ speculative decoding, and transformers' assisted generation with the same draft
 Every mode runs several times on every prompt, interleaved (``schedule.py``: for each repeat,
 for each prompt, every mode, their order rotated), so that load on a shared machine hits all
 alike; speeds are medians over the repeats. Every greedy output is compared with the target's
-own.
+own. Given a ``TreeSpec``, the mode ``ours_tree`` times token trees of the same proposer beside
+its chains (``ours``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .loop import fast_verify_default, speculative_generate
 from .proposers import DraftModel, NGram, Proposer
 from .schedule import mode_medians, run_interleaved
 from .stats import SpecStats
+from .tree import TreeSpec
 
 SCHEDULE = ("for each repeat, for each prompt, every mode once, rotated by (repeat * prompts + "
             "prompt) mod modes; tokens/s: median over repeats of tokens / seconds summed over "
@@ -74,7 +76,8 @@ def _hf_kwargs(proposer: Proposer, k: int, adaptive: bool) -> dict | None:
 
 
 def _modes(target, proposer, inputs: list[torch.Tensor], max_new_tokens: int, k: int,
-           adaptive: bool, fast_verify: bool, hf_kwargs: dict | None, pad: int) -> dict:
+           adaptive: bool, fast_verify: bool, hf_kwargs: dict | None, pad: int,
+           tree: TreeSpec | None = None) -> dict:
     """mode name -> callable(prompt index) -> Run, greedy, each on ``inputs[p]`` [1, P]."""
     common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad)
 
@@ -83,12 +86,14 @@ def _modes(target, proposer, inputs: list[torch.Tensor], max_new_tokens: int, k:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), **common, **extra)
         return Run(out, out.shape[1] - ids.shape[1])
 
-    def spec(p: int, kk: int, adapt: bool) -> Run:
+    def spec(p: int, kk: int, adapt: bool, shape: TreeSpec | None = None) -> Run:
         out, st = speculative_generate(target, proposer, inputs[p], max_new_tokens=max_new_tokens,
-                                       k=kk, adaptive=adapt, fast_verify=fast_verify)
+                                       k=kk, adaptive=adapt, fast_verify=fast_verify, tree=shape)
         return Run(out, st.new_tokens, st)
 
     modes = {"target": lambda p: hf_generate(p, {}), "ours": lambda p: spec(p, k, adaptive)}
+    if tree is not None:
+        modes["ours_tree"] = lambda p: spec(p, k, False, tree)
     if fast_verify:
         modes["target_fast"] = lambda p: spec(p, 0, False)
     if hf_kwargs is not None:
@@ -110,6 +115,7 @@ def run_bench(
     fast_verify: bool | None = None,
     repeats: int = 3,
     timer=time.perf_counter,
+    tree: TreeSpec | None = None,
 ) -> dict:
     """Greedy benchmark; returns a JSON-ready dict (per mode and per prompt).
 
@@ -119,7 +125,8 @@ def run_bench(
     callable(str), one line per repeat and prompt. fast_verify: passed to
     ``speculative_generate``; when on, the mode ``target_fast`` also times the target alone
     through the same runtime (k = 0: one token per step), to show what the runtime gives
-    without speculation.
+    without speculation. tree: also time the proposer's token trees of this shape (mode
+    ``ours_tree``); the result records the shape under "tree".
     """
     if repeats < 1:
         raise QuantspecError(f"repeats={repeats} times nothing.", "use --repeats 1 or more.")
@@ -130,7 +137,7 @@ def run_bench(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs = [encode(tokenizer, row["prompt"], chat).to(device) for row in prompts]
     setup = (target, proposer, inputs)
-    modes = _modes(*setup, max_new_tokens, k, adaptive, fast_verify, hf_kwargs, pad)
+    modes = _modes(*setup, max_new_tokens, k, adaptive, fast_verify, hf_kwargs, pad, tree)
 
     def report(r: int, p: int, seconds: dict[str, float]) -> None:
         if progress:
@@ -138,7 +145,7 @@ def run_bench(
                      + ", ".join(f"{m} {s:.2f}s" for m, s in seconds.items()))
 
     with torch.inference_mode():
-        for warm in _modes(*setup, 8, k, adaptive, fast_verify, hf_kwargs, pad).values():
+        for warm in _modes(*setup, 8, k, adaptive, fast_verify, hf_kwargs, pad, tree).values():
             warm(0)
         timings, outputs = run_interleaved(modes, len(inputs), repeats, timer, report)
     per_prompt = []
@@ -150,8 +157,14 @@ def run_bench(
                            for m in modes}}
         if not _same(ours.ids, ref.ids):
             rec["divergence"] = divergence(target, ours.ids, ref.ids, inputs[p].shape[1])
+        if tree is not None:
+            ours_tree = outputs[("ours_tree", p)]
+            rec["ours_tree"] = ours_tree.stats.to_dict()
+            if not _same(ours_tree.ids, ref.ids):
+                rec["divergence_tree"] = divergence(target, ours_tree.ids, ref.ids, inputs[p].shape[1])
         per_prompt.append(rec)
     result = _summary(modes, outputs, timings, prompts, target, proposer, max_new_tokens, k, adaptive)
+    result["tree"] = tree.to_dict() if tree is not None else None
     result.update(repeats=repeats, prompts=per_prompt)
     return result
 
@@ -200,13 +213,13 @@ def _summary(modes, outputs, timings, prompts, target, proposer, max_new_tokens,
                       if not _same(run.ids, ref.ids)]
         entry = {"tokens": sum(r.new_tokens for r in runs), **medians[name],
                  "greedy_matches_target": not mismatched, "mismatched_prompts": mismatched}
-        if name == "ours":
+        if name in ("ours", "ours_tree"):
             stats = SpecStats()
             for r in runs:
                 stats = stats.merge(r.stats)
             entry.update({key: stats.to_dict()[key] for key in
                           ("acceptance_rate", "mean_accepted", "tokens_per_call", "hist",
-                           "target_calls", "draft_calls", "mean_k", "mean_accepted_length", "by_depth")})
+                           "target_calls", "draft_calls", "mean_k", "mean_proposed", "mean_accepted_length", "by_depth")})
         out["modes"][name] = entry
     return out
 
@@ -218,10 +231,11 @@ def format_table(result: dict) -> str:
     lines = [f"| mode | tokens | tokens/s (median of {reps}) | speed-up (median of {reps}) "
              "| acceptance | accepted/call | greedy == target |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    where = {str(p.get("id")): p["divergence"] for p in result.get("prompts", []) if p.get("divergence")}
+    where = {(mode, str(p.get("id"))): p[key] for p in result.get("prompts", [])
+             for mode, key in (("ours", "divergence"), ("ours_tree", "divergence_tree")) if p.get(key)}
 
     def named(pid: str, mode: str) -> str:
-        d = where.get(pid) if mode == "ours" else None
+        d = where.get((mode, pid))
         if not d or d["logit_gap"] is None:
             return pid
         return f"{pid} @{d['at']} gap {d['logit_gap']:g}"
