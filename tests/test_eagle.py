@@ -363,3 +363,41 @@ def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
 
     assert torch.equal(load_file(str(tmp_path / "h" / "features" / "distilled.safetensors"))["windows"], out)
     assert torch.equal(features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0], out)
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+@pytest.mark.parametrize("fast_verify", [True, False])
+def test_eagle_token_trees_stay_lossless_and_accept_at_least_the_chain(tree, fast_verify):
+    """Greedy tree drafting from the head equals the target's greedy output (batch 2), and a tree
+    whose first branch is the chain accepts at least as many tokens per target call."""
+    from quantspec.specdec.tree import TreeSpec
+
+    model = target()
+    rows = [torch.arange(20, 31), torch.tensor([9, 40, 41, 42, 40, 41])]
+    refs = [reference(model, r) for r in rows]
+    ids, mask = left_pad(rows)
+    head = random_head(model, 256)
+    spec = TreeSpec(tree, total=12, top_k=3, depth=3)
+    out, st = speculative_generate(model, EagleProposer(head, model.get_input_embeddings()), ids,
+                                   attention_mask=mask, max_new_tokens=20, k=3, tree=spec, fast_verify=fast_verify)
+    for b, ref in enumerate(refs):
+        assert torch.equal(out[b, ids.shape[1]:ids.shape[1] + len(ref)], ref)
+    _, chain = speculative_generate(model, EagleProposer(head, model.get_input_embeddings()), ids,
+                                    attention_mask=mask, max_new_tokens=20, k=3, fast_verify=fast_verify)
+    assert st.tokens_per_call >= chain.tokens_per_call
+
+
+def test_eagle_trees_sample_the_target_law():
+    from quantspec.specdec.tree import TreeSpec
+
+    model = tiny_model("llama", 3, vocab_size=16, initializer_range=0.1)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    prompt = torch.tensor([3, 7, 5, 9])
+    sampling = SamplingConfig(temperature=1.0)
+    prop = EagleProposer(random_head(model, 12), model.get_input_embeddings())
+    out, stats = speculative_generate(model, prop, prompt.expand(1500, -1), max_new_tokens=2, k=2,
+                                      sampling=sampling, seed=5, tree=TreeSpec("static", total=4, top_k=2, depth=2))
+    p1, p2 = _exact_two_token_laws(model, prompt, sampling)
+    assert _chi2(torch.bincount(out[:, 4], minlength=16), p1) > 1e-3
+    assert _chi2(torch.bincount(out[:, 5], minlength=16), p2) > 1e-3

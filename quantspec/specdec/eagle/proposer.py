@@ -10,6 +10,10 @@ prediction of the next feature, from which the first draft comes).
 drafts the first token from the last output, then feeds each draft with the head's own
 predicted feature for the next k - 1 drafts. ``accept`` drops those draft positions again: the
 accepted drafts come back with the target's real features through ``observe``.
+
+Token trees (``propose_tree``, EAGLE-2's dynamic trees or static shapes, ``tree.py``): the head
+expands a level of nodes per forward, each node attending to the real positions and its own
+ancestors; ``accept_tree`` drops them all, as ``accept`` does.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from torch import nn
 
 from ...errors import QuantspecError
 from ...kernels.small_ops import argmax
-from ..proposers import Proposal, Proposer
+from ..proposers import Proposal, Proposer, TreeProposal
 from ..sampling import SamplingConfig, probs_from_logits, sample
+from ..tree import TokenTree, TreeSpec, grow_tree
 from .head import EagleHead, load_head
 
 
@@ -31,6 +36,8 @@ class _Row:
         self.pending: list[torch.Tensor] = []  # features [n, H] handed over, not read yet
         self.last: torch.Tensor | None = None  # head output [H] at position read - 1
         self.drafted = 0  # draft positions appended to ``past`` after ``read``
+        self.node_out: list[torch.Tensor] = []  # tree growth: the head's output at each fed node
+        self.node_anc: list[set[int]] = []  # ... and its fed ancestors (itself included)
 
 
 class EagleProposer(Proposer):
@@ -116,11 +123,83 @@ class EagleProposer(Proposer):
         return Proposal(tokens=tokens, probs=probs, lengths=lengths, model_calls=calls * k)
 
     def accept(self, n_accepted: list[int]) -> None:
+        """Drop every draft position: the accepted drafts come back with the target's real
+        features through ``observe``."""
         for row in self.rows:
             if row.drafted and row.past is not None:
                 keep = row.past[0].shape[2] - row.drafted
                 row.past = (row.past[0][:, :, :keep], row.past[1][:, :, :keep])
             row.drafted = 0
+            row.node_out, row.node_anc = [], []
+
+    def accept_tree(self, paths: list[list[int]]) -> None:
+        self.accept([len(p) for p in paths])
+
+    def _full_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> logits [n, V] over the target's vocabulary (-inf outside the draft's)."""
+        out = torch.full((feats.shape[0], self.head.config.vocab_size), float("-inf"), dtype=torch.float32,
+                         device=feats.device)
+        out[:, self.head.token_ids] = self.head.logits(feats).to(torch.float32)
+        return out
+
+    def _expand_row(self, row: _Row, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Feed tree nodes (``tree.Expand``'s contract for one row): node i reads its parent's
+        output (the last real output for a child of the root) and its own token, at position
+        ``read + depth - 1``, attending to the real positions and its fed ancestors. Returns the
+        draft's logits [m, V] of each."""
+        m = int(tokens.numel())
+        if m == 0:
+            return torch.zeros(0, self.head.config.vocab_size, device=tokens.device)
+        first = len(row.node_out)
+        par = [int(p) for p in parents]
+        feats = torch.stack([row.last if p < 0 else row.node_out[p] for p in par])
+        depth = [1 if p < 0 else len(row.node_anc[p]) + 1 for p in par]
+        anc = [({first + i} | (row.node_anc[p] if p >= 0 else set())) for i, p in enumerate(par)]
+        held = row.past[0].shape[2]
+        mask = torch.zeros(m, held + m, dtype=torch.bool, device=tokens.device)
+        mask[:, :row.read] = True
+        for i, a in enumerate(anc):
+            for j in a:
+                mask[i, row.read + j] = True
+        dtype = self.head.lm_head.dtype
+        emb = self.embed(tokens.unsqueeze(0)).to(dtype)
+        pos = torch.tensor([row.read + d - 1 for d in depth], device=tokens.device).unsqueeze(0)
+        out, row.past = self.head(feats.to(dtype).unsqueeze(0), emb, pos, row.past, mask=mask)
+        row.node_out += list(out[0])
+        row.node_anc += anc
+        row.drafted += m
+        return self._full_logits(out[0])
+
+    @torch.inference_mode()
+    def propose_tree(self, sequences, spec: TreeSpec, sampling, generator=None) -> TreeProposal:
+        """Each row's tree grown from the head (EAGLE-2): one head forward per level over the
+        level's nodes with a tree mask; rows without a feature yet propose an empty tree."""
+        if len(self.rows) != len(sequences):
+            self.rows = [_Row() for _ in sequences]
+        self.accept([0] * len(self.rows))  # nothing of an earlier proposal stays
+        for row, seq in zip(self.rows, sequences):
+            self._catch_up(row, seq)
+        live = [b for b, row in enumerate(self.rows) if row.last is not None]
+        device = sequences[0].device
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        trees = [TokenTree(empty, empty)] * len(sequences)
+        if not live:
+            return TreeProposal(trees=trees, model_calls=0)
+        root = self._full_logits(torch.stack([self.rows[b].last for b in live]))
+
+        def expand(tokens, parents):
+            outs = [self._expand_row(self.rows[b], t, p) for b, t, p in zip(live, tokens, parents)]
+            width = max(o.shape[0] for o in outs)
+            logits = torch.full((len(outs), width, self.head.config.vocab_size), float("-inf"), device=device)
+            for i, o in enumerate(outs):
+                if o.shape[0]:
+                    logits[i, width - o.shape[0]:] = o
+            return logits
+
+        grown = grow_tree(spec, root, expand, sampling, generator)
+        for b, t in zip(live, grown.trees):
+            trees[b] = t
+        return TreeProposal(trees=trees, model_calls=len(live) * (1 + grown.calls))
 
 
 def eagle_proposer(folder: str, target: nn.Module) -> EagleProposer:
