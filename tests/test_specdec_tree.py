@@ -10,14 +10,20 @@ import json
 
 import pytest
 import torch
+from helpers import make_tiny_model
 from test_specdec_loop import _chi2, left_pad, noisy_copy, tiny
 
-from helpers import make_tiny_model
 from quantspec.cli.main import main
 from quantspec.errors import QuantspecError
 from quantspec.runtime.decoder import StaticDecoder
 from quantspec.runtime.kv import KVDecoder
-from quantspec.specdec import DraftModel, NGram, SamplingConfig, probs_from_logits, speculative_generate
+from quantspec.specdec import (
+    DraftModel,
+    NGram,
+    SamplingConfig,
+    probs_from_logits,
+    speculative_generate,
+)
 from quantspec.specdec.tree import TokenTree, TreeSpec, grow_tree, static_choices
 from quantspec.specdec.verify import verify_tree_greedy, verify_tree_sampling
 
@@ -66,8 +72,8 @@ def test_tree_shapes():
     assert (spec.total, spec.top_k, spec.depth) == (6, 2, 3)
     assert spec.limited(2).shape() == ((0,), (1,), (0, 0), (0, 1), (1, 0))
     assert TreeSpec("dynamic", depth=5).limited(2).depth == 2
-    for bad in [dict(kind="beam"), dict(total=0), dict(top_k=0), dict(depth=0),
-                dict(kind="static", choices=[[0], [1, 0]]), dict(kind="static", choices=[[-1]])]:
+    for bad in [{"kind": "beam"}, {"total": 0}, {"top_k": 0}, {"depth": 0},
+                {"kind": "static", "choices": [[0], [1, 0]]}, {"kind": "static", "choices": [[-1]]}]:
         with pytest.raises(QuantspecError):
             TreeSpec(**bad)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -32,7 +32,12 @@ from .proposers import Proposal, Proposer
 from .sampling import SamplingConfig, probs_from_logits
 from .stats import SpecStats
 from .tree import TokenTree, TreeSpec
-from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+from .verify import (
+    verify_greedy,
+    verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

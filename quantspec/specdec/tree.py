@@ -28,8 +28,8 @@ a feature-level head) grows trees the same way.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -129,7 +129,7 @@ class TreeSpec:
         """A static tree's index paths, by depth then lexicographically (parents first)."""
         return self.choices if self.choices is not None else static_choices(self.total, self.top_k, self.depth)
 
-    def limited(self, depth: int) -> "TreeSpec":
+    def limited(self, depth: int) -> TreeSpec:
         """The same spec with paths of at most ``depth`` nodes (``depth`` >= 1)."""
         if depth >= self.depth:
             return self
