@@ -219,6 +219,41 @@ def test_greedy_tree_generation_equals_generate(greedy_setup, kind):
     assert sum(n * c for n, c in stats.hist.items()) == stats.accepted
 
 
+class _Pruning(DraftModel):
+    """A draft whose row b keeps only the first n - 5b nodes of its tree (a topological prefix is
+    a tree): rows verify trees of different sizes in one forward."""
+
+    def propose_tree(self, sequences, spec, sampling, generator=None):
+        prop = super().propose_tree(sequences, spec, sampling, generator)
+        for b, t in enumerate(prop.trees):
+            n = max(1, t.size - 5 * b)
+            prop.trees[b] = TokenTree(t.tokens[:n], t.parents[:n], None if t.probs is None else t.probs[:n])
+        return prop
+
+
+def test_rows_that_stop_early_and_one_token_prompts(greedy_setup):
+    """Rows verify trees of different sizes; a row ending at a stop token feeds nothing in later
+    tree forwards while the other goes on; prompts of one token start the tree forward on an
+    empty cache."""
+    target, fast, rows, refs, draft = greedy_setup
+    draft = _Pruning(draft.model)
+    stop = int(refs[1][5])
+    cut = int((refs[1] == stop).nonzero()[0]) + 1
+    ids, mask = left_pad([rows[1], rows[0]])
+    out, _ = speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, k=3, tree="static",
+                                  eos_token_id=stop, pad_token_id=0, fast_verify=fast)
+    w = ids.shape[1]
+    assert torch.equal(out[0, w: w + cut], refs[1][:cut]) and bool((out[0, w + cut:] == 0).all())
+    other = reference(target, rows[0]).tolist()
+    other = other[: other.index(stop) + 1] if stop in other else other
+    assert out[1, w: w + len(other)].tolist() == other
+    ones = torch.tensor([[rows[0][0]], [rows[1][0]]])
+    out, _ = speculative_generate(target, draft, ones, max_new_tokens=6, k=3, tree="dynamic", fast_verify=fast)
+    for b in range(2):
+        ref = reference(target, ones[b], 6)
+        assert torch.equal(out[b, 1: 1 + len(ref)], ref), b
+
+
 def test_a_tree_of_the_target_itself_accepts_every_path():
     """The target as its own draft: every verification accepts a path as deep as its tree (a
     dynamic tree of a flat random model is shallow: its deep nodes score below the shallow ones)."""
