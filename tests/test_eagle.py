@@ -29,12 +29,7 @@ from quantspec.specdec.eagle.proposer import EagleProposer, eagle_proposer
 from quantspec.specdec.eagle.train import TrainConfig, draft_vocabulary, train_head
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
 
 def target(arch: str = "llama", vocab: int = 256, seed: int = 0):

@@ -32,12 +32,7 @@ DECODERS = [("llama", StaticDecoder), ("qwen2", StaticDecoder), ("llama", KVDeco
             ("opt", KVDecoder)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
 
 def _tree(parents, tokens=None, probs=None) -> TokenTree:

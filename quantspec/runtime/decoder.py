@@ -34,7 +34,7 @@ from ..kernels.dense import fast_linear
 from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of, is_moe_block
-from .protocol import Decoder, TreeRegion
+from .protocol import Decoder, TreeRegion, kept_columns
 
 
 def _eps(norm: nn.Module, default: float) -> float:
@@ -257,26 +257,20 @@ class StaticDecoder(Decoder):
 
     @torch.inference_mode()
     def keep_path(self, paths) -> None:
-        if self.tree is None:
-            if any(len(p) for p in paths):
-                raise ValueError("no token tree is held")
-            return
-        cols = self.tree.path_columns(paths)
-        start, n = self.tree.start, max(len(c) for c in cols)
+        kept = kept_columns(self.tree, paths, self.device)
         self.tree = None
+        if kept is None:
+            return
+        start, idx, real = kept
+        n = idx.shape[1]
         if n:
-            idx = torch.full((len(cols), n), start, dtype=torch.int64, device=self.device)
-            for b, c in enumerate(cols):
-                idx[b, : len(c)] = torch.tensor(c, dtype=torch.int64)
             for cache in (self._k, self._v):
                 for kc in cache:
                     sel = idx[:, None, :, None].expand(kc.shape[0], kc.shape[1], n, kc.shape[3])
                     kc[:, :, start:start + n] = kc.gather(2, sel)
-        real = torch.arange(n, device=self.device).unsqueeze(0) < torch.tensor(
-            [len(c) for c in cols], device=self.device).unsqueeze(1)
         self.mask = torch.cat([self.mask[:, :start], real], dim=1)
-        for b, c in enumerate(cols):
-            self.lengths[b] += len(c)
+        for b in range(len(self.lengths)):
+            self.lengths[b] += int(real[b].sum())
         self.width = start + n
         if bool(self.mask.all()):
             self.mask = None  # no holes left (a batch of one): the unmasked fast path again

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from ..errors import QuantspecError
 from .kv_quant import new_cache
-from .protocol import Decoder, TreeRegion
+from .protocol import Decoder, TreeRegion, kept_columns
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -146,16 +146,12 @@ class KVDecoder(Decoder):
         return out
 
     def keep_path(self, paths) -> None:
-        if self.tree is None:
-            if any(len(p) for p in paths):
-                raise ValueError("no token tree is held")
-            return
-        cols = self.tree.path_columns(paths)
-        start, n = self.tree.start, max(len(c) for c in cols)
+        kept = kept_columns(self.tree, paths, self.device)
         self.tree = None
-        idx = torch.full((len(cols), n), start, dtype=torch.int64, device=self.device)
-        for b, c in enumerate(cols):
-            idx[b, : len(c)] = torch.tensor(c, dtype=torch.int64)
+        if kept is None:
+            return
+        start, idx, real = kept
+        n = idx.shape[1]
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 x = getattr(layer, name)
@@ -163,11 +159,9 @@ class KVDecoder(Decoder):
                     continue
                 sel = idx[:, None, :, None].to(x.device).expand(x.shape[0], x.shape[1], n, x.shape[3])
                 setattr(layer, name, torch.cat([x[:, :, :start], x.gather(2, sel)], dim=2))
-        real = torch.arange(n, device=self.device).unsqueeze(0) < torch.tensor(
-            [len(c) for c in cols], device=self.device).unsqueeze(1)
         self.mask = torch.cat([self.mask[:, :start], real.to(self.mask.dtype)], dim=1)
-        for b, c in enumerate(cols):
-            self.lengths[b] += len(c)
+        for b in range(len(self.lengths)):
+            self.lengths[b] += int(real[b].sum())
 
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""

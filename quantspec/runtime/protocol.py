@@ -108,6 +108,23 @@ def ancestor_mask(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def kept_columns(tree: "TreeRegion | None", paths, device) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """What ``keep_path`` moves: None when no tree is held (a ValueError if a path is asked
+    for), else (the first tree column ``start``, int64 [B, n] the kept path's columns per row
+    padded with ``start``, bool [B, n] which of them are real), n the longest path."""
+    if tree is None:
+        if any(len(p) for p in paths):
+            raise ValueError("no token tree is held")
+        return None
+    cols = tree.path_columns(paths)
+    n = max(len(c) for c in cols)
+    idx = torch.full((len(cols), n), tree.start, dtype=torch.int64, device=device)
+    for b, c in enumerate(cols):
+        idx[b, : len(c)] = torch.tensor(c, dtype=torch.int64)
+    real = torch.arange(n, device=device).unsqueeze(0) < torch.tensor([len(c) for c in cols], device=device).unsqueeze(1)
+    return tree.start, idx, real
+
+
 class TreeRegion:
     """The tree nodes a decoder holds after its committed columns, per row of a batch.
 
