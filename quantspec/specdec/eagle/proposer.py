@@ -83,15 +83,12 @@ class EagleProposer(Proposer):
         row.read += n
         row.last = out[-1]
 
-    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
-        """A draft token (target id) from the draft vocabulary's logits [N], and q over the
-        target's vocabulary (None when greedy)."""
-        ids = self.head.token_ids
+    def _choose(self, feat: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
+        """A draft token (target id) from the head's output [H], and q over the target's
+        vocabulary (None when greedy)."""
         if sampling.greedy:
-            return int(ids[int(argmax(logits.unsqueeze(0))[0])]), None
-        full = torch.full((self.head.config.vocab_size,), float("-inf"), dtype=torch.float32, device=logits.device)
-        full[ids] = logits.to(torch.float32)
-        q = probs_from_logits(full.unsqueeze(0), sampling)[0]
+            return int(self.head.token_ids[int(argmax(self.head.logits(feat.unsqueeze(0)))[0])]), None
+        q = probs_from_logits(self._full_logits(feat.unsqueeze(0)), sampling)[0]
         return int(sample(q.unsqueeze(0), generator)[0]), q
 
     @torch.inference_mode()
@@ -111,7 +108,7 @@ class EagleProposer(Proposer):
             calls += 1
             feat = row.last
             for i in range(k):
-                tok, q = self._choose(self.head.logits(feat), sampling, generator)
+                tok, q = self._choose(feat, sampling, generator)
                 tokens[b, i] = tok
                 if q is not None:
                     probs[b, i] = q
