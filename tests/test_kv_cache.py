@@ -182,7 +182,7 @@ def test_decoders_write_the_checkpoints_kv_cache(tiny, tmp_path):
     out = quantspec.quantize(str(tiny), recipe, tmp_path / "kv", progress=False).out
     model = quantspec.load_quantized(out, backend="reference")
     cache = new_cache(model)
-    assert isinstance(cache, QuantKVCache) and cache.setting == KVSetting("int8", "calibrated")
+    assert isinstance(cache, QuantKVCache) and cache.quantizer.setting == KVSetting("int8", "calibrated")
     dense = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     assert type(new_cache(dense)).__name__ == "DynamicCache"
     dec = PlainDecoder(model)

@@ -76,6 +76,33 @@ def test_matches_transformers_uneven_rows(arch):
         _compare(tiny_model(arch), rows)
 
 
+@pytest.mark.parametrize("kind,scales,strategy", [("int8", "calibrated", "head"), ("fp8", "calibrated", "tensor"),
+                                                   ("int8", "dynamic", "tensor")])
+def test_quantized_kv_cache_matches_transformers(kind, scales, strategy, monkeypatch):
+    """A checkpoint's KV-cache scales: the static decoder rounds each key (after RoPE) and value
+    it writes as ``QuantKVCache`` does on transformers' forward (same logits within fp32
+    rounding, 1e-4), and that rounding moves the logits by more than 10x that (calibrated: scales
+    64x the observed ones, a coarse grid). The decoder before the KV cache was wired in fails the
+    first comparison."""
+    from quantspec.core.kv_config import KVCacheConfig
+    from quantspec.quant.kv_calibrate import kv_scales, observe_kv
+    from quantspec.runtime import kv_quant
+
+    model = tiny_model("qwen2")
+    rows = [torch.arange(5, 17), torch.arange(30, 34)] if scales == "calibrated" else [torch.arange(5, 17)]
+    with torch.inference_mode():
+        plain = next(_steps(StaticDecoder(model), rows, torch.Generator().manual_seed(1)))[0]
+        cfg = KVCacheConfig(kind, strategy)
+        coarse = {i: (k * 64, v * 64) for i, (k, v) in kv_scales(observe_kv(model, rows[0][None]), cfg).items()}
+        model.quantspec_kv_cache = (cfg, coarse)
+        if scales == "dynamic":  # what `eval --kv-scales dynamic` asks of resolve_kv
+            resolve = kv_quant.resolve_kv
+            monkeypatch.setattr(kv_quant, "resolve_kv", lambda m: resolve(m, kind, "dynamic"))
+        _compare(model, rows)
+        quant = next(_steps(StaticDecoder(model), rows, torch.Generator().manual_seed(1)))[0]
+    assert (quant - plain).abs().max() > 1e-3
+
+
 def test_sliding_window_matches_transformers():
     """Past the window, each query sees only the last 6 positions (transformers' full forward is
     the reference: its sliding-window cache cannot drop tokens)."""

@@ -18,6 +18,10 @@ Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``)
 the masked attention path: each node's mask row is the committed columns plus its ancestors'
 columns, and ``keep_path`` copies the kept nodes' keys and values next to the committed ones.
 Blocks with a sliding window refuse trees once the window would cut the cache.
+
+A checkpoint with KV-cache scales (``runtime.kv_quant.kv_quantizer``) has every key (after
+RoPE) and value rounded to its grid as it is written, as ``QuantKVCache`` does on the
+transformers path, so both decoders compute attention on what a quantized cache holds.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..kernels.dense import fast_linear
 from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
 from .families import DecoderFamily, family_of, is_moe_block
+from .kv_quant import kv_quantizer
 from .protocol import Decoder, TreeRegion, kept_columns
 
 
@@ -83,6 +88,7 @@ class StaticDecoder(Decoder):
         self.final_norm, self.eps = final.weight, _eps(final, eps)
         self.lm_head = fast_linear(model.get_submodule(arch.lm_head))
         self.blocks = [self._block(b, config) for b in arch.block_list(model)]
+        self.kv = kv_quantizer(model)  # None: the cache stores keys and values as computed
         self.reset()
 
     def _block(self, block: nn.Module, config) -> _Block:
@@ -294,14 +300,18 @@ class StaticDecoder(Decoder):
             if blk.q_norm is not None:
                 q, k = rms_norm(q, blk.q_norm, self.eps), rms_norm(k, blk.k_norm, self.eps)
             kc, vc = self._k[i], self._v[i]
-            if tree_mask is None and self.mask is None and (blk.window is None or hi <= blk.window):
+            if (self.kv is None and tree_mask is None and self.mask is None
+                    and (blk.window is None or hi <= blk.window)):
                 o = attend(q, k, v, cos, sin, kc, vc, lo)  # no holes: causal over the cache
             else:
                 if blk.window not in masks:
                     masks[blk.window] = tree_mask if tree_mask is not None else self._attn_mask(t, pos, blk.window)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
-                kc[:, :, lo:hi] = k.transpose(1, 2)
-                vc[:, :, lo:hi] = v.transpose(1, 2)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+                if self.kv is not None:
+                    k, v = self.kv(k, i, 0), self.kv(v, i, 1)
+                kc[:, :, lo:hi] = k
+                vc[:, :, lo:hi] = v
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi],
                     attn_mask=masks[blk.window], enable_gqa=h != kv,

@@ -74,35 +74,44 @@ class KVObserver(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-class QuantKVCache(DynamicCache):
-    """A DynamicCache whose stored keys and values are rounded to ``setting.kind``.
+class KVQuantizer:
+    """Rounds the keys and values a cache stores: ``setting`` and, for calibrated scales,
+    ``scales`` (layer -> (k_scale, v_scale), each a scalar or [kv_heads] tensor; unused for
+    "unit" and "dynamic"). ``quantizer(x, layer_idx, which)``: x [B, H, T, D] of one cache
+    write (which 0: keys, 1: values), fake-quantized."""
 
-    ``scales``: layer -> (k_scale, v_scale), each a scalar or [kv_heads] tensor, for
-    ``setting.scales == "calibrated"``; unused for "unit" and "dynamic"."""
-
-    def __init__(self, setting: KVSetting, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 config=None):
-        super().__init__(config=config)
+    def __init__(self, setting: KVSetting, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
         if setting.scales == "calibrated" and not scales:
             raise QuantspecError("calibrated KV scales were asked for, but none were given.",
                                  "calibrate them (quantspec quantize --kv-cache) or use unit/dynamic scales.")
         self.setting = setting
         self.scales = scales or {}
 
-    def _scale(self, x: torch.Tensor, layer_idx: int, which: int) -> torch.Tensor:
+    def scale(self, x: torch.Tensor, layer_idx: int, which: int) -> torch.Tensor:
         if self.setting.scales == "unit":
             return torch.ones(())
-        if self.setting.scales == "dynamic":
+        if self.setting.scales == "dynamic":  # one per-tensor scale per cache write
             return scales_from_amax(x.detach().abs().amax().float(), self.setting.kind)
         if layer_idx not in self.scales:
             raise QuantspecError(f"no calibrated KV scale for layer {layer_idx}.",
                                  "recalibrate the checkpoint's KV scales.")
         return self.scales[layer_idx][which]
 
+    def __call__(self, x: torch.Tensor, layer_idx: int, which: int) -> torch.Tensor:
+        return fake_quant(x, self.scale(x, layer_idx, which), self.setting.kind)
+
+
+class QuantKVCache(DynamicCache):
+    """A DynamicCache whose stored keys and values are rounded by ``KVQuantizer(setting, scales)``."""
+
+    def __init__(self, setting: KVSetting, scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 config=None):
+        super().__init__(config=config)
+        self.quantizer = KVQuantizer(setting, scales)
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kind = self.setting.kind
-        k = fake_quant(key_states, self._scale(key_states, layer_idx, 0), kind)
-        v = fake_quant(value_states, self._scale(value_states, layer_idx, 1), kind)
+        k = self.quantizer(key_states, layer_idx, 0)
+        v = self.quantizer(value_states, layer_idx, 1)
         return super().update(k, v, layer_idx, *args, **kwargs)
 
 
@@ -126,6 +135,13 @@ def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
     ratio = KV_MAX[ckpt[0].kind] / KV_MAX[kind]
     scales = ckpt[1] if ratio == 1 else {i: (k * ratio, v * ratio) for i, (k, v) in ckpt[1].items()}
     return KVSetting(kind, "calibrated"), scales
+
+
+def kv_quantizer(model) -> KVQuantizer | None:
+    """The rounding of a decode of ``model``'s cache writes (``resolve_kv``'s default: the
+    checkpoint's KV scales), None for a plain cache."""
+    kv = resolve_kv(model)
+    return None if kv is None else KVQuantizer(*kv)
 
 
 def new_cache(model) -> DynamicCache:
