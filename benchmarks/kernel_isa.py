@@ -46,6 +46,12 @@ def cases(targets: list[str], families: list[str]):
                 cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
                 for act, kind, name in (("bf16", 0, "bf16-fp8"), ("fp16", 1, "fp16-nvfp4")):
                     yield family, name, target, cfg, lambda a=act, k=kind, t=target: aot.compile_fp(a, k, t)
+            elif family == "fp8":  # W8A8 on fp8 tl.dot (the target's flavour)
+                from quantspec.kernels.triton import fp8_w8a8
+
+                cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
+                for grouped, name in ((False, "bf16-fp8-dynamic"), (True, "bf16-fp8-block")):
+                    yield family, name, target, cfg, lambda g=grouped, t=target: aot.compile_fp8("bf16", g, t)
 
 
 def markdown(result: dict) -> str:
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,small_m,large_m,w8a8,moe,fp")
+    p.add_argument("--families", default="gemv,small_m,large_m,w8a8,moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

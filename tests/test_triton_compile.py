@@ -12,6 +12,8 @@ every path and every config of every family and target.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -103,3 +105,16 @@ def test_loop_readers_on_known_listings():
     s_endpgm
     """
     assert aot.amdgcn_loop(gcn) == 3
+
+
+@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp8_w8a8_compiles(grouped, target_name):
+    """The fp8 tl.dot kernel lowers to the target's fp8 MMA: wgmma on e4m3 operands on sm90,
+    MFMA on FNUZ fp8 (bf8/fp8 "fp8_fp8") on gfx942, and the activation quantizer compiles."""
+    kernel = aot.compile_fp8("bf16", grouped, target_name)
+    if target_name == "sm90":
+        assert re.search(r"wgmma\.mma_async\.sp?\S*\.e4m3\.e4m3", kernel.asm["ptx"]), "no fp8 wgmma in the PTX"
+    else:
+        assert re.search(r"v_mfma_f32_\w+_fp8_fp8", kernel.asm["amdgcn"]), "no fp8 MFMA in the AMDGCN"
+    aot.compile_fp8_quant("bf16", target_name)

@@ -448,3 +448,105 @@ def test_float_decoders_cover_every_code(tk):
         ref = code_values(name)[codes if kind == 0 else codes & 0xF]
         finite = (codes & 0x7F) != 0x7F if kind == 0 else torch.ones(256, dtype=torch.bool)
         assert torch.equal(out[finite], ref[finite])
+
+
+FP8_FLAVOURS = {"e4m3fn": (torch.float8_e4m3fn, 448.0), "e4m3fnuz": (torch.float8_e4m3fnuz, 240.0)}
+
+
+@interp
+@pytest.mark.parametrize("fmt", list(FP8_FLAVOURS))
+def test_fp8_activation_bytes_equal_torchs_cast(fmt):
+    """triton/fp8_w8a8.py rounds onto the fp8 grid in fp32 (ties to even, subnormals,
+    saturation) and then casts: its bytes are torch's cast of the clamped values, exactly, on
+    both flavours (the interpreter's own fp32 -> fp8 cast is off by steps, so a kernel that
+    relied on it fails here). Zero is always +0 (0x80 is NaN in FNUZ)."""
+    from quantspec.kernels.triton.fp8_w8a8 import quantize_fp8
+
+    dt, fmax = FP8_FLAVOURS[fmt]
+    grid = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # every tie, and values just beside it
+    x = torch.cat([grid, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                   torch.tensor([-1e9, 1e9, -0.0, 1e-30, fmax * 1.01, fmax * 1.1])])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 64)]).view(-1, 64).contiguous()
+    q, s = quantize_fp8(x, fmt, static_scale=torch.tensor([1.0]))
+    want = x.clamp(-fmax, fmax).to(dt).view(torch.uint8)
+    want = torch.where(want == 0x80, torch.zeros_like(want), want)
+    assert torch.equal(q, want), (x[q != want][:6], q[q != want][:6], want[q != want][:6])
+    # dynamic per token: the scale is absmax / max, the bytes those of x / scale
+    xr = torch.randn(7, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 7)[:, None]
+    q, s = quantize_fp8(xr, fmt)
+    scale = (xr.abs().amax(1, keepdim=True) / fmax).clamp(min=1e-12)
+    assert torch.equal(s, scale)
+    want = (xr / scale).clamp(-fmax, fmax).to(dt).view(torch.uint8)
+    assert torch.equal(q, torch.where(want == 0x80, torch.zeros_like(want), want))
+
+
+FP8_W8A8_CASES = [(p, m, dt, n, k) for p in ("fp8-dynamic", "fp8-static", "fp8-block")
+                  for (m, n, k) in ((1, 72, 128), (5, 130, 256), (40, 64, 384))
+                  for dt in (torch.float32, torch.float16)]
+
+
+def _fp8_w8a8_result(preset: str, n: int, k: int, x: torch.Tensor, g: torch.Generator) -> QuantResult:
+    from dataclasses import replace
+
+    from quantspec.core.scheme import SCHEME_PRESETS
+
+    scheme = SCHEME_PRESETS[preset]
+    # rows and 128-column blocks of different sizes: a scale read from the wrong block shows
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None] * torch.logspace(1, -1, k)[None, :]
+    r = rtn(w, scheme)
+    if scheme.static_activations:  # a calibrated scale, smaller than this x's absmax: saturation too
+        r = replace(r, input_scale=(x.float().abs().amax() / 448 * 0.8).reshape(1))
+    return r
+
+
+@interp
+@pytest.mark.parametrize("preset,m,dtype,n,k", FP8_W8A8_CASES)
+def test_fp8_w8a8_matches_reference(tk, preset, m, dtype, n, k):
+    """FP8 W8A8 through fp8 tl.dot (triton/fp8_w8a8.py) against the reference backend: the same
+    activation bytes and scales (per token, per token-group of 128 for fp8-block, the static
+    scale), so only the accumulation order and the output rounding differ (TOL per dtype)."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, k)[None, :]).to(dtype)
+    r = _fp8_w8a8_result(preset, n, k, x, g)
+    b = torch.randn(n, generator=g).to(dtype) if m % 2 else None
+    y, y_ref = run_both(tk.backend.TritonBackend(), r, x, b)
+    check_close(y, y_ref, dtype)
+
+
+@interp
+@pytest.mark.parametrize("preset", ["fp8-dynamic", "fp8-static", "fp8-block"])
+def test_fp8_w8a8_fnuz_matches_its_emulation(tk, preset):
+    """MI300's flavour (TritonBackend(fp8="e4m3fnuz")): the E4M3FN weight is converted at prepare
+    (bytes kept, scales doubled: the same values) and the activations are quantized onto the
+    E4M3FNUZ grid (absmax / 240). Checked against that computation in torch
+    (torch.float8_e4m3fnuz), fp32, TOL."""
+    m, n, k = 6, 96, 256
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g)
+    r = _fp8_w8a8_result(preset, n, k, x, g)
+    w = r.dequantize()
+    if preset == "fp8-static":
+        sx = r.input_scale.float().reshape(1, 1)
+        qx = (x / sx).clamp(-240, 240).to(torch.float8_e4m3fnuz).float() * sx
+    else:
+        cols = 128 if preset == "fp8-block" else k
+        xg = x.view(m, k // cols, cols)
+        sx = (xg.abs().amax(-1, keepdim=True) / 240).clamp(min=1e-12)
+        qx = ((xg / sx).to(torch.float8_e4m3fnuz).float() * sx).view(m, k)
+    backend = tk.backend.TritonBackend(fp8="e4m3fnuz")
+    prepared = backend.prepare(r, x.dtype)
+    assert torch.equal(prepared["f8weight"].view(torch.float8_e4m3fnuz).float() * 2,
+                       r.qweight.view(torch.float8_e4m3fn).float())  # same values, before the scales
+    y = backend.linear(x, prepared, r.scheme, n, k, None)
+    check_close(y, qx @ w.T, torch.float32)
+
+
+def test_fp8_w8a8_is_refused_where_it_cannot_run(tk):
+    """FP8 block with K not a multiple of 128 is refused (the reference runs it), with the reason."""
+    from quantspec.core.scheme import SCHEME_PRESETS
+
+    reason = tk.backend.TritonBackend().cannot_run(SCHEME_PRESETS["fp8-block"], 64, 200, torch.device("cpu"),
+                                                   torch.float32)
+    assert reason is not None and "multiple of 128" in reason

@@ -14,8 +14,11 @@ Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
 * W8A8: ``qweight`` int8 [N, K] (code - 128), ``wscale`` fp32 [N].
 * float weight-only (FP8 per channel or in 128x128 blocks, NVFP4, MXFP4): ``fcodes`` uint8 and
   decoded fp32 ``fscales`` [G, N] (``triton/fp_gemm.py``; FP8 block: the per-row scales of the
-  canonical result, one row of scales per 128 input columns); FP8 activations run on the
-  reference backend for now.
+  canonical result, one row of scales per 128 input columns).
+* FP8 W8A8 (fp8-dynamic, fp8-static, fp8-block): ``f8weight`` uint8 [N, K] fp8 bytes of the
+  target's flavour (``fp8_format``: E4M3FNUZ on MI300, bytes kept and scales doubled), ``f8scale``
+  fp32 [N] or [K / 128, N] (FP8 block), ``input_scale`` fp32 [1] for fp8-static
+  (``triton/fp8_w8a8.py``).
 
 Act-order strategies. "permute" (default) sorts the rows of W by group once at load, so every
 group is contiguous again and a tile reads one row of scales, and gathers x's columns at run
@@ -31,9 +34,10 @@ from __future__ import annotations
 import torch
 import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
 
-from ..core.floatcodes import decode_scales
+from ..core.floatcodes import decode_scales, e4m3fn_to_fnuz
 from ..core.scheme import QuantResult, QuantScheme
 from .triton import configs
+from .triton.fp8_w8a8 import BLOCK as FP8_BLOCK_COLS, fp8_format, fp8_linear
 from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
 from .triton.w8a8 import w8a8_linear
 from .triton.wq_gemm import field_bits, wq_linear
@@ -72,23 +76,32 @@ class TritonBackend:
 
     act_order: the act-order strategy, "permute" (default) or "gidx" (see the module doc).
     autotune: False runs the first fitting config per target instead of tuning (tests).
+    fp8: the FP8 flavour of W8A8 (FP8 activations): "e4m3fn" or "e4m3fnuz"; None picks the
+    current target's (``fp8_w8a8.fp8_format``).
     """
 
     name = "triton"
 
-    def __init__(self, act_order: str = "permute", autotune: bool = True):
+    def __init__(self, act_order: str = "permute", autotune: bool = True, fp8: str | None = None):
         if act_order not in ACT_ORDER_STRATEGIES:
             raise ValueError(f"act_order must be one of {ACT_ORDER_STRATEGIES}, got {act_order!r}")
+        if fp8 not in (None, "e4m3fn", "e4m3fnuz"):
+            raise ValueError(f"fp8 must be e4m3fn, e4m3fnuz or None, got {fp8!r}")
         self.act_order = act_order
         self.autotune = autotune
+        self.fp8 = fp8
+
+    def _fp8_format(self) -> str:
+        return self.fp8 or fp8_format(configs.current_target())
 
     def cannot_run(
         self, scheme: QuantScheme, out_features: int, in_features: int,
         device: torch.device, dtype: torch.dtype,
     ) -> str | None:
         device = torch.device(device)
-        if scheme.is_float and scheme.activations is not None:
-            return f"{scheme.short_name} (FP8 activations) runs on the reference backend (no FP8 tl.dot kernel yet)"
+        fp8_acts = scheme.is_float and scheme.activations is not None
+        if fp8_acts and scheme.is_block and in_features % FP8_BLOCK_COLS:
+            return f"{scheme.short_name} needs K a multiple of {FP8_BLOCK_COLS}, the layer has {in_features}"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"activations must be fp16, bf16 or fp32, not {dtype}"
         if device.type == "cpu":
@@ -105,10 +118,18 @@ class TritonBackend:
                 return f"needs compute capability >= 7.5, the GPU has {major}.{minor}"
             if dtype == torch.bfloat16 and major < 8:
                 return "bf16 needs compute capability >= 8.0"
+            if fp8_acts and (major, minor) < (8, 9):
+                return f"{scheme.short_name} (fp8 tl.dot) needs compute capability >= 8.9, the GPU has {major}.{minor}"
+        elif fp8_acts:
+            arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+            if not arch.startswith(("gfx94", "gfx95")):
+                return f"{scheme.short_name} (fp8 tl.dot) needs an MI300 or MI355 GPU (gfx942 / gfx950), not {arch}"
         return None
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         scheme = result.scheme
+        if scheme.is_float and scheme.activations is not None:
+            return self._prepare_fp8(result)
         if scheme.is_float:
             scales = decode_scales(result.scales, scheme.weights, result.global_scale)
             return prepare_float(result.qweight, scales, FP8 if scheme.weights == "fp8" else FP4)
@@ -135,6 +156,17 @@ class TritonBackend:
             out["zeros"] = result.zeros.t().contiguous()
         return out
 
+    def _prepare_fp8(self, result: QuantResult) -> dict[str, torch.Tensor]:
+        codes, scales = result.qweight, result.scales.to(torch.float32)
+        if self._fp8_format() == "e4m3fnuz":
+            codes, scales = e4m3fn_to_fnuz(codes, scales)
+        # FP8 block: per-row scales [N, K / 128] (equal within 128-row blocks) -> [K / 128, N]
+        scales = scales.t().contiguous() if result.scheme.is_block else scales.reshape(-1).contiguous()
+        out = {"f8weight": codes.contiguous(), "f8scale": scales}
+        if result.input_scale is not None:
+            out["input_scale"] = result.input_scale.to(torch.float32).reshape(1).contiguous()
+        return out
+
     def linear(
         self, x: torch.Tensor, prepared: dict[str, torch.Tensor], scheme: QuantScheme,
         out_features: int, in_features: int, bias: torch.Tensor | None,
@@ -147,7 +179,10 @@ class TritonBackend:
             x2 = x2.contiguous()
         if bias is not None:
             bias = bias.contiguous()
-        if scheme.is_float:
+        if "f8weight" in prepared:
+            y = fp8_linear(x2, prepared["f8weight"], prepared["f8scale"], bias, self._fp8_format(),
+                           grouped=scheme.is_block, static_scale=prepared.get("input_scale"))
+        elif scheme.is_float:
             fp8 = scheme.weights == "fp8"
             y = fp_linear(x2, prepared["fcodes"], prepared["fscales"], bias, FP8 if fp8 else FP4,
                           PER_CHANNEL_GROUP if scheme.group_size == -1 else scheme.group_size)

@@ -28,6 +28,7 @@ TARGETS = {  # name -> (GPUTarget, shared memory per block in bytes)
     "gfx942": (GPUTarget("hip", "gfx942", 64), 65536),
 }
 HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+DIVISIBLE = ("N", "K", "stride_xm")  # integer arguments a model's layers give as multiples of 16
 PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 # code paths of the weight-only kernels: (activation dtype, bits, group, zeros, g_idx, even tiles)
@@ -65,7 +66,11 @@ def compile_kernel(fn, types: dict, constexprs: dict, cfg: triton.Config, target
         options.update({k: v for k, v in cfg.kwargs.items() if k in HIP_OPTIONS})
     consts = {**constexprs, **meta}
     signature = {name: ("constexpr" if name in consts else types[name]) for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
+    # what a launch specializes (Triton's get_*_specialization): pointers 16-byte aligned, and
+    # integers divisible by 16, here the shapes and strides a real layer has (never M)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in consts and (types[name].startswith("*") or name in DIVISIBLE)}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs), target=target,
                             options=options)
     if kernel.metadata.shared > smem_limit:
         raise SharedMemoryExceeded(f"{fn.__name__} {cfg} needs {kernel.metadata.shared} B of shared memory "
@@ -130,6 +135,32 @@ def compile_fp(act: str, kind: int, target_name: str):
                   DOT_F32=act == "fp32")
     cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
     return compile_kernel(fp_gemm._fp_dot_kernel, types, consts, cfg, target_name)
+
+
+def compile_fp8(act: str, grouped: bool, target_name: str):
+    """FP8 W8A8 (fp8_w8a8.py) with its fixed GPU tile, in the target's FP8 flavour (E4M3FNUZ
+    on gfx942)."""
+    from . import fp8_w8a8
+
+    fnuz = fp8_w8a8.fp8_format(target_key(target_name)) == "e4m3fnuz"
+    f8 = "*fp8e4b8" if fnuz else "*fp8e4nv"
+    types = {"qx_ptr": f8, "sx_ptr": "*fp32", "qw_ptr": f8, "sw_ptr": "*fp32", "b_ptr": PTR[act],
+             "out_ptr": PTR[act], "M": "i32", "N": "i32", "K": "i32", "stride_sxm": "i32", "M_KEY": "i32"}
+    consts = dict(GROUPED=grouped, HAS_BIAS=True)
+    cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
+    return compile_kernel(fp8_w8a8._fp8_dot_kernel, types, consts, cfg, target_name)
+
+
+def compile_fp8_quant(act: str, target_name: str):
+    """The fp8 activation quantizer (dynamic, per token) in the target's flavour."""
+    from . import fp8_w8a8
+
+    types = {"x_ptr": PTR[act], "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "group": "i32", "stride_xm": "i32",
+             "n_groups": "i32"}
+    fnuz = fp8_w8a8.fp8_format(target_key(target_name)) == "e4m3fnuz"
+    consts = dict(STATIC=False, FNUZ=fnuz, BLOCK_K=1024)
+    return compile_kernel(fp8_w8a8._quant_fp8_kernel, types, consts, triton.Config({}, num_warps=4, num_stages=1),
+                          target_name)
 
 
 # -- reading the machine code -------------------------------------------------------------
