@@ -19,7 +19,8 @@ import torch
 TINY_VOCAB = 320  # 256 byte symbols + merges + 3 specials
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 # mixture-of-experts families whose experts quantspec quantizes (models/experts.py LAYOUTS)
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss",
+             "granitemoe")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -11,8 +11,10 @@ so that planning, calibration, packing and loading treat experts like any other 
 Families are declared as data (``LAYOUTS``, by ``config.model_type``): the per-expert Linear
 names, the in-memory layout (GPT-OSS: interleaved, transposed, biased, clamped SwiGLU), the
 renames between module names in memory and tensor names on disk. A family declared unsupported
-(Granite-MoE: fused on disk with no per-expert form an engine reads) or laid out otherwise is
-not linearized; ``fused_experts_left`` names those modules with the reason, for the report.
+(``ExpertLayout.unsupported``) or a module laid out otherwise is not linearized;
+``fused_experts_left`` names those modules with the reason, for the report.
+Granite-MoE keeps its experts fused on disk (``input_linear`` / ``output_linear``) and, like
+GPT-OSS, is read whole and linearized in memory; its export is per expert, as vLLM loads it.
 
 Calibration modes (``LinearExperts.calibration``):
 
@@ -78,9 +80,9 @@ LAYOUTS: dict[str, ExpertLayout] = {
     "glm4_moe": QWEN_STYLE,
     "mixtral": MIXTRAL,
     "gpt_oss": GPT_OSS,
-    "granitemoe": ExpertLayout(routers=("router",), unsupported=(
-        "its checkpoints store the experts fused (input_linear / output_linear), which has no per-expert "
-        "quantized export that an engine reads")),
+    # fused on disk (block_sparse_moe.input_linear / output_linear); vLLM's loader also takes the
+    # per-expert block_sparse_moe.experts.{e}.gate_proj / up_proj / down_proj that quantspec writes
+    "granitemoe": ExpertLayout(routers=("router",), fused_on_disk=True),
 }
 
 

@@ -156,21 +156,23 @@ PHI3 = ArchSpec(
 
 
 def _moe(name: str, attn: tuple[tuple[str, ...], ...], attn_smooth: tuple[SmoothPair, ...],
-         expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> ArchSpec:
-    """A mixture-of-experts family: routed experts (``models/experts.py``'s per-expert Linears),
-    shared experts and dense MLP blocks, as patterns. The post-attention norm feeds the router,
-    every expert's gate/up and the shared experts' gate/up; each expert's up feeds its down."""
+         expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), mlp: str = "mlp",
+         routers: tuple[str, ...] = ("gate", "shared_expert_gate")) -> ArchSpec:
+    """A mixture-of-experts family: routed experts (``models/experts.py``'s per-expert Linears)
+    under ``mlp``, shared experts and dense MLP blocks, as patterns. The post-attention norm
+    feeds the ``routers``, every expert's gate/up and the shared experts' gate/up; each expert's
+    up feeds its down."""
     gate, up, down = expert
-    mlps = ("mlp", "mlp.shared_expert", "mlp.shared_experts")
+    mlps = (mlp, f"{mlp}.shared_expert", f"{mlp}.shared_experts")
     mlp_in = tuple(f"{m}.{p}" for m in mlps for p in ("gate_proj", "up_proj"))
-    mlp_in += (f"mlp.experts.*.{gate}", f"mlp.experts.*.{up}")
-    downs = tuple(f"{m}.down_proj" for m in mlps) + (f"mlp.experts.*.{down}",)
+    mlp_in += (f"{mlp}.experts.*.{gate}", f"{mlp}.experts.*.{up}")
+    downs = tuple(f"{m}.down_proj" for m in mlps) + (f"{mlp}.experts.*.{down}",)
     up_down = tuple(SmoothPair(f"{m}.up_proj", (f"{m}.down_proj",)) for m in mlps)
     return ArchSpec(
         name=name, patterns=True, sequential=(*attn, mlp_in, downs),
         smooth=(*attn_smooth,
-                SmoothPair("post_attention_layernorm", mlp_in, followers=("mlp.gate", "mlp.shared_expert_gate")),
-                *up_down, SmoothPair(f"mlp.experts.*.{up}", (f"mlp.experts.*.{down}",))),
+                SmoothPair("post_attention_layernorm", mlp_in, followers=tuple(f"{mlp}.{r}" for r in routers)),
+                *up_down, SmoothPair(f"{mlp}.experts.*.{up}", (f"{mlp}.experts.*.{down}",))),
     )
 
 
@@ -192,6 +194,7 @@ MOE_ARCHS = {
     "mixtral": _moe("mixtral", _GQA, _GQA_SMOOTH, ("w1", "w3", "w2")),
     "deepseek_v2": _moe("deepseek_v2", _MLA, _MLA_SMOOTH),
     "deepseek_v3": _moe("deepseek_v3", _MLA, _MLA_SMOOTH),
+    "granitemoe": _moe("granitemoe", _GQA, _GQA_SMOOTH, mlp="block_sparse_moe", routers=("router",)),
     # GPT-OSS: biased experts behind a clamped SwiGLU (up -> down is not linear: no pair there)
     "gpt_oss": ArchSpec(
         name="gpt_oss", patterns=True,

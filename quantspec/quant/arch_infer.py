@@ -3,7 +3,8 @@
 For a family with no declaration (or one that does not fit the model), one short forward
 through the model locates the parts:
 
-* blocks: the longest ModuleList whose entries share one class and hold Linears;
+* blocks: the longest ModuleList whose entries share one class and hold Linears, and that is not
+  inside another such list (a MoE block's per-expert list);
 * groups (``sequential``): Linears of block 0 that read the same tensor object, in call order;
 * smoothing pairs (``smooth``): for each group, the module whose output channels can absorb a
   per-channel scale for it. Candidates are the block's norm-like leaf modules (a weight of
@@ -71,7 +72,9 @@ def infer_arch(model: nn.Module) -> ArchSpec:
 
 
 def _find_block_list(model: nn.Module) -> str:
-    best, best_len = None, 0
+    """The longest outermost candidate: a ModuleList inside another one's entries (a MoE
+    block's experts, often more of them than there are blocks) is never the block list."""
+    found: dict[str, int] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
             continue
@@ -79,11 +82,11 @@ def _find_block_list(model: nn.Module) -> str:
             continue
         if not any(isinstance(m, nn.Linear) for m in mod[0].modules()):
             continue
-        if len(mod) > best_len:
-            best, best_len = name, len(mod)
-    if best is None:
+        found[name] = len(mod)
+    outer = [n for n in found if not any(n.startswith(f"{o}.") for o in found if o != n)]
+    if not outer:
         raise QuantspecError("no ModuleList of identical blocks holding Linears was found")
-    return best
+    return max(outer, key=lambda n: found[n])
 
 
 def _name_of(model: nn.Module, target: nn.Module | None) -> str:
