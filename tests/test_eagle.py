@@ -281,6 +281,12 @@ def test_cli_trains_on_the_quantized_target_and_drafts_with_the_head(tmp_path):
              "--max-new-tokens", "8", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["mode"] == "speculative"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "kind": "prose", "prompt": "Speculative decoding drafts"}) + "\n")
+    r = _cli("bench-specdec", str(folder), "--draft", f"eagle:{head}", "--prompts", str(prompts), "--no-timing",
+             "--agreement", "--max-new-tokens", "8", "--no-chat", "--json", str(out))
+    assert r.returncode == 0, r.stderr  # before: AttributeError (no teacher forcing for EAGLE heads)
+    assert json.loads(out.read_text())["agreement"]["positions"] == 8
 
 
 def test_cli_bad_input_exits_2_before_loading(tmp_path):
@@ -396,3 +402,28 @@ def test_eagle_trees_sample_the_target_law():
     p1, p2 = _exact_two_token_laws(model, prompt, sampling)
     assert _chi2(torch.bincount(out[:, 4], minlength=16), p1) > 1e-3
     assert _chi2(torch.bincount(out[:, 5], minlength=16), p2) > 1e-3
+
+
+def test_teacher_forced_agreement_reads_what_the_loop_drafts_first():
+    """``teacher_forced_logits`` (bench-specdec --agreement) gives, for each position, the token
+    the proposer drafts first when the loop has committed the tokens before it: the same head
+    outputs (pairs (f_t, x_{t+1}), output t predicting token t + 2), through the agreement
+    helper's own feature forward."""
+    from quantspec.specdec.agreement import teacher_forced_matches
+
+    model = target()
+    head = random_head(model, 256)
+    seq = self_windows(model, 1, 14)[0]
+    prop = EagleProposer(head, model.get_input_embeddings())
+    feats = model(input_ids=seq[None], output_hidden_states=True).hidden_states[-1][0]
+    n = 6
+    with torch.no_grad():
+        forced = prop.teacher_forced_logits(seq, n, feats).argmax(-1)
+    live = []
+    for p in range(seq.numel() - n, seq.numel()):
+        prop.reset()
+        prop.observe([feats[: p - 1]])  # the features of every committed token but the last
+        live.append(int(prop.propose([seq[:p]], 1, SamplingConfig()).tokens[0, 0]))
+    assert forced.tolist() == live
+    hits = teacher_forced_matches(prop, seq, seq.numel() - n, model)
+    assert hits == (forced == seq[-n:]).tolist()

@@ -166,4 +166,4 @@ def _check_plan(args: argparse.Namespace) -> None:
         raise QuantspecError(f"--repeats {args.repeats} times nothing.", "use --repeats 1 or more.")
     if args.agreement and args.draft.strip().startswith("ngram"):
         raise QuantspecError("an n-gram draft has no logits to agree with the target.",
-                             "use --agreement with a model or self: draft.")
+                             "use --agreement with a model, self: or eagle: draft.")

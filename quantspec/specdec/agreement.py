@@ -14,22 +14,28 @@ import torch
 
 from ..kernels.small_ops import argmax
 from .bench import encode
-from .proposers import DraftModel
+from .proposers import Proposer
 
 
-def teacher_forced_matches(draft: DraftModel, sequence: torch.Tensor, prompt_len: int) -> list[bool]:
+def teacher_forced_matches(draft: Proposer, sequence: torch.Tensor, prompt_len: int,
+                           target: torch.nn.Module | None = None) -> list[bool]:
     """sequence: int64 [L], a prompt of ``prompt_len`` tokens and the target's continuation.
     Returns, for each continuation token, whether the draft's argmax given all tokens before it
-    equals it (L - prompt_len entries)."""
+    equals it (L - prompt_len entries). A draft that reads the target's features (an EAGLE head)
+    gets them from ``target``'s forward over ``sequence``; it needs a prompt of 2 tokens or more."""
     n = int(sequence.numel()) - prompt_len
     if n <= 0:
         return []
-    logits = draft.next_token_logits(sequence, n)
+    features = None
+    if draft.needs_features:
+        out = target(input_ids=sequence.unsqueeze(0), output_hidden_states=True)
+        features = out.hidden_states[-1][0]  # final-normed: what the LM head reads
+    logits = draft.teacher_forced_logits(sequence, n, features)
     return (argmax(logits).cpu() == sequence[prompt_len:].cpu()).tolist()
 
 
 @torch.inference_mode()
-def greedy_agreement(target: torch.nn.Module, draft: DraftModel, tokenizer, prompts: list[dict],
+def greedy_agreement(target: torch.nn.Module, draft: Proposer, tokenizer, prompts: list[dict],
                      max_new_tokens: int = 128, chat: bool = True) -> dict:
     """Teacher-forced agreement on ``prompts`` (rows ``{"id", "prompt"}``): the overall rate,
     its counts, and per prompt {id, positions, matches, first_miss} (first_miss: the index of
@@ -41,7 +47,7 @@ def greedy_agreement(target: torch.nn.Module, draft: DraftModel, tokenizer, prom
         ids = encode(tokenizer, row["prompt"], chat).to(device)
         seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=max_new_tokens, pad_token_id=pad)[0]
-        hits = teacher_forced_matches(draft, seq, ids.shape[1])
+        hits = teacher_forced_matches(draft, seq, ids.shape[1], target)
         rows.append({"id": row.get("id"), "positions": len(hits), "matches": sum(hits),
                      "first_miss": hits.index(False) if False in hits else None})
     positions = sum(r["positions"] for r in rows)

@@ -100,6 +100,15 @@ class Proposer:
     def reset(self) -> None:
         """Forget everything (a new batch)."""
 
+    def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
+                              features: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher forcing (``specdec.agreement``): the draft's first-draft logits [n, V] for
+        each of the last n tokens of ``sequence`` (int64 [L]) given only the tokens before it;
+        ``features``: the target's features [L, H] of ``sequence`` (when ``needs_features``).
+        Forgets any state before and after."""
+        raise QuantspecError(f"the {self.name} draft has no logits to agree with the target.",
+                             "measure agreement with a draft model, self: or eagle: draft.")
+
 
 class DraftModel(Proposer):
     """A smaller causal LM as the draft, with its own KV cache (never recomputed).
@@ -174,10 +183,9 @@ class DraftModel(Proposer):
         self._fed_nodes = None
 
     @torch.inference_mode()
-    def next_token_logits(self, sequence: torch.Tensor, n: int) -> torch.Tensor:
-        """Teacher forcing: the draft's logits [n, V] for each of the last n tokens of
-        ``sequence`` (int64 [L], n < L) given the tokens before it, in one forward through the
-        runtime it drafts with. Forgets its cache before and after (call between generations)."""
+    def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
+                              features: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward through the runtime it drafts with (n < L)."""
         self.reset()
         try:
             return self._decoder.forward([sequence[:-1].to(self._decoder.device)], keep=n)[0]

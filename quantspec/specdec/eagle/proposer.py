@@ -132,6 +132,21 @@ class EagleProposer(Proposer):
     def accept_tree(self, paths: list[list[int]]) -> None:
         self.accept([len(p) for p in paths])
 
+    @torch.inference_mode()
+    def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
+                              features: torch.Tensor | None = None) -> torch.Tensor:
+        """The head reads the pairs (f_t, x_{t+1}) of the target's features and the tokens; its
+        output at t predicts token t + 2, so token p's logits come from output p - 2 (n <= L - 2)."""
+        if features is None:
+            raise ValueError("an EAGLE head's teacher forcing reads the target's features")
+        length = int(sequence.numel())
+        if not 0 < n <= length - 2:
+            raise ValueError(f"teacher forcing of {n} tokens needs at least 2 tokens before them, got {length}")
+        self.reset()
+        row = _Row()
+        out = self._step(row, features[: length - 2], sequence[1: length - 1], 0)
+        return self._full_logits(out[length - 2 - n:])
+
     def _full_logits(self, feats: torch.Tensor) -> torch.Tensor:
         """[n, H] -> logits [n, V] over the target's vocabulary (-inf outside the draft's)."""
         out = torch.full((feats.shape[0], self.head.config.vocab_size), float("-inf"), dtype=torch.float32,
