@@ -263,3 +263,33 @@ def test_hessians_reduce_to_the_hessian_of_all_rows(tmp_path):
     want, n = accumulate_hessian(make_empty_hessian(16, torch.device("cpu")), torch.cat(rows), 0)
     assert got["n"] == n == 16
     assert torch.allclose(got["H"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_pair_objective_ignores_the_early_stop_bound_across_processes():
+    """A process's running sum of squared errors is only a part of a candidate's loss, so under
+    data-parallel calibration (``Reducer.active``; here a Reducer of world 2 whose reductions
+    are identities stands for the process group) every part is evaluated, however low the
+    bound; one process still stops after the part that passes it."""
+    from quantspec.core.scheme import QuantScheme
+    from quantspec.quant.awq import PART_TOKENS, PairObjective
+    from quantspec.quant.distributed import Reducer
+    from quantspec.quant.smoothing import ResolvedPair
+
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(32, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(16, 32, generator=gen))
+    pair = ResolvedPair("", None, ("lin",), (lin,))
+    x = torch.randn(3 * PART_TOKENS, 32, generator=gen)
+    planned, s = {"lin": QuantScheme(**W3)}, torch.ones(32)
+    parts = []
+    counted = lin.register_forward_hook(lambda *a: parts.append(1))
+    try:
+        one, split = (PairObjective(pair, planned, x, None, reducer=r) for r in (Reducer(), Reducer(0, 2)))
+        full = one(s)
+        parts.clear()
+        assert one(s, 0.0) <= full and len(parts) == 1
+        parts.clear()
+        assert split(s, 0.0) == full and len(parts) == 3
+    finally:
+        counted.remove()
