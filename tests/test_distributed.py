@@ -95,6 +95,7 @@ def test_methods_without_reductions_refuse_to_split_calibration():
     """A method that reduces nothing (``data_parallel`` False) is refused before any work, and
     before any collective call (no process group is needed to be refused)."""
     from helpers import tiny_model
+
     from quantspec.errors import QuantspecError
     from quantspec.quant.arch_infer import get_arch
     from quantspec.quant.calibrate import run_blockwise
@@ -110,17 +111,18 @@ def test_methods_without_reductions_refuse_to_split_calibration():
         run_blockwise(model, get_arch(model), ids, Local(), {}, progress=False, reducer=ProcessGroupReducer(0, 2))
 
 
-W3 = dict(bits=3, group_size=32, symmetric=False)
+W3 = {"bits": 3, "group_size": 32, "symmetric": False}
 # small search samples, so that the sequence choices matter: of 5 sequences of 32 tokens the
 # searches use sequence 0 only (rank 1 of 2 holds none of them), the clip checks 1 and 4 (one
 # per rank); token samples of 10 tokens per sequence, cut to 48 (rank 1's 20 cut to 18)
-AWQ_SMALL = dict(search_tokens=32, clip_tokens=48, clip_check_seqs=2)
+AWQ_SMALL = {"search_tokens": 32, "clip_tokens": 48, "clip_check_seqs": 2}
 
 
 def _awq_tiny(reducer, ids: torch.Tensor, scales: Path) -> dict:
     """AWQ at W3 g32 with clipping on a tiny Llama (fp32, 4 heads, 2 KV heads: o_proj is in no
     pair and judged on its own output) under ``reducer``: results, parameters and report."""
     from helpers import tiny_model
+
     from quantspec.core.scheme import QuantScheme
     from quantspec.quant.arch_infer import get_arch
     from quantspec.quant.awq import AWQMethod, AWQSettings

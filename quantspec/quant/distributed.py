@@ -22,11 +22,12 @@ tests/test_distributed.py states the tolerances.
 calibration engine hands to methods in ``BlockContext.reducer`` (and ``FinishContext.reducer``);
 a method that reduces nothing refuses data parallelism (``BlockMethod.data_parallel`` False).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
