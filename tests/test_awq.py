@@ -448,7 +448,7 @@ def test_model_level_clip_check_keeps_the_variant_closer_to_the_float_model():
     checks = [r["clip_model_check"] for r in report.values() if "clip_model_check" in r]
     assert checks, "no Linear kept clips through the block checks: the model check never ran"
     check = checks[0]
-    held = [j for j in range(24) if j not in AWQMethod(settings)._search_seqs(torch.zeros(24, 32, 1))]
+    held = [j for j in range(24) if j not in AWQMethod(settings)._search_seqs(24, 32)]
     held = [held[round(i)] for i in torch.linspace(0, len(held) - 1, 4).tolist()]
     with torch.no_grad():
         ref = dense(calib[held]).logits.float()
@@ -478,7 +478,7 @@ def test_model_level_clip_check_survives_resume(tmp_path):
 
     def choose_drop(m):  # the choice must reach the block finished before the interruption
         real = m._check.decide
-        m._check.decide = lambda logits, n: (answers.append(real(logits, n)), (True, {}))[1]
+        m._check.decide = lambda logits, n, reducer: (answers.append(real(logits, n, reducer)), (True, {}))[1]
         return m
 
     clean = run_blockwise(copy.deepcopy(dense), arch, calib, choose_drop(method()), plan, progress=False)

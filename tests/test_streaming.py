@@ -152,8 +152,8 @@ def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):
     real = ModelClipCheck.decide
     out = {}
     for drop in (False, True):
-        def forced(self, logits, n_blocks, drop=drop):
-            assert real(self, logits, n_blocks)[1]  # the check covered every block
+        def forced(self, logits, n_blocks, reducer, drop=drop):
+            assert real(self, logits, n_blocks, reducer)[1]  # the check covered every block
             return drop, {}
 
         monkeypatch.setattr(ModelClipCheck, "decide", forced)

@@ -248,7 +248,7 @@ def run_blockwise(
             source.release(i, block)
             bar.update(1)
         bar.close()
-        fin = method.finish(FinishContext(final_logits(model, arch), len(blocks)))
+        fin = method.finish(FinishContext(final_logits(model, arch), len(blocks), reducer))
         for n, extra in fin.info.items():
             report.setdefault(n, {}).update(extra)
         if fin.replace:

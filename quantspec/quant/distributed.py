@@ -5,26 +5,49 @@ the blocks on its own samples and keeps its own activations. What a method compu
 statistics is reduced across processes before it is used, so every process quantizes from the
 same numbers and the results agree: a GPTQ Hessian is the row-weighted mean of the processes'
 Hessians (``Reducer.hessian``), a routed-token count the sum, SmoothQuant's per-channel max |x|
-(and a static activation scale) the maximum. Rank 0 writes the checkpoint.
-NCCL (or RCCL on ROCm) on GPUs, gloo on CPUs.
+(and a static activation scale) the maximum. AWQ chooses its search and held-out sequences
+among the global sequence indices (``Reducer.share``: where this process's rows lie among
+every process's, in rank order), each process using the chosen ones it holds; its token samples
+are cut so that the processes' samples, in rank order, make the one process's sample; mean |x|
+is a reduced sum over a reduced count, and every loss that decides something (candidate scales,
+clip error curves, the clip checks, the model-level KL) is a reduced sum of squared errors over
+a reduced count (``sum_float``, ``mean``). Rank 0 writes the checkpoint (and AWQ's scales
+file). NCCL (or RCCL on ROCm) on GPUs, gloo on CPUs.
 
-Equality with one process: a Hessian summed in another order differs in its last bits, so a
-weight whose value lies on a rounding boundary may round the other way; tests/test_distributed.py
-states the tolerance.
+Equality with one process: a Hessian (or a mean |x|, a loss) summed in another order differs in
+its last bits, so a weight whose value lies on a rounding boundary may round the other way;
+tests/test_distributed.py states the tolerances.
 
-``Reducer`` (one process: every reduction is the identity) is what the calibration engine hands
-to methods in ``BlockContext.reducer``; a method that reduces nothing refuses data parallelism
-(``BlockMethod.data_parallel`` False).
+``Reducer`` (one process: every reduction is the identity, every share the whole) is what the
+calibration engine hands to methods in ``BlockContext.reducer`` (and ``FinishContext.reducer``);
+a method that reduces nothing refuses data parallelism (``BlockMethod.data_parallel`` False).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import QuantspecError
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's part of rows that every process holds a part of, concatenated in rank
+    order: rows [offset, offset + size) of ``total``. One process: the whole."""
+
+    offset: int
+    size: int
+    total: int
+
+    def local(self, indices: Iterable[int]) -> list[int]:
+        """Those of ``indices`` (into all ``total`` rows) that lie in this part, as indices into
+        it, in their order."""
+        end = self.offset + self.size
+        return [i - self.offset for i in indices if self.offset <= i < end]
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,29 @@ class Reducer:
     def max(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum of ``t`` over every process."""
         return t
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum of ``t`` over every process."""
+        return t
+
+    def sum_float(self, value: float) -> float:
+        """The sum of ``value`` over every process (in float64)."""
+        return value
+
+    def mean(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+        """(mean over every process's items, their number) from this process's mean ``t`` over
+        its ``count`` items; a process with none adds nothing (its ``t`` may be NaN). Summed in
+        float64, returned in ``t``'s dtype."""
+        return t, count
+
+    def sizes(self, count: int) -> list[int]:
+        """Every process's ``count``, in rank order."""
+        return [count]
+
+    def share(self, count: int) -> Share:
+        """Where this process's ``count`` rows lie among every process's rows (in rank order)."""
+        sizes = self.sizes(count)
+        return Share(sum(sizes[: self.rank]), count, sum(sizes))
 
 
 @dataclass(frozen=True)
@@ -106,10 +152,35 @@ class ProcessGroupReducer(Reducer):
     def max(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        where = t.device
-        t = t.to(_device()).clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.to(where)
+        return _all_reduced(t, dist.ReduceOp.MAX)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        return _all_reduced(t, dist.ReduceOp.SUM)
+
+    def sum_float(self, value: float) -> float:
+        return float(self.sum(torch.tensor([value], dtype=torch.float64)).item())
+
+    def mean(self, t: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+        total = self.sum_int(count)
+        weighted = t.to(torch.float64) * count if count else torch.zeros_like(t, dtype=torch.float64)
+        return (self.sum(weighted) / max(total, 1)).to(t.dtype), total
+
+    def sizes(self, count: int) -> list[int]:
+        mine = [0] * self.world
+        mine[self.rank] = count
+        return self.sum_ints(mine)
+
+
+def _all_reduced(t: torch.Tensor, op) -> torch.Tensor:
+    """A reduced copy of ``t`` (on its device; reduced where the backend works)."""
+    import torch.distributed as dist
+
+    where = t.device
+    t = t.to(_device(), copy=True)
+    dist.all_reduce(t, op=op)
+    return t.to(where)
 
 
 def _device() -> torch.device:

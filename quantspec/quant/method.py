@@ -74,10 +74,12 @@ class BlockOutput:
 @dataclass
 class FinishContext:
     """The whole model after the last block. logits(h): the final norm and head on hidden
-    states [n, L, H] (None when the model lacks either or the head was not read)."""
+    states [n, L, H] (None when the model lacks either or the head was not read); reducer: as
+    in ``BlockContext``."""
 
     logits: Callable[[torch.Tensor], torch.Tensor] | None
     n_blocks: int
+    reducer: Reducer = field(default_factory=Reducer)
 
 
 @dataclass

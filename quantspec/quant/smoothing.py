@@ -20,7 +20,8 @@ Folding rules, for ``s`` float [K] (K = the balanced Linears' in_features):
 The pure tensor functions (``scale_norm``, ``scale_rows``, ``scale_columns``) compute in fp32
 and return the parameter's dtype; ``fold_scales`` applies them to a resolved pair in place.
 ``collect_input_stats`` gathers per-input-channel max |x| and mean |x| (and optionally a
-token sample) of Linears with forward hooks on the calibration engine's block forward.
+token sample) of Linears with forward hooks on the calibration engine's block forward, over
+every process's calibration samples under data-parallel calibration (``distributed.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from .arch import ArchSpec, submodule_or_none
 from .block_ops import run_linear_inputs
+from .distributed import Reducer, Share
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,13 +155,16 @@ class InputStats:
     """Per-input-channel statistics of one Linear over the calibration tokens.
 
     absmax, absmean: fp32 [K]. sample: fp32 [T, K] tokens kept for searches (T <= the
-    requested number; evenly spaced within each calibration sample), or None.
+    requested number; evenly spaced within each calibration sample), or None. sample_part:
+    where this process's sample lies in the sample of every process (data-parallel
+    calibration; one process: the whole), None without a sample.
     """
 
     absmax: torch.Tensor
     absmean: torch.Tensor
     sample: torch.Tensor | None
     tokens: int
+    sample_part: Share | None = None
 
 
 def collect_input_stats(
@@ -169,13 +174,18 @@ def collect_input_stats(
     kwargs: dict[str, Any],
     modules: dict[str, nn.Module],
     sample_tokens: int = 0,
+    reducer: Reducer | None = None,
 ) -> dict[str, InputStats]:
     """max |x|, mean |x| per input channel (and a token sample) of each module in ``modules``.
 
     inputs: the block's calibration inputs [n, L, H]. ``sample_tokens``: how many tokens of
     each module's input to keep (``ceil(sample_tokens / n)`` per sample), 0 for none.
+    ``reducer``: ``inputs`` are this process's share of the samples (``distributed.py``); the
+    statistics are over every process's (max, sum and count reduced; n the number of all
+    samples), and the processes' samples, in rank order, are the one process's sample.
     """
-    n = inputs.shape[0]
+    reducer = reducer or Reducer()
+    n = reducer.sum_int(inputs.shape[0])
     per_sample = math.ceil(sample_tokens / n) if sample_tokens > 0 else 0
     acc: dict[str, dict] = {name: {"max": None, "sum": None, "count": 0, "rows": []} for name in modules}
 
@@ -194,9 +204,21 @@ def collect_input_stats(
     run_linear_inputs(block, block_name, inputs, kwargs, modules, add)
     out = {}
     for name, a in acc.items():
-        sample = torch.cat(a["rows"], dim=0)[:sample_tokens] if a["rows"] else None
-        out[name] = InputStats(a["max"], a["sum"] / max(a["count"], 1), sample, a["count"])
+        sample, part = _cut_sample(torch.cat(a["rows"], dim=0) if a["rows"] else None, sample_tokens, reducer)
+        count = reducer.sum_int(a["count"])
+        out[name] = InputStats(reducer.max(a["max"]), reducer.sum(a["sum"]) / max(count, 1), sample, count, part)
     return out
+
+
+def _cut_sample(rows: torch.Tensor | None, limit: int, reducer: Reducer) -> tuple[torch.Tensor | None, Share | None]:
+    """This process's rows of the first ``limit`` rows of every process's ``rows`` (in rank
+    order), and where they lie among them; (None, None) without a sample (``limit`` 0)."""
+    if limit <= 0:
+        return None, None
+    count = rows.shape[0] if rows is not None else 0
+    part = reducer.share(count)
+    keep = max(0, min(count, limit - part.offset))
+    return (rows[:keep] if rows is not None else None), Share(min(part.offset, limit), keep, min(part.total, limit))
 
 
 def pair_stats(

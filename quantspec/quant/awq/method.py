@@ -14,6 +14,12 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, ``smoothing.py
    (``model_check.py``, the post-pass ``finish``).
 5. RTN of the scaled, clipped weights -> QuantResult.
 
+Data-parallel calibration (``distributed.py``): the search sequences and the held-out ones are
+chosen among the global sequence indices and each process runs those it holds; the statistics,
+token samples and every loss that decides something are over every process's (reduced), so
+every process folds the same scales and keeps the same clips; rank 0 writes the scales file.
+The scale search then evaluates every candidate in full (no early stop).
+
 Why the defaults are what they are: docs/decisions/awq-defaults.md.
 """
 
@@ -29,6 +35,7 @@ from torch import nn
 from ...errors import QuantspecError
 from ..block_ops import block_forward, check_finite
 from ..digest import module_digest
+from ..distributed import Reducer, Share
 from ..method import BlockContext, BlockOutput, Finish, FinishContext, Smoother
 from ..options import AWQOptions
 from ..resume import result_tensors, results_from_tensors
@@ -102,6 +109,8 @@ class AWQMethod(Smoother):
     per weight, on the CPU) until ``finish``.
     """
 
+    data_parallel = True  # sequence choices global; statistics, samples and losses reduced (module docstring)
+
     def __init__(self, settings: AWQSettings | None = None, scale_dtype: torch.dtype = torch.float16,
                  recipe_fingerprint: dict | None = None, probe: AWQProbe | None = None):
         super().__init__(settings or AWQSettings(), scale_dtype)
@@ -128,7 +137,7 @@ class AWQMethod(Smoother):
         else:
             self._clips = self._search(ctx, rel, pairs, info)
         self._block_fps[ctx.name] = fp
-        if opts.save_scales:
+        if opts.save_scales and ctx.reducer.rank == 0:  # every process holds the same scales
             write_scales(opts.save_scales, self._saved, self.recipe_fingerprint, self._block_fps)
         if skipped:
             for name in ctx.plan:
@@ -155,7 +164,7 @@ class AWQMethod(Smoother):
         state = {}
         rel = ctx.relative_plan()
         if self._check.started or self.uses_model_head(rel):
-            held = held_out(ctx.inputs.shape[0], set(self._search_seqs(ctx.inputs)), self.options.clip_check_seqs)
+            held = self._held_out(ctx.reducer.share(ctx.inputs.shape[0]), ctx.inputs.shape[1])
             self._check.advance(block, block_name, ctx.inputs[held], ctx.kwargs, rel, clips,
                                 search_precision(block, self.options.awq.search_dtype),
                                 outputs[held] if outputs is not None else None)
@@ -193,15 +202,21 @@ class AWQMethod(Smoother):
         when the model is closer to the float one without them."""
         if ctx.logits is None:
             return Finish()
-        drop, info = self._check.decide(ctx.logits, ctx.n_blocks)
+        drop, info = self._check.decide(ctx.logits, ctx.n_blocks, ctx.reducer)
         return Finish(replace=dict(self._unclipped) if drop else {}, info=info)
 
     # -- the searches ------------------------------------------------------------------------
-    def _search_seqs(self, inputs: torch.Tensor) -> list[int]:
-        """The calibration sequences the searches run on (``search_tokens`` worth, spread)."""
-        n, seqlen = inputs.shape[0], inputs.shape[1]
+    def _search_seqs(self, n: int, seqlen: int) -> list[int]:
+        """Which of ``n`` calibration sequences of ``seqlen`` tokens the searches run on
+        (``search_tokens`` worth, spread)."""
         n_seq = min(n, max(1, -(-self.options.search_tokens // seqlen)))
         return torch.linspace(0, n - 1, n_seq).round().long().unique().tolist()
+
+    def _held_out(self, seqs: Share, seqlen: int) -> list[int]:
+        """This process's sequences (indices into its share ``seqs``) among the ones the clip
+        checks run on: ``clip_check_seqs`` of all sequences, spread, avoiding the searches'."""
+        used = set(self._search_seqs(seqs.total, seqlen))
+        return seqs.local(held_out(seqs.total, used, self.options.clip_check_seqs))
 
     def _apply_loaded(self, block_name: str, fp: str, pairs: list[ResolvedPair]) -> dict[str, torch.Tensor]:
         scales, clips = self._file.block(block_name, fp)
@@ -217,31 +232,33 @@ class AWQMethod(Smoother):
 
     def _search(self, ctx: BlockContext, rel: dict[str, QuantScheme], pairs: list[ResolvedPair],
                 info: dict[str, dict]) -> dict[str, torch.Tensor]:
-        block, block_name, inputs, kwargs = ctx.block, ctx.name, ctx.inputs, ctx.kwargs
+        block, block_name, inputs, kwargs, reducer = ctx.block, ctx.name, ctx.inputs, ctx.kwargs, ctx.reducer
         opts = self.options
-        seqs = self._search_seqs(inputs)
-        parents = capture_parents(block, inputs, kwargs, pairs, seqs)
+        share = reducer.share(inputs.shape[0])
+        seqs = share.local(self._search_seqs(share.total, inputs.shape[1]))
+        parents = _agreed(capture_parents(block, inputs, kwargs, pairs, seqs), reducer)
         modules = {f"{block_name}.{p.linear_names[0]}": p.linears[0] for p in pairs}
         clip_mods = {f"{block_name}.{r}": block.get_submodule(r) for r, scheme in rel.items()
                      if clip_wanted(opts.awq.clip, scheme) and not r.endswith(tuple(opts.clip_skip))}
         tokens = max(opts.search_tokens, opts.clip_tokens if clip_mods else 0)
-        stats = collect_input_stats(block, block_name, inputs, kwargs, {**modules, **clip_mods}, tokens)
+        stats = collect_input_stats(block, block_name, inputs, kwargs, {**modules, **clip_mods}, tokens, reducer)
         # inputs of Linears change with each fold (x -> x / s for the pair's Linears)
         samples = {n: st.sample for n, st in stats.items()}
+        parts = {n: st.sample_part for n, st in stats.items()}  # where they lie in all processes' samples
         scales = []
         precision = search_precision(block, opts.awq.search_dtype)
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
-            x = spread(samples[key], opts.search_tokens) if parent is None else None
+            x = spread(samples[key], opts.search_tokens, parts[key]) if parent is None else None
             planned = {n: rel[n] for n in p.linear_names if n in rel}
-            objective = PairObjective(p, planned, x, parent, precision=precision)
+            objective = PairObjective(p, planned, x, parent, precision=precision, reducer=reducer)
             w_mean = None
             if opts.awq.duo_scaling:
                 scheme = next(iter(planned.values()))
                 w_mean = weight_group_mean([lin.weight for lin in p.linears], scheme)
             plain = opts.awq.duo_scaling is not True  # False: the paper's only; "both": the union
             s, found_info = self.probe.scale(key, stats[key].absmean, lambda: search_scale(
-                stats[key].absmean, objective, opts.awq.grid, w_mean, plain, bounded=True))
+                stats[key].absmean, objective, opts.awq.grid, w_mean, plain, bounded=not reducer.active))
             fold_scales(p, s)
             scales.append(s)
             for n in p.linear_names:
@@ -258,21 +275,24 @@ class AWQMethod(Smoother):
         found = {}
         for full, mod in clip_mods.items():
             r = full[len(block_name) + 1 :]
-            errors, amax = clip_error_curve(mod.weight, spread(samples[full], opts.clip_tokens), rel[r])
+            x = spread(samples[full], opts.clip_tokens, parts[full])
+            errors, amax = clip_error_curve(mod.weight, x, rel[r])
+            errors = reducer.mean(errors, x.shape[0])[0]  # a mean over this process's tokens
             self.probe.clip_curve(full, errors, amax)
             found[r] = pick_clip(errors, amax, min_gain=opts.awq.clip_min_gain)
         clips = {}
         for p, parent, s in _clip_checks(block, pairs, parents, scales, found):
-            x = None if parent is not None else spread(samples[f"{block_name}.{p.linear_names[0]}"], opts.search_tokens)
-            for n, (clip, gain) in keep_helpful_clips(p, rel, x, parent, s, found, precision).items():
+            first = f"{block_name}.{p.linear_names[0]}"
+            x = None if parent is not None else spread(samples[first], opts.search_tokens, parts[first])
+            for n, (clip, gain) in keep_helpful_clips(p, rel, x, parent, s, found, precision, reducer).items():
                 full = f"{block_name}.{n}"
                 info.setdefault(full, {})["clip_gain"] = gain
                 if clip is not None:
                     clips[full] = clip
         if clips and opts.clip_check_seqs:
-            held = held_out(inputs.shape[0], set(seqs), opts.clip_check_seqs)
+            held = self._held_out(share, inputs.shape[1])
             plain, clipped = block_errors(block, rel, {f[len(block_name) + 1 :]: c for f, c in clips.items()},
-                                          inputs[held], kwargs)
+                                          inputs[held], kwargs, reducer)
             for full in clips:
                 info[full]["clip_block_gain"] = plain / clipped if clipped > 0 else float("inf")
             if clipped >= plain:
@@ -280,6 +300,13 @@ class AWQMethod(Smoother):
         for full, clip in clips.items():
             self._saved[f"{full}.clip"] = clip.cpu()
         return clips
+
+
+def _agreed(parents: list, reducer: Reducer) -> list:
+    """Each pair's consuming module where every process found it (a process without search
+    sequences finds it with no calls), else None everywhere: every process scores the same
+    objective."""
+    return [p if reducer.all_true(p is not None) else None for p in parents]
 
 
 def _clip_checks(block: nn.Module, pairs, parents, scales, found):

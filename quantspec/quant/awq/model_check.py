@@ -3,7 +3,8 @@ are judged once more on the whole model. Held-out calibration sequences run thro
 three times (float, quantized without clips, quantized with the kept clips); after the last
 block, the clips are kept model-wide only if they bring the next-token distribution closer (KL)
 to the float model's. Block-local errors do not add up to the model's (see
-docs/decisions/awq-defaults.md).
+docs/decisions/awq-defaults.md). Under data-parallel calibration each process streams the
+held-out sequences it holds, and the KL sums and token counts are reduced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..block_ops import block_forward
 from ...core.scheme import QuantScheme
+from ..distributed import Reducer
 from .objective import fake_quantized
 
 
@@ -24,6 +26,13 @@ from .objective import fake_quantized
 def mean_kl(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over tokens of KL(softmax(logits(ref)) || softmax(logits(other))), hidden states
     [n, L, H] each, 256 tokens at a time (the logits of a large vocabulary are big)."""
+    total, count = kl_sum(logits, ref, other)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def kl_sum(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, other: torch.Tensor) -> tuple[float, int]:
+    """``mean_kl``'s (sum over tokens, number of tokens)."""
     total, count = 0.0, 0
     a_all, b_all = ref.reshape(-1, 1, ref.shape[-1]), other.reshape(-1, 1, other.shape[-1])
     for a, b in zip(a_all.split(256), b_all.split(256)):
@@ -31,7 +40,14 @@ def mean_kl(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, o
         lq = torch.log_softmax(logits(b.transpose(0, 1)).float(), dim=-1)
         total += float((lp.exp() * (lp - lq)).sum())
         count += a.shape[0]
-    return total / max(count, 1)
+    return total, count
+
+
+def reduced_mean_kl(logits: Callable[[torch.Tensor], torch.Tensor], ref: torch.Tensor, other: torch.Tensor,
+                    reducer: Reducer) -> float:
+    """``mean_kl`` over every process's tokens (``ref``, ``other``: this process's)."""
+    total, count = kl_sum(logits, ref, other)
+    return reducer.sum_float(total) / max(reducer.sum_int(count), 1)
 
 
 
@@ -75,14 +91,19 @@ class ModelClipCheck:
         self.seconds += time.perf_counter() - t0
 
     @torch.no_grad()
-    def decide(self, logits: Callable[[torch.Tensor], torch.Tensor], n_blocks: int) -> tuple[bool, dict[str, dict]]:
+    def decide(self, logits: Callable[[torch.Tensor], torch.Tensor], n_blocks: int,
+               reducer: Reducer | None = None) -> tuple[bool, dict[str, dict]]:
         """(drop the clips?, per-layer report details): drop when the quantized model without
         clips is closer to the float model (mean next-token KL on the held-out sequences) than
-        with them; no decision (False, {}) when the streams did not cover every block."""
+        with them; no decision (False, {}) when the streams did not cover every block.
+        ``reducer``: the streams hold this process's held-out sequences; the KLs are over
+        every process's."""
         if self.streams is None or self.blocks != n_blocks or not self.clipped:
             return False, {}
+        reducer = reducer or Reducer()
         t0, s = time.perf_counter(), self.streams
-        kl_clip, kl_plain = mean_kl(logits, s["float"], s["clipped"]), mean_kl(logits, s["float"], s["plain"])
+        kl_clip = reduced_mean_kl(logits, s["float"], s["clipped"], reducer)
+        kl_plain = reduced_mean_kl(logits, s["float"], s["plain"], reducer)
         drop = kl_plain < kl_clip
         seconds = round(self.seconds + time.perf_counter() - t0, 3)
         check = {"kl_clipped": kl_clip, "kl_unclipped": kl_plain, "kept": not drop, "seconds": seconds}

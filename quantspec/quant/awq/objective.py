@@ -2,7 +2,9 @@
 pair's Linears (the attention for q/k/v, the MLP for gate/up), replayed with its recorded
 arguments on whole calibration sequences; else the Linears' own outputs on a token sample (v ->
 o, up -> down). Also the block-level check of a block's clips, and the precision the searches
-run in.
+run in. Under data-parallel calibration (``distributed.py``) each process scores its own
+sequences and tokens and the sums of squared errors and their counts are reduced before any
+division.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..block_ops import block_forward
 from ...core.scheme import QuantScheme
+from ..distributed import Reducer, Share
 from ..smoothing import ResolvedPair
 from .clip import apply_clip, fake_quantize
 
@@ -87,9 +90,12 @@ def capture_parents(block, inputs, kwargs, pairs, seqs: list[int]) -> list[Paren
     """For each pair, the calls of the module holding its Linears (the attention for q/k/v,
     the MLP for gate/up) on the calibration sequences ``seqs``, when that module receives the
     Linears' input as one of its arguments and holds no cache; else None (the search then
-    measures the Linears' own outputs, as for up -> down)."""
+    measures the Linears' own outputs, as for up -> down). With no sequences (a process that
+    holds none of the chosen ones), every pair with such a module gets it with no calls."""
     names = [parent_name(p.linear_names) for p in pairs]
     parents = {n: block.get_submodule(n) for n in set(names) if n}
+    if not seqs:
+        return [ParentCalls(parents[n], 0, []) if n else None for n in names]
     calls: dict[str, list] = {n: [] for n in parents}
     lin_in: list[list[torch.Tensor]] = [[] for _ in pairs]
     seq_no = 0
@@ -131,19 +137,22 @@ class PairObjective:
     there is none) with ``Q(W*s)/s`` weights, against the float output. ``in_scale``: the
     pair's folded scale, when its Linears already hold ``W*s`` (the recorded inputs are then
     divided by it, so the float output is unchanged). ``precision``: a factory of the context
-    that each evaluation runs in (``search_precision``)."""
+    that each evaluation runs in (``search_precision``). ``reducer``: the calls or tokens are
+    this process's share; the squared errors and their count are summed over every process."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor | None,
                  parent: ParentCalls | None, in_scale: torch.Tensor | None = None,
-                 precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 reducer: Reducer | None = None):
         self.pair, self.planned, self.x, self.parent, self.precision = pair, planned, x, parent, precision
+        self.reducer = reducer or Reducer()
         self.parent_inputs = parent.inputs() if parent is not None else None
         if in_scale is not None and self.parent_inputs is not None:
             self.parent_inputs = [x / in_scale.to(x) for x in self.parent_inputs]
         self.dense = {n: lin.weight.detach().clone() for n, lin in zip(pair.linear_names, pair.linears)}
         with precision():
             self.ref = list(self._outputs())
-        self.count = sum(r.numel() for r in self.ref)
+        self.count = self.reducer.sum_int(sum(r.numel() for r in self.ref))
 
     def _outputs(self) -> Iterator[torch.Tensor]:
         """The output in parts (one per calibration sequence for a parent module)."""
@@ -157,8 +166,9 @@ class PairObjective:
     def error(self, weights: dict[str, torch.Tensor], bound: float = float("inf")) -> float:
         """Output MSE with ``weights`` (by Linear name; the others stay float). Stops after the
         part where the squared error's running sum passes ``bound`` (returning a value above
-        it): the remaining parts can only add to it."""
-        limit = bound * self.count
+        it): the remaining parts can only add to it. Not across processes (``reducer``): each
+        evaluates all its parts, since only the sum over every process is known."""
+        limit = bound * self.count if not self.reducer.active else float("inf")
         try:
             for name, lin in zip(self.pair.linear_names, self.pair.linears):
                 if name in weights:
@@ -169,7 +179,7 @@ class PairObjective:
                     total += float((out - ref).pow(2).sum())
                     if total > limit:
                         break
-            return total / self.count
+            return self.reducer.sum_float(total) / self.count
         finally:
             for name, lin in zip(self.pair.linear_names, self.pair.linears):
                 lin.weight.copy_(self.dense[name])
@@ -183,14 +193,16 @@ def keep_helpful_clips(pair: ResolvedPair, rel: dict[str, QuantScheme], x: torch
                         parent: ParentCalls | None, scale: torch.Tensor | None,
                         found: dict[str, torch.Tensor],
                         precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                        reducer: Reducer | None = None,
                         ) -> dict[str, tuple[torch.Tensor | None, float]]:
     """Keep a Linear's clip values only where they lower the pair's objective (the consuming
     module's output on whole calibration sequences, or the Linears' outputs on the search
     sample): the clip search minimises each group's partial output error on a smaller sample,
     which on some models (Qwen2.5 at 4 bits) raised perplexity. Greedy, in the pair's order.
-    Returns {name: (clip or None, error without / error with)}."""
+    Returns {name: (clip or None, error without / error with)}. ``reducer``: as for
+    ``PairObjective``."""
     planned = {n: rel[n] for n in pair.linear_names if n in rel}
-    objective = PairObjective(pair, planned, x, parent, in_scale=scale, precision=precision)
+    objective = PairObjective(pair, planned, x, parent, in_scale=scale, precision=precision, reducer=reducer)
     weights = {n: fake_quantize(objective.dense[n].float(), sc) for n, sc in planned.items()}
     best = objective.error(weights)
     kept = {}
@@ -230,15 +242,18 @@ def fake_quantized(block: nn.Module, rel: dict[str, QuantScheme]) -> Iterator[Ca
 
 @torch.no_grad()
 def block_errors(block: nn.Module, rel: dict[str, QuantScheme], clips: dict[str, torch.Tensor],
-                  inputs: torch.Tensor, kwargs: dict[str, Any]) -> tuple[float, float]:
+                  inputs: torch.Tensor, kwargs: dict[str, Any], reducer: Reducer | None = None) -> tuple[float, float]:
     """The block's output MSE on ``inputs`` with every planned Linear fake-quantized, without
-    and with ``clips`` (by relative name), against its float output."""
+    and with ``clips`` (by relative name), against its float output. ``reducer``: ``inputs``
+    are this process's share (possibly none) of the sequences; the MSE is over every process's."""
+    reducer = reducer or Reducer()
     ref = block_forward(block, inputs, kwargs)
     errors = []
     with fake_quantized(block, rel) as use:
         for chosen in ({}, clips):
             use(chosen)
-            errors.append(float((block_forward(block, inputs, kwargs) - ref).float().pow(2).mean()))
+            mse = (block_forward(block, inputs, kwargs) - ref).float().pow(2).mean()
+            errors.append(float(reducer.mean(mse, ref.numel())[0]))
     return errors[0], errors[1]
 
 
@@ -251,9 +266,16 @@ def held_out(total: int, used: set[int], k: int) -> list[int]:
     return [held[round(i)] for i in torch.linspace(0, len(held) - 1, min(len(held), k)).tolist()]
 
 
-def spread(x: torch.Tensor, t: int) -> torch.Tensor:
-    """At most ``t`` rows of ``x`` [T, K], evenly spaced (the sample spans every sequence)."""
-    if x.shape[0] <= t:
+def spread(x: torch.Tensor, t: int, part: Share | None = None) -> torch.Tensor:
+    """At most ``t`` rows of ``x`` [T, K], evenly spaced (the sample spans every sequence).
+    ``part``: ``x`` is this process's part of a sample held by every process
+    (``InputStats.sample_part``); the rows are spread over the whole sample and this process's
+    of them returned."""
+    total = x.shape[0] if part is None else part.total
+    if total <= t:
         return x
-    return x[torch.linspace(0, x.shape[0] - 1, t, device=x.device).round().long()]
+    idx = torch.linspace(0, total - 1, t, device=x.device).round().long()
+    if part is not None:
+        idx = idx[(idx >= part.offset) & (idx < part.offset + part.size)] - part.offset
+    return x[idx]
 
