@@ -1,5 +1,6 @@
 """Quantization time and peak memory, side by side: each job is one `quantspec quantize` run in its
-own subprocess (wall seconds, and the process's peak resident set size, Linux VmHWM: the whole
+own subprocess (wall seconds; user and system CPU seconds and minor page faults, which hold up when
+other work shares the machine; the process's peak resident set size, Linux VmHWM: the whole
 process, Python and torch included), jobs interleaved over
 ``--repeats`` rounds, medians reported.
 
@@ -34,16 +35,20 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 
-# Runs `python -m quantspec ARGS` and writes the process's VmHWM (peak RSS, kB) at exit. Measured
-# inside the child: wait4's ru_maxrss would include the parent's pages copied before exec.
+# Runs `python -m quantspec ARGS` and writes, at exit, the process's VmHWM (peak RSS, kB), its CPU
+# seconds (user, system) and minor page faults as JSON. Measured inside the child: wait4's
+# ru_maxrss would include the parent's pages copied before exec. CPU seconds and page faults
+# hold up when other work shares the machine; wall seconds do not.
 _WRAPPER = """
-import atexit, runpy, sys
+import atexit, json, resource, runpy, sys
 out = sys.argv.pop(1)
 def report():
     with open("/proc/self/status") as f:
         hwm = next(line for line in f if line.startswith("VmHWM:"))
+    use = resource.getrusage(resource.RUSAGE_SELF)
     with open(out, "w") as f:
-        f.write(hwm.split()[1])
+        json.dump({"hwm_kb": int(hwm.split()[1]), "user_s": use.ru_utime, "sys_s": use.ru_stime,
+                   "minor_faults": use.ru_minflt}, f)
 atexit.register(report)
 sys.argv[0] = "quantspec"
 runpy.run_module("quantspec", run_name="__main__", alter_sys=True)
@@ -52,15 +57,18 @@ runpy.run_module("quantspec", run_name="__main__", alter_sys=True)
 
 def run_measured(python: str, args: list[str], env: dict) -> dict:
     """Run ``python -m quantspec ARGS`` to completion: wall seconds, the process's peak RSS (MB,
-    Linux VmHWM: the whole process, Python and torch included), and its exit code."""
-    with tempfile.NamedTemporaryFile(suffix=".hwm") as hwm:
+    Linux VmHWM: the whole process, Python and torch included), its user and system CPU seconds
+    and minor page faults, and its exit code."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as rec:
         t0 = time.perf_counter()
-        proc = subprocess.run([python, "-c", _WRAPPER, hwm.name, *args], env=env,
+        proc = subprocess.run([python, "-c", _WRAPPER, rec.name, *args], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wall = time.perf_counter() - t0
-        text = Path(hwm.name).read_text().strip()
-    return {"seconds": round(wall, 2), "peak_rss_mb": round(int(text) / 1024, 1) if text else None,
-            "exit": proc.returncode,
+        text = Path(rec.name).read_text().strip()
+    use = json.loads(text) if text else {}
+    return {"seconds": round(wall, 2), "peak_rss_mb": round(use["hwm_kb"] / 1024, 1) if use else None,
+            "user_s": round(use["user_s"], 2) if use else None, "sys_s": round(use["sys_s"], 2) if use else None,
+            "minor_faults": use.get("minor_faults"), "exit": proc.returncode,
             "stderr_tail": proc.stderr.decode(errors="replace")[-2000:] if proc.returncode else ""}
 
 
@@ -93,8 +101,10 @@ def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if r["exit"] == 0 and r["peak_rss_mb"] is not None]
     if not ok:
         return {"ok": False}
-    return {"ok": True, "median_s": round(statistics.median(r["seconds"] for r in ok), 2),
-            "median_peak_rss_mb": round(statistics.median(r["peak_rss_mb"] for r in ok), 1),
+    med = lambda key, nd=2: round(statistics.median(r[key] for r in ok), nd)  # noqa: E731
+    return {"ok": True, "median_s": med("seconds"), "median_user_s": med("user_s"), "median_sys_s": med("sys_s"),
+            "median_minor_faults": int(med("minor_faults", 0)),
+            "median_peak_rss_mb": med("peak_rss_mb", 1),
             "max_peak_rss_mb": max(r["peak_rss_mb"] for r in ok), "runs": len(ok)}
 
 
@@ -103,13 +113,15 @@ def markdown(result: dict) -> str:
              f"Machine: {result['machine']}; {result['date']}. Command: `{result['command']}`.",
              f"Each job in its own process, {result['repeats']} interleaved rounds, medians; peak RSS of "
              "the whole quantize process (VmHWM). Raw data: the JSON of the same name.", "",
-             "| job | median s | median peak RSS MB | max peak RSS MB | runs | checkpoint digest |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| job | median s | median user CPU s | median system CPU s | median minor faults "
+             "| median peak RSS MB | max peak RSS MB | runs | checkpoint digest |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for label, s in result["summary"].items():
         if not s["ok"]:
-            lines.append(f"| {label} | failed | - | - | 0 | - |")
+            lines.append(f"| {label} | failed | - | - | - | - | - | 0 | - |")
             continue
-        lines.append(f"| {label} | {s['median_s']} | {s['median_peak_rss_mb']} | {s['max_peak_rss_mb']} "
+        lines.append(f"| {label} | {s['median_s']} | {s['median_user_s']} | {s['median_sys_s']} "
+                     f"| {s['median_minor_faults']} | {s['median_peak_rss_mb']} | {s['max_peak_rss_mb']} "
                      f"| {s['runs']} | {result['digests'].get(label, '-')} |")
     if result.get("identical") is not None:
         lines += ["", f"Checkpoint tensors identical across jobs: **{result['identical']}**."]
