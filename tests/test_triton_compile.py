@@ -84,6 +84,26 @@ def test_the_main_w4_paths_do_not_spill(family, target_name):
     assert code["loop_instructions"] > 0 and code["registers"] > 0
 
 
+@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
+@pytest.mark.parametrize("path", ["int8", "fp8", "fp8-block"])
+def test_the_w8a8_paths_do_not_spill(path, target_name):
+    """The int8 and FP8 W8A8 kernels compiled as a launch specializes them (16-byte aligned
+    pointers, N and K multiples of 16: ``aot.DIVISIBLE``): no spills, the main loop found. Without
+    that specialization the int8 kernel spilled 624 B per thread on sm90 (every address kept
+    per element)."""
+    if path == "int8":
+        cfg = aot.first_config("w8a8", target_name)
+        kernel = aot.compile_path("w8a8", target_name, "", cfg)
+    else:
+        from quantspec.kernels.triton import fp8_w8a8
+
+        cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
+        kernel = aot.compile_fp8("bf16", path == "fp8-block", target_name)
+    code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+    assert code["spills"] == 0, code
+    assert code["loop_instructions"] > 0 and code["registers"] > 0
+
+
 def test_loop_readers_on_known_listings():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
