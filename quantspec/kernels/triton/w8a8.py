@@ -55,13 +55,16 @@ def _w8a8_kernel(qx_ptr, sx_ptr, qw_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, M_KEY,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past M / N read real rows again (their results are not stored): only K is masked
+    a_ptrs = qx_ptr + (offs_m % M)[:, None] * K + offs_k[None, :]
+    b_ptrs = qw_ptr + (offs_n % N)[None, :] * K + offs_k[:, None]
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(qx_ptr + offs_m[:, None] * K + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
-        b = tl.load(qw_ptr + offs_n[None, :] * K + offs_k[:, None],
-                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0)
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
     sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sx[:, None] * sw[None, :]
