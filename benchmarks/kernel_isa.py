@@ -31,7 +31,7 @@ def cases(targets: list[str], families: list[str]):
         for family in families:
             if family in ("gemv", "small_m", "large_m"):
                 for variant in aot.WQ_VARIANTS:
-                    cfg = aot.first_config(family, target)
+                    cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
             elif family == "w8a8":
@@ -58,7 +58,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Triton kernels' machine code (compiled here, no GPU): {result['date']}", "",
              f"Triton {result['triton']}; command: `{result['command']}`. Raw data: kernel-isa.json.",
              "Instructions per weight: the main loop's instructions x threads per block / (BLOCK_N x BLOCK_K), "
-             "thread-level (every thread issues the loop body once per K tile). Each family's first config.", "",
+             "thread-level (every thread issues the loop body once per K tile). Each family's first config; gemv "
+             "rows are the GEMV the launcher runs for the variant (fp16 / bf16 x with 4-bit fields and no g_idx: "
+             "the packed GEMV, first config of gemv_packed; else the fp32 GEMV).", "",
              "| target | family | variant | warps | BLOCK_N x BLOCK_K | regs | spills | shared B | loop instr | instr/weight |",
              "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
