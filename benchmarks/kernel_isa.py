@@ -34,6 +34,12 @@ def cases(targets: list[str], families: list[str]):
                     cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
+            elif family == "gemv_asm":  # the packed GEMV with its pair operations as inline asm
+                for variant in aot.WQ_VARIANTS:
+                    if aot.packed_variant(variant, target):
+                        cfg = aot.first_config("gemv", target, variant)
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                               aot.compile_path("gemv", t, v, c, asm=True))
             elif family == "w8a8":
                 cfg = aot.first_config("w8a8", target)
                 yield family, "int8", target, cfg, lambda t=target, c=cfg: aot.compile_path("w8a8", t, "", c)
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,small_m,large_m,w8a8,moe,fp,fp8")
+    p.add_argument("--families", default="gemv,gemv_asm,small_m,large_m,w8a8,moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

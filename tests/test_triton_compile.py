@@ -143,17 +143,20 @@ def test_fp8_w8a8_compiles(grouped, target_name):
 
 # The packed GEMV (M <= 2, fp16 / bf16 x, 4-bit fields) in the first config: the main loop's
 # instructions per weight (thread-level: loop body x threads / (BLOCK_N x BLOCK_K)) stay within
-# these budgets. Measured with Triton 3.9: sm90 fp16 2.281 (the fp32 GEMV it replaced: 6.047),
-# sm90 bf16 4.227 (6.625), gfx942 fp16 2.391 (10.0). An H200 SM streaming 4-bit weights at full
-# bandwidth has about 3.5 instructions per weight to spend (kernels-h200.md).
-GEMV_BUDGETS = {("sm90", "fp16-w4g128-sym"): 2.35, ("sm90", "bf16-w4g128-asym"): 4.35,
-                ("gfx942", "fp16-w4g128-sym"): 2.5}
+# these budgets. Measured with Triton 3.9 (the fp32 GEMV it replaced: sm90 fp16 6.047, bf16 6.625,
+# gfx942 fp16 10.0): pair operations as inline asm (``asm``, not yet run on a GPU) sm90 fp16
+# 2.281, bf16 4.227, gfx942 fp16 2.391; in plain Triton (what the launcher runs until the asm
+# path has passed the gpu tests) see GEMV_PLAIN_BUDGETS. An H200 SM streaming 4-bit weights at
+# full bandwidth has about 3.5 instructions per weight to spend (kernels-h200.md).
+GEMV_BUDGETS = {("sm90", "fp16-w4g128-sym", True): 2.35, ("sm90", "bf16-w4g128-asym", True): 4.35,
+                ("gfx942", "fp16-w4g128-sym", True): 2.5,
+                ("sm90", "fp16-w4g128-sym", False): 2.85, ("gfx942", "fp16-w4g128-sym", False): 3.3}
 
 
-@pytest.mark.parametrize("target_name,variant", list(GEMV_BUDGETS))
-def test_the_w4_gemv_instruction_budget(target_name, variant):
+@pytest.mark.parametrize("target_name,variant,asm", list(GEMV_BUDGETS))
+def test_the_w4_gemv_instruction_budget(target_name, variant, asm):
     cfg = aot.first_config("gemv", target_name, variant)
-    kernel = aot.compile_path("gemv", target_name, variant, cfg)
+    kernel = aot.compile_path("gemv", target_name, variant, cfg, asm=asm)
     code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
     assert code["spills"] == 0, code
-    assert code["instructions_per_weight"] <= GEMV_BUDGETS[target_name, variant], code
+    assert code["instructions_per_weight"] <= GEMV_BUDGETS[target_name, variant, asm], code

@@ -319,6 +319,23 @@ def test_gpu_fp8_w8a8_matches_reference(preset, dtype, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [S(4, 128, True), S(4, 128, False), S(4, 32, False), S(4, -1, True)],
+                         ids=lambda s: s.short_name)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("m", (1, 2))
+def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypatch):
+    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN: what
+    ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the reference."""
+    mods = _gpu()
+    monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", True)
+    backend = mods.backend.TritonBackend(autotune=False)
+    for n, k in ((72, 384), (1024, 1024), (4096, 4096)):
+        r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+        y, y_ref = run_both(backend, r, x, b)
+        check_close(y, y_ref, dtype, GPU_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", (1, 16, 128))
 def test_gpu_autotuned_w4g128(m):
     mods = _gpu()

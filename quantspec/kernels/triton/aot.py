@@ -95,7 +95,8 @@ def wq_types(act: str) -> dict:
             "K": "i32", "stride_xm": "i32", "M_KEY": "i32", "code_mask": "i32"}
 
 
-def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90") -> dict:
+def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90",
+                  asm: bool = wq_gemm.ASM_PAIR_OPS) -> dict:
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
@@ -103,7 +104,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
              HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
     if family in ("gemv", "gemv_packed"):
         c["BLOCK_M"] = 1
-        packed = wq_gemm.gemv_packed(dtype, fb, group, gidx, TARGETS[target_name][0].backend)
+        packed = wq_gemm.gemv_packed(dtype, fb, group, gidx, TARGETS[target_name][0].backend, asm)
         if packed:  # the packed GEMV (else the fp32 one)
             c["PACKED"] = packed
     else:
@@ -112,17 +113,19 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
     return c
 
 
-def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config):
+def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config,
+                 asm: bool = wq_gemm.ASM_PAIR_OPS):
     """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
-    variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one."""
+    variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
+    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``)."""
     if family == "w8a8":
         from . import w8a8
 
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    consts = wq_constexprs(family, variant, target_name=target_name)
+    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm)
     if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
         if "PACKED" not in consts:
             if family == "gemv_packed":
