@@ -31,9 +31,15 @@ def cases(targets: list[str], families: list[str]):
         for family in families:
             if family in ("gemv", "small_m", "large_m"):
                 for variant in aot.WQ_VARIANTS:
-                    cfg = aot.first_config(family, target)
+                    cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
+            elif family == "gemv_asm":  # the packed GEMV with its pair operations as inline asm
+                for variant in aot.WQ_VARIANTS:
+                    if aot.packed_variant(variant, target):
+                        cfg = aot.first_config("gemv", target, variant)
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                               aot.compile_path("gemv", t, v, c, asm=True))
             elif family == "w8a8":
                 cfg = aot.first_config("w8a8", target)
                 yield family, "int8", target, cfg, lambda t=target, c=cfg: aot.compile_path("w8a8", t, "", c)
@@ -58,7 +64,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Triton kernels' machine code (compiled here, no GPU): {result['date']}", "",
              f"Triton {result['triton']}; command: `{result['command']}`. Raw data: kernel-isa.json.",
              "Instructions per weight: the main loop's instructions x threads per block / (BLOCK_N x BLOCK_K), "
-             "thread-level (every thread issues the loop body once per K tile). Each family's first config.", "",
+             "thread-level (every thread issues the loop body once per K tile). Each family's first config; gemv "
+             "rows are the GEMV the launcher runs for the variant (fp16 / bf16 x with 4-bit fields and no g_idx: "
+             "the packed GEMV, first config of gemv_packed; else the fp32 GEMV).", "",
              "| target | family | variant | warps | BLOCK_N x BLOCK_K | regs | spills | shared B | loop instr | instr/weight |",
              "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -78,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,small_m,large_m,w8a8,moe,fp,fp8")
+    p.add_argument("--families", default="gemv,gemv_asm,small_m,large_m,w8a8,moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

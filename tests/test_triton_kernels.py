@@ -319,6 +319,23 @@ def test_gpu_fp8_w8a8_matches_reference(preset, dtype, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [S(4, 128, True), S(4, 128, False), S(4, 32, False), S(4, -1, True)],
+                         ids=lambda s: s.short_name)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("m", (1, 2))
+def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypatch):
+    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN: what
+    ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the reference."""
+    mods = _gpu()
+    monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", True)
+    backend = mods.backend.TritonBackend(autotune=False)
+    for n, k in ((72, 384), (1024, 1024), (4096, 4096)):
+        r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+        y, y_ref = run_both(backend, r, x, b)
+        check_close(y, y_ref, dtype, GPU_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", (1, 16, 128))
 def test_gpu_autotuned_w4g128(m):
     mods = _gpu()
@@ -328,11 +345,12 @@ def test_gpu_autotuned_w4g128(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ("gemv", "small_m", "large_m", "w8a8"))
+@pytest.mark.parametrize("family", ("gemv", "gemv_packed", "small_m", "large_m", "w8a8"))
 @pytest.mark.parametrize("index", range(12))
 def test_gpu_every_config_of_the_target(family, index, monkeypatch):
     """Config ``index`` of the family's list for this GPU compiles and computes the right result
-    (1000 x 1000: a partial last group, N and K off every tile; 512 x 1024: no masks)."""
+    (1000 x 1000: a partial last group, N and K off every tile; 512 x 1024: no masks); the GEMVs
+    at M 1 and 2 (gemv: the fp32 GEMV, on 8-bit fields; gemv_packed: fp16 and bf16 x)."""
     mods = _gpu()
     from quantspec.kernels.triton import configs
 
@@ -341,14 +359,17 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
     if index >= len(cfgs):
         pytest.skip(f"the {family} list has {len(cfgs)} configs")
     monkeypatch.setattr(configs, "configs_for", lambda fam, tgt: [cfgs[index]] if fam == family else real(fam, tgt))
-    scheme = S(8, -1, True, activations="int8-token-dynamic") if family == "w8a8" else S(4, 128, False)
-    ms = {"gemv": (1, 3), "small_m": (9,), "large_m": (300,), "w8a8": (1, 40)}[family]
+    scheme = {"w8a8": S(8, -1, True, activations="int8-token-dynamic"), "gemv": S(8, 128, False)}.get(
+        family, S(4, 128, False))
+    ms = {"gemv": (1, 2), "gemv_packed": (1, 2), "small_m": (9,), "large_m": (300,), "w8a8": (1, 40)}[family]
+    dtypes = (torch.float16, torch.bfloat16) if family == "gemv_packed" else (torch.float16,)
     backend = mods.backend.TritonBackend(autotune=False)
-    for m in ms:
-        for n, k in ((1000, 1000), (512, 1024)):
-            r, x, b = make_case(scheme, n, k, m, torch.float16, device="cuda")
-            y, y_ref = run_both(backend, r, x, b)
-            check_close(y, y_ref, torch.float16, GPU_TOL)
+    for dtype in dtypes:
+        for m in ms:
+            for n, k in ((1000, 1000), (512, 1024)):
+                r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+                y, y_ref = run_both(backend, r, x, b)
+                check_close(y, y_ref, dtype, GPU_TOL)
 
 
 @interp
@@ -567,3 +588,242 @@ def test_fp8_w8a8_is_refused_where_it_cannot_run(tk):
     reason = tk.backend.TritonBackend().cannot_run(SCHEME_PRESETS["fp8-block"], 64, 200, torch.device("cpu"),
                                                    torch.float32)
     assert reason is not None and "multiple of 128" in reason
+
+
+# ---- the packed GEMV (``_wq_gemv_f16x2_kernel``): fp16 / bf16 x, 4-bit fields, M <= 2 ----
+
+def _u32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64) & 0xFFFFFFFF
+
+
+def _lanes16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 lanes 0 and 1 of uint32 values held in int64."""
+    def h(b):
+        return torch.where(b >= 32768, b - 65536, b).to(torch.int16).view(torch.float16)
+    return h(v & 0xFFFF), h((v >> 16) & 0xFFFF)
+
+
+def _pack16(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def u(x):
+        return x.view(torch.int16).to(torch.int64) & 0xFFFF
+    return u(lo) | (u(hi) << 16)
+
+
+def _fma16(a, b, c):
+    """IEEE fp16 fma (one rounding), through float64 (exact here) and numpy's direct rounding."""
+    import numpy as np
+
+    r = a.double().numpy() * b.double().numpy() + c.double().numpy()
+    return torch.from_numpy(r.astype(np.float16))
+
+
+def _fma_f16x2(a, b, c):
+    (a0, a1), (b0, b1), (c0, c1) = _lanes16(a), _lanes16(b), _lanes16(c)
+    return _pack16(_fma16(a0, b0, c0), _fma16(a1, b1, c1))
+
+
+def _byte_perm(lo: torch.Tensor, hi: torch.Tensor, selector: int) -> torch.Tensor:
+    """PTX ``prmt.b32 d, lo, hi, selector`` (default mode) and AMD ``v_perm_b32 d, hi, lo,
+    selector`` for selectors of bytes 0-7: byte n of d is byte selector[n] of the 8 bytes
+    {hi, lo} (lo = bytes 0-3)."""
+    src = lo | (hi << 32)
+    out = torch.zeros_like(lo)
+    for n in range(4):
+        idx = (selector >> (8 * n if selector > 0xFFFF else 4 * n)) & 0x7
+        out |= ((src >> (8 * idx)) & 0xFF) << (8 * n)
+    return out
+
+
+def _emulate_dequant(w, z):
+    """The packed pairs (code - zero) / 16 of fields (i, i+4), i = 0..3, as the kernel builds them."""
+    w = _u32(w)
+    zc0 = _pack16(*(2 * [(-(64.0 + z * 0.0625)).half()]))
+    zc1 = _pack16(*(2 * [(-(4.0 + z * 0.0625)).half()]))
+    w8 = w >> 8
+    c16, c256 = torch.full_like(w, 0x2C002C00), torch.full_like(w, 0x1C001C00)
+    return [_fma_f16x2((w & 0x000F000F) | 0x64006400, c16, zc0), _fma_f16x2((w & 0x00F000F0) | 0x64006400, c256, zc1),
+            _fma_f16x2((w8 & 0x000F000F) | 0x64006400, c16, zc0), _fma_f16x2((w8 & 0x00F000F0) | 0x64006400, c256, zc1)]
+
+
+@interp
+def test_packed_gemv_bit_tricks_match_their_emulation(tk):
+    """The packed GEMV's building blocks (PACKED = 1: plain Triton, what the interpreter runs)
+    give the bits of a torch emulation: nibbles to exact fp16 pairs (code - zero) / 16 with the
+    0x6400 magic (every code, every zero point 0..15), x paired (x[i], x[i+4]) by byte permutes,
+    the packed fp16 fma chain and its fp32 sum, and the bf16 path's fp32 products. The GPU
+    paths run the same code with each pair operation one instruction (PTX fma.rn.f16x2 /
+    prmt.b32, AMD v_pk_fma_f16 / v_perm_b32 / v_and_or_b32): IEEE per-lane fmas and byte
+    permutes, which ``_byte_perm`` checks against the plain formulas for the selectors used."""
+    import triton
+    import triton.language as tl
+
+    wq = tk.wq
+    globals()["wq"] = wq  # the jit function below resolves names in this module
+    n = 256
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    words[:16] = torch.tensor([0x76543210, -0x01234568, 0, -1] * 4, dtype=torch.int64).to(torch.int32)  # every code
+    zeros = torch.arange(n, dtype=torch.int32) % 16
+    x = (torch.randn(n, 8, generator=g) * torch.logspace(-3, 3, n)[:, None]).half()
+    xb = (torch.randn(n, 8, generator=g) * torch.logspace(-3, 3, n)[:, None]).bfloat16()
+
+    @triton.jit
+    def blocks(w_ptr, z_ptr, x_ptr, xb_ptr, d_ptr, q_ptr, h_ptr, f_ptr, fb_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        w = tl.load(w_ptr + offs).to(tl.uint32, bitcast=True)[:, None]
+        z = tl.load(z_ptr + offs).to(tl.float32)[:, None]
+        m_lo = (tl.zeros_like(w) + 15) * 0x10001
+        zc0 = wq._neg_pair_f16(64.0 + z * 0.0625)
+        zc1 = wq._neg_pair_f16(4.0 + z * 0.0625)
+        d0, d1, d2, d3 = wq._dequant_f16x2(w, m_lo, zc0, zc1, 1)
+        xp = (x_ptr + offs * 8).to(tl.pointer_type(tl.uint64), bitcast=True)[:, None] + tl.arange(0, 2)[None, :]
+        x0, x1, x2, x3 = wq._x_pairs(xp, offs >= 0, True, 1)
+        h = wq._dot8_f16x2(tl.zeros_like(w), x0, x1, x2, x3, d0, d1, d2, d3, 1)
+        tl.store(d_ptr + offs[:, None] * 4 + 0, d0)
+        tl.store(d_ptr + offs[:, None] * 4 + 1, d1)
+        tl.store(d_ptr + offs[:, None] * 4 + 2, d2)
+        tl.store(d_ptr + offs[:, None] * 4 + 3, d3)
+        tl.store(q_ptr + offs[:, None] * 4 + 0, x0)
+        tl.store(q_ptr + offs[:, None] * 4 + 1, x1)
+        tl.store(q_ptr + offs[:, None] * 4 + 2, x2)
+        tl.store(q_ptr + offs[:, None] * 4 + 3, x3)
+        tl.store(h_ptr + offs[:, None], h)
+        tl.store(f_ptr + offs[:, None], wq._pair_sum_f32(h, 1))
+        xbp = (xb_ptr + offs * 8).to(tl.pointer_type(tl.uint64), bitcast=True)[:, None] + tl.arange(0, 2)[None, :]
+        y0, y1, y2, y3, y4, y5, y6, y7 = wq._x_bf16_f32(xbp, offs >= 0, True)
+        fb = wq._dot8_f32(tl.zeros_like(z), y0, y1, y2, y3, y4, y5, y6, y7, d0, d1, d2, d3, 1)
+        tl.store(fb_ptr + offs[:, None], fb)
+
+    d = torch.zeros(n, 4, dtype=torch.int32)
+    q = torch.zeros(n, 4, dtype=torch.int32)
+    h = torch.zeros(n, dtype=torch.int32)
+    f = torch.zeros(n)
+    fb = torch.zeros(n)
+    blocks[(1,)](words, zeros, x, xb, d, q, h, f, fb, N=n)
+
+    # nibbles -> exact (code - zero) / 16 pairs, and their bits
+    d_ref = _emulate_dequant(words.to(torch.int64), zeros.float())
+    codes = (_u32(words.to(torch.int64))[:, None] >> (4 * torch.arange(8))) & 0xF  # [n, 8] field i = row i
+    for i in range(4):
+        lo, hi = _lanes16(_u32(d[:, i]))
+        assert torch.equal(_u32(d[:, i]), d_ref[i])
+        assert torch.equal(lo.float(), (codes[:, i] - zeros).float() / 16)
+        assert torch.equal(hi.float(), (codes[:, i + 4] - zeros).float() / 16)
+    # x pairs: the plain formulas are the byte permutes prmt 0x5410 / 0x7632 (v_perm 0x05040100 / 0x07060302)
+    xu = _u32(x.view(torch.int32).to(torch.int64))  # [n, 4]: (x0, x1), (x2, x3), (x4, x5), (x6, x7)
+    for i, (a, b, hi_half) in enumerate([(0, 2, 0), (0, 2, 1), (1, 3, 0), (1, 3, 1)]):
+        want = _byte_perm(xu[:, a], xu[:, b], 0x7632 if hi_half else 0x5410)
+        assert torch.equal(want, _byte_perm(xu[:, a], xu[:, b], 0x07060302 if hi_half else 0x05040100))
+        assert torch.equal(_u32(q[:, i]), want)
+        lo, hi = _lanes16(want)
+        assert torch.equal(lo, x[:, i]) and torch.equal(hi, x[:, i + 4])
+    # the fp16 chain: 4 fmas per lane, in this order; its fp32 lane sum
+    h_ref = torch.zeros(n, dtype=torch.int64)
+    for i in range(4):
+        h_ref = _fma_f16x2(_u32(q[:, i]), d_ref[i], h_ref)
+    assert torch.equal(_u32(h), h_ref)
+    lo, hi = _lanes16(h_ref)
+    assert torch.equal(f, lo.float() + hi.float())
+    # bf16 x: fp32 fmas of exact products (x bf16 x (code - zero) / 16), rows in the kernel's order
+    fb_ref = torch.zeros(n)
+    w16 = (codes - zeros[:, None]).float() / 16
+    for i in (0, 4, 1, 5, 2, 6, 3, 7):
+        fb_ref = (xb[:, i].double() * w16[:, i].double() + fb_ref.double()).float()
+    assert torch.equal(fb, fb_ref)
+
+
+def _gemv_kernels_used(tk, monkeypatch) -> list[str]:
+    """Names of the kernels ``wq_linear`` launches through ``_launch``, appended as they run."""
+    used, real = [], tk.wq._launch
+
+    def spy(family, kernel, *args, **kwargs):
+        used.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return real(family, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(tk.wq, "_launch", spy)
+    return used
+
+
+PACKED_CASES = [(scheme, m, dtype, n, k)
+                for scheme, (n, k) in [(S(4, 128, True), (72, 264)), (S(4, 32, False), (130, 512)),
+                                       (S(4, -1, False), (64, 384)), (S(3, 64, False), (48, 256)),
+                                       (S(4, 64, True), (256, 1024))]
+                for m in (1, 2) for dtype in (torch.float16, torch.bfloat16)]
+
+
+@interp
+@pytest.mark.parametrize("scheme,m,dtype,n,k", PACKED_CASES,
+                         ids=[f"{s.short_name}-M{m}-{str(d)[6:]}-{n}x{k}" for s, m, d, n, k in PACKED_CASES])
+def test_packed_gemv_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k):
+    """fp16 / bf16 x with 4-bit fields (4- and 3-bit codes), M <= 2, no g_idx: the packed GEMV,
+    whatever the group (32 .. per channel), with N and K off the tiles (K a multiple of 8)."""
+    used = _gemv_kernels_used(tk, monkeypatch)
+    r, x, b = make_case(scheme, n, k, m, dtype, bias=(m == 1))
+    y, y_ref = run_both(tk.backend.TritonBackend(), r, x, b)
+    assert used == ["_wq_gemv_f16x2_kernel"]
+    check_close(y, y_ref, dtype)
+
+
+@interp
+def test_packed_gemv_falls_back_to_the_fp32_gemv(tk, monkeypatch):
+    """x rows not 16-byte aligned, K not a multiple of 8, g_idx, fp32 x or 2/8-bit fields take
+    the fp32 GEMV (``_wq_gemv_kernel``), with the same results."""
+    used = _gemv_kernels_used(tk, monkeypatch)
+    backend = tk.backend.TritonBackend()
+    r, x, b = make_case(S(4, 128, True), 64, 256, 1, torch.float16)
+    p = backend.prepare(r, x.dtype)
+    ref = ReferenceBackend()
+    y_ref = ref.linear(x, ref.prepare(r, x.dtype), r.scheme, 64, 256, b)
+    wide = torch.zeros(1, 264, dtype=torch.float16)
+    wide[:, 1:257] = x
+    check_close(backend.linear(wide[:, 1:257], p, r.scheme, 64, 256, b), y_ref, torch.float16)  # misaligned
+    check_close(backend.linear(x, p, r.scheme, 64, 256, b), y_ref, torch.float16)
+    assert used == ["_wq_gemv_kernel", "_wq_gemv_f16x2_kernel"]
+    used.clear()
+    for scheme, n, k, dtype, strategy in [(S(4, 32, True), 48, 260, torch.float16, "permute"),
+                                          (S(4, 32, True, act_order=True), 48, 256, torch.float16, "gidx"),
+                                          (S(4, 128, True), 48, 256, torch.float32, "permute"),
+                                          (S(2, 32, True), 48, 256, torch.float16, "permute"),
+                                          (S(8, 128, False), 48, 256, torch.bfloat16, "permute")]:
+        r, x, b = make_case(scheme, n, k, 2, dtype)
+        y, y_ref = run_both(tk.backend.TritonBackend(strategy), r, x, b)
+        check_close(y, y_ref, dtype)
+    assert used == ["_wq_gemv_kernel"] * 5
+
+
+@interp
+def test_packed_gemv_fp16_partial_sums_at_long_k(tk):
+    """The fp16 path sums 4 * GEMV_CHAIN products per lane in fp16 before fp32: at K = 8192 with
+    activation outliers (1 channel in 256 scaled by 30-100) the error stays within TOL (0.17 to
+    0.20 of it over seeds 0-2; the fp32 GEMV's is the fp16 output rounding alone)."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 128, 8192
+    r = rtn(torch.randn(n, k, generator=g), S(4, 128, True))
+    x = torch.randn(1, k, generator=g)
+    idx = torch.randperm(k, generator=g)[: k // 256]
+    x[0, idx] *= 30 + 70 * torch.rand(len(idx), generator=g)
+    y, y_ref = run_both(tk.backend.TritonBackend(), r, x.half(), None)
+    check_close(y, y_ref, torch.float16)
+
+
+@interp
+@pytest.mark.parametrize("group,kernel", [(40, "_wq_gemv_f16x2_kernel"), (96, "_wq_gemv_f16x2_kernel"),
+                                          (16, "_wq_gemv_f16x2_kernel"), (20, "_wq_gemv_kernel")])
+def test_gemv_group_sizes_off_the_schemes(tk, monkeypatch, group, kernel):
+    """``wq_linear`` takes any group length: the packed GEMV's fp16 partials stay inside one group
+    (a power-of-2 number of words dividing it: 40 rows -> 1 word, 96 -> 4); a group that splits
+    a word (20 rows) takes the fp32 GEMV."""
+    from quantspec.kernels.triton_backend import pack_codes
+
+    used = _gemv_kernels_used(tk, monkeypatch)
+    g = torch.Generator().manual_seed(group)
+    n, k = 64, 480
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(-(-k // group), n, generator=g) + 0.5).half()
+    zeros = torch.randint(0, 16, scales.shape, generator=g, dtype=torch.uint8)
+    x = torch.randn(2, k, generator=g).half()
+    rows = torch.arange(k) // group
+    w = (codes.float() - zeros.float()[rows].T) * scales.float()[rows].T
+    y = tk.wq.wq_linear(x, pack_codes(codes, 4), scales, zeros, None, None, 4, group)
+    assert used == [kernel]
+    check_close(y, (x.float() @ w.T).half(), torch.float16)

@@ -52,7 +52,18 @@ def target_key(target_name: str) -> tuple[str, str]:
     return target.backend, str(target.arch)
 
 
-def first_config(family: str, target_name: str) -> triton.Config:
+def packed_variant(variant: str, target_name: str) -> bool:
+    """Whether the launcher runs a weight-only variant's GEMV (M <= 2) on the packed GEMV."""
+    act, bits, group, _, gidx, _ = WQ_VARIANTS[variant]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
+    return wq_gemm.gemv_packed(dtype, wq_gemm.field_bits(bits), group, gidx, TARGETS[target_name][0].backend) != 0
+
+
+def first_config(family: str, target_name: str, variant: str | None = None) -> triton.Config:
+    """The first config of a family's list for the target; with a weight-only ``variant``, of the
+    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there)."""
+    if family == "gemv" and variant is not None and packed_variant(variant, target_name):
+        family = "gemv_packed"
     return configs.configs_for(family, target_key(target_name))[0]
 
 
@@ -84,32 +95,49 @@ def wq_types(act: str) -> dict:
             "K": "i32", "stride_xm": "i32", "M_KEY": "i32", "code_mask": "i32"}
 
 
-def wq_constexprs(family: str, variant: str, split_k: int = 2) -> dict:
+def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90",
+                  asm: bool = wq_gemm.ASM_PAIR_OPS) -> dict:
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
     c = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros, HAS_GIDX=gidx,
              HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
-    if family == "gemv":
+    if family in ("gemv", "gemv_packed"):
         c["BLOCK_M"] = 1
+        packed = wq_gemm.gemv_packed(dtype, fb, group, gidx, TARGETS[target_name][0].backend, asm)
+        if packed:  # the packed GEMV (else the fp32 one)
+            c["PACKED"] = packed
     else:
         c["DOT_F32"] = act == "fp32"
         c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
     return c
 
 
-def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config):
-    """One code path: ``family`` gemv / small_m / large_m (weight-only, ``variant`` of
-    WQ_VARIANTS) or w8a8, with ``cfg``."""
+def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config,
+                 asm: bool = wq_gemm.ASM_PAIR_OPS):
+    """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
+    of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
+    variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
+    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``)."""
     if family == "w8a8":
         from . import w8a8
 
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    kernel = wq_gemm._wq_gemv_kernel if family == "gemv" else wq_gemm._wq_dot_kernel
-    return compile_kernel(kernel.fn, wq_types(WQ_VARIANTS[variant][0]), wq_constexprs(family, variant), cfg,
-                          target_name)
+    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm)
+    if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
+        if "PACKED" not in consts:
+            if family == "gemv_packed":
+                raise ValueError(f"{variant} does not run on the packed GEMV on {target_name}")
+            kernel = wq_gemm._wq_gemv_kernel
+        else:
+            kernel = wq_gemm._wq_gemv_f16x2_kernel
+            if "ROWS" not in cfg.kwargs:
+                raise ValueError(f"{variant} runs on the packed GEMV: it takes a gemv_packed config (with ROWS)")
+    else:
+        kernel = wq_gemm._wq_dot_kernel
+    return compile_kernel(kernel.fn, wq_types(WQ_VARIANTS[variant][0]), consts, cfg, target_name)
 
 
 def compile_moe(act: str, bits: int, zeros: bool, target_name: str, block=(16, 64, 32)):

@@ -5,9 +5,11 @@ target and kernel family, picked when a kernel is first used (never at import, w
 initialise the GPU driver). Under ``TRITON_INTERPRET=1`` one small fixed config with big tiles
 is used and nothing is autotuned (the interpreter pays per program instance, not per element).
 
-Families: "gemv" (M <= 2, split-K, no tl.dot), "small_m" (M <= 32, tl.dot, split-K),
-"large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters: BLOCK_M/BLOCK_N/BLOCK_K,
-GROUP_M (L2 swizzle of the tiled paths); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack.
+Families: "gemv" (M <= 2, split-K, no tl.dot: the fp32 GEMV), "gemv_packed" (the same for fp16 /
+bf16 x and 4-bit fields: the packed GEMV), "small_m" (M <= 32, tl.dot, split-K), "large_m" (tiled
+tl.dot), "w8a8" (int8 tl.dot). Meta-parameters: BLOCK_M/BLOCK_N/BLOCK_K, GROUP_M (L2 swizzle of
+the tiled paths), ROWS (the packed GEMV's word rows per step); ROCm adds waves_per_eu,
+matrix_instr_nonkdim, kpack.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 import triton
 
-FAMILIES = ("gemv", "small_m", "large_m", "w8a8")
+FAMILIES = ("gemv", "gemv_packed", "small_m", "large_m", "w8a8")
 
 
 def interpreting() -> bool:
@@ -42,6 +44,12 @@ def _cfg(bm, bn, bk, warps, stages, gm=8, **extra):
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
+def _packed_cfg(bn, bk, warps, stages, lanes, **extra):
+    """A packed-GEMV config: ROWS word rows per step, so that each thread holds 4 columns of one
+    row (warps x lanes x 4 / BLOCK_N; with BLOCK_N 128 and 4 warps of 32, one warp per row)."""
+    return _cfg(None, bn, bk, warps, stages, ROWS=max(1, warps * lanes * 4 // bn), **extra)
+
+
 def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
     """NVIDIA lists; sm90 gets deeper pipelines (more shared memory) than sm80."""
     deep = 4 if arch.startswith("9") or arch.startswith("10") else 3
@@ -51,6 +59,14 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
             for bn, bk, w, s in [
                 (128, 64, 4, deep), (256, 32, 4, deep), (256, 64, 8, 3), (512, 32, 4, deep),
                 (512, 16, 4, deep), (512, 32, 8, 3), (1024, 16, 8, 3), (128, 128, 4, 3),
+            ]
+        ]
+    if family == "gemv_packed":  # instructions per weight: BLOCK_K 128-256 amortizes each tile's own work
+        return [
+            _packed_cfg(bn, bk, w, s, 32)
+            for bn, bk, w, s in [
+                (128, 128, 4, 3), (128, 256, 4, 3), (256, 64, 4, deep), (64, 128, 2, deep), (256, 128, 8, 3),
+                (128, 64, 4, deep), (512, 32, 4, deep),
             ]
         ]
     if family == "small_m":
@@ -86,6 +102,14 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
                 (256, 64, 8, 2), (1024, 16, 8, 0),
             ]
         ]
+    if family == "gemv_packed":
+        return [
+            _packed_cfg(bn, bk, w, 2, 64, waves_per_eu=wpe)
+            for bn, bk, w, wpe in [
+                (128, 128, 4, 0), (256, 128, 4, 0), (128, 128, 4, 2), (256, 64, 4, 0), (512, 64, 8, 0),
+                (128, 64, 4, 0),
+            ]
+        ]
     if family == "small_m":
         return [
             _cfg(bm, bn, bk, w, 2, waves_per_eu=wpe, **amd)
@@ -109,6 +133,8 @@ def interpreter_config(family: str) -> dict[str, int]:
     """The one fixed config used under TRITON_INTERPRET=1 (big tiles: few program instances)."""
     if family == "gemv":
         return {"BLOCK_N": 128, "BLOCK_K": 128}
+    if family == "gemv_packed":
+        return {"BLOCK_N": 128, "BLOCK_K": 128, "ROWS": 4}
     if family == "small_m":
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}
     if family in ("large_m", "w8a8"):
