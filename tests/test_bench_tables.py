@@ -26,10 +26,12 @@ def test_quant_cost_schedule_rotates_and_medians_skip_failures():
     mod = runpy.run_path(str(BENCH / "quant_cost.py"))
     order = mod["schedule"](["a", "b", "c"], 3)
     assert [lab for _, lab in order] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    runs = [{"seconds": 10.0, "peak_rss_mb": 100.0, "exit": 0}, {"seconds": 99.0, "peak_rss_mb": 900.0, "exit": 1},
-            {"seconds": 14.0, "peak_rss_mb": 120.0, "exit": 0}]
+    run = lambda s, rss, code, user, sys_, faults: {"seconds": s, "peak_rss_mb": rss, "exit": code,  # noqa: E731
+                                                  "user_s": user, "sys_s": sys_, "minor_faults": faults}
+    runs = [run(10.0, 100.0, 0, 8.0, 1.0, 1000), run(99.0, 900.0, 1, 90.0, 9.0, 9000), run(14.0, 120.0, 0, 9.0, 2.0, 3000)]
     s = mod["summarize"](runs)
-    assert s == {"ok": True, "median_s": 12.0, "median_peak_rss_mb": 110.0, "max_peak_rss_mb": 120.0, "runs": 2}
+    assert s == {"ok": True, "median_s": 12.0, "median_user_s": 8.5, "median_sys_s": 1.5, "median_minor_faults": 2000,
+                 "median_peak_rss_mb": 110.0, "max_peak_rss_mb": 120.0, "runs": 2}
     assert mod["summarize"](runs[1:2]) == {"ok": False}
 
 
@@ -50,3 +52,6 @@ def test_quant_cost_measures_the_quantize_process_peak(tmp_path, monkeypatch):
     assert small["exit"] == 0 and big["exit"] == 0
     assert small["peak_rss_mb"] < 100, small  # a bare interpreter, not this pytest process
     assert big["peak_rss_mb"] - small["peak_rss_mb"] > 150, (small, big)
+    # the child's own page faults: touching 200 MB of fresh pages is at least 150 MB of 4 KiB faults
+    assert big["minor_faults"] - small["minor_faults"] > 150 * 2**20 // 4096, (small, big)
+    assert small["user_s"] > 0 and small["sys_s"] >= 0
