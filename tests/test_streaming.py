@@ -189,7 +189,7 @@ def test_streaming_resume_rewrites_finished_blocks_and_their_alternatives(tmp_pa
     text.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(4000)))
     recipe = Recipe(name="t", method="awq", format="compressed-tensors", scheme=QuantScheme(3, 32, symmetric=False),
                     calibration=CalibrationConfig(data=str(text), samples=12, seqlen=32))
-    monkeypatch.setattr(ModelClipCheck, "decide", lambda self, logits, n_blocks: (True, {}))  # drop the clips
+    monkeypatch.setattr(ModelClipCheck, "decide", lambda self, logits, n_blocks, reducer=None: (True, {}))  # drop the clips
     clean = quantspec.quantize(str(tiny), recipe, tmp_path / "clean", progress=False, streaming=True)
 
     real = calibrate._process
