@@ -657,7 +657,7 @@ def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     import triton
     import triton.language as tl
 
-    wq = tk.wq
+    wq = importlib.import_module("quantspec.kernels.triton.wq_gemv_packed")  # the building blocks
     globals()["wq"] = wq  # the jit function below resolves names in this module
     n = 256
     g = torch.Generator().manual_seed(0)

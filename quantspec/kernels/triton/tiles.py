@@ -1,4 +1,5 @@
-"""Tile bookkeeping the tiled Triton kernels share."""
+"""Tile bookkeeping the tiled Triton kernels share: the L2 swizzle, the even-tile heuristic and the
+split-K epilogue."""
 
 from __future__ import annotations
 
@@ -16,3 +17,22 @@ def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     first_m = (pid // width) * GROUP_M
     rows = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+# K and N multiples of the config's tiles need no masks (set per config, after autotuning)
+EVEN = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
+                          "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})
+
+
+@triton.jit
+def store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr,
+                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Epilogue: bias + cast into ``out`` (SPLIT_K == 1), else fp32 partials of split pid_k."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
