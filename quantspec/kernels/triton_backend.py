@@ -92,7 +92,10 @@ class TritonBackend:
         self.fp8 = fp8
 
     def _fp8_format(self) -> str:
-        return self.fp8 or fp8_format(configs.current_target())
+        """The FP8 flavour, the target's looked up once (not a driver query per linear call)."""
+        if self.fp8 is None:
+            self.fp8 = fp8_format(configs.current_target())
+        return self.fp8
 
     def cannot_run(
         self, scheme: QuantScheme, out_features: int, in_features: int,
