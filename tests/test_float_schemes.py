@@ -429,6 +429,61 @@ def test_cpu_float_kernel_matches_reference(preset, m):
     assert choose_backend(scheme, n, k, torch.device("cpu"), torch.float32, "exact")[0].name == "cpu"
 
 
+def _fgemm(x, prepared, scheme, k):
+    return torch.ops.quantspec_cpu.fgemm(x, prepared["fcodes"], prepared["fscales"], prepared["gscale"],
+                                         int(prepared["fkind"]), scheme.group_len(k))
+
+
+@pytest.mark.parametrize("preset", ["fp8-weight", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(70, 256), (9, 576), (33, 224)])
+def test_cpu_float_kernel_bf16_activations(preset, n, k):
+    """bf16 x takes the AVX-512 BF16 path where the CPU has it (has_bf16_gemv; K a multiple of 64
+    for FP4, 32 for FP8, else the fp32 path): the same exact products summed in another order, so
+    against the fp32 path on the widened x, max |diff| <= 1e-5 x max |y|, for M = 1..6 (every
+    tile shape: 4 rows of x, 2, 1, and a 3 split into 2 + 1) and N not a multiple of 4."""
+    _needs_ext()
+    from quantspec.kernels.cpu import CpuBackend
+
+    scheme = SCHEME_PRESETS[preset]
+    w = _weight(n=n, k=k, seed=k)
+    w[:3] *= 1e-3
+    prepared = CpuBackend().prepare(rtn(w, scheme), torch.bfloat16)
+    for m in range(1, 7):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        y, y32 = _fgemm(x, prepared, scheme, k), _fgemm(x.float(), prepared, scheme, k)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert (y - y32).abs().max() <= 1e-5 * y32.abs().max(), (m, (y - y32).abs().max())
+
+
+@pytest.mark.parametrize("preset", ["fp8-weight", "nvfp4", "mxfp4"])
+def test_cpu_float_kernel_reads_every_weight_back_from_bf16_one_hot(preset):
+    """One-hot bf16 activations read single weights back, bit-equal to the fp32 path; FP8 and
+    MXFP4 (power-of-two scales) also bit-equal to dequantize: every code, with the sign, at
+    every position of a 64-column chunk (the FP4 path reads x in a split order)."""
+    _needs_ext()
+    from quantspec.kernels.cpu import CpuBackend
+
+    scheme = SCHEME_PRESETS[preset]
+    k = 256
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256 if preset == "fp8-weight" else 16, (6, k), generator=g, dtype=torch.uint8)
+    if preset == "fp8-weight":
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN bytes are never written
+        codes[0] = torch.arange(k, dtype=torch.uint8)
+        codes[0, 127] = codes[0, 255] = 1
+        scales = torch.rand(6, 1, generator=g) + 0.5
+        r = QuantResult(codes, scales, None, None, scheme)
+    else:
+        r = rtn(_weight(n=6, k=k, seed=3), scheme)
+        r = replace(r, qweight=codes.to(r.qweight.dtype))
+    prepared = CpuBackend().prepare(r, torch.bfloat16)
+    eye = torch.eye(k)
+    y, y32 = _fgemm(eye.to(torch.bfloat16), prepared, scheme, k), _fgemm(eye, prepared, scheme, k)
+    assert torch.equal(y, y32)
+    if preset != "nvfp4":  # NVFP4's dequantize divides by the global scale, the kernel multiplies
+        assert torch.equal(y.T, r.dequantize())
+
+
 def test_cpu_fp8_kernel_decodes_every_byte():
     """One-hot activations read single weights back: every E4M3FN byte (subnormals included)."""
     _needs_ext()

@@ -377,7 +377,8 @@ class CpuBackend:
         if scheme.is_float:
             if load_cpu_ext() is None:
                 raise RuntimeError("float weights need the cpu extension, which is not built here")
-            y = torch.ops.quantspec_cpu.fgemm(x2.to(torch.float32), prepared["fcodes"], prepared["fscales"],
+            xk = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.float32)  # bf16: the AVX-512 BF16 path
+            y = torch.ops.quantspec_cpu.fgemm(xk, prepared["fcodes"], prepared["fscales"],
                                               prepared["gscale"], int(prepared["fkind"]), scheme.group_len(in_features))
             if bias is not None:
                 y = y + bias.to(torch.float32)
