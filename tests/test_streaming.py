@@ -4,6 +4,7 @@ and its peak memory stays far below the dense model's size."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,10 @@ from safetensors import safe_open
 
 import quantspec
 from quantspec.checkpoint.save import folder_size_bytes
+from quantspec.quant.heap import TRIM_ENV, trims_each_block
 from quantspec.quant.recipe import CalibrationConfig, Recipe
 from quantspec.core.scheme import QuantScheme
+from quantspec.errors import QuantspecError
 
 from helpers import make_tiny_model
 
@@ -104,16 +107,18 @@ def _streamed(tmp_path, arch: str, blocks: int, method: str) -> tuple[dict, int]
     folder = make_tiny_model(tmp_path / f"{arch}-{blocks}", arch, num_hidden_layers=blocks, **DEEP[arch])
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"token{i % 97} word{i % 13}" for i in range(3000)))
+    env = {**os.environ, TRIM_ENV: "always"}  # these models are far below auto's threshold (a quarter of RAM)
     r = subprocess.run([sys.executable, "-c", PROBE, str(folder), str(tmp_path / f"out-{arch}-{blocks}"), method, str(calib)],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), folder_size_bytes(folder)
 
 
 @pytest.mark.parametrize("arch,method", [("llama", "rtn"), ("qwen3_moe", "gptq")])
 def test_streaming_memory_does_not_grow_with_the_model(tmp_path, arch, method):
-    """Streaming holds one block at a time. A 12-block model (~200-300 MB in fp32; the MoE one
-    with 16 experts per block, calibrated route-all): the resident size between blocks stays
+    """Streaming holds one block at a time, and with the heap returned after each block (the
+    policy for models above a quarter of RAM, forced here) memory stays flat. A 12-block model
+    (~200-300 MB in fp32; the MoE one with 16 experts per block, calibrated route-all): the resident size between blocks stays
     within half a block of where it started, and the peak stays within three blocks' bytes of
     the same model's with 4 blocks (a block's own transient peak, about 4 blocks' bytes for
     these small blocks, varies with the allocator's state by up to ~2 in one run: the least of
@@ -134,6 +139,27 @@ def test_streaming_memory_does_not_grow_with_the_model(tmp_path, arch, method):
     small_peak = min(grown(p) for p, _ in runs[0::2])
     big_peak = min(grown(p) for p, _ in runs[1::2])
     assert big_peak - small_peak < 3 * block, ([grown(p) for p, _ in runs], block)
+
+
+def test_heap_trim_policy():
+    """``auto`` returns the freed heap after each block only for a model above a quarter of the
+    available memory (or where that is unknown); a bad QUANTSPEC_TRIM_HEAP fails at once."""
+    gib = 1 << 30
+    assert not trims_each_block(1 * gib, 24 * gib)
+    assert trims_each_block(7 * gib, 24 * gib)
+    assert trims_each_block(1, None)
+    assert trims_each_block(1, 24 * gib, "always") and not trims_each_block(100 * gib, 24 * gib, "never")
+    with pytest.raises(QuantspecError, match="QUANTSPEC_TRIM_HEAP='sometimes'"):
+        trims_each_block(1, 24 * gib, "sometimes")
+
+
+def test_bad_trim_policy_fails_before_calibrating(tmp_path, monkeypatch):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    monkeypatch.setenv(TRIM_ENV, "sometimes")
+    recipe = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32))
+    with pytest.raises(QuantspecError, match="not a heap policy"):
+        quantspec.quantize(str(folder), recipe, tmp_path / "out", progress=False, streaming=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_streaming_applies_the_model_level_clip_choice(tmp_path, monkeypatch):

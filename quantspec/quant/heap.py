@@ -6,7 +6,8 @@ hundreds of MB) page-faults and zero-fills all of its memory on every call: meas
 made a batched SmolLM2 block forward 1.8x slower than the same work sample by sample.
 ``reuse_freed_memory()`` raises the mmap and trim thresholds for the duration of a run (so freed
 blocks are reused), then restores glibc's defaults and returns the heap's free memory to the
-system. Elsewhere than glibc it does nothing.
+system. Elsewhere than glibc it does nothing. ``trims_each_block`` decides whether the streaming
+path also returns it after every block.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Iterator
+
+from ..errors import QuantspecError
 
 # mallopt parameters (malloc.h) and glibc's defaults.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -49,9 +52,38 @@ def reuse_freed_memory() -> Iterator[None]:
 
 def release_heap() -> None:
     """Return the heap's free memory to the system now (glibc ``malloc_trim``; elsewhere a
-    no-op). The streaming path calls it after each block: without it, glibc keeps the freed
-    pages of every block it has processed (fragmentation across blocks), and the resident size
-    of a streamed model grows by most of a block per block."""
+    no-op)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+TRIM_ENV = "QUANTSPEC_TRIM_HEAP"
+TRIM_MODES = ("auto", "always", "never")
+
+
+def trims_each_block(model_bytes: int, available_bytes: int | None, mode: str = "auto") -> bool:
+    """Whether streaming returns the freed heap to the system after every block.
+
+    Without it, glibc keeps the freed pages of processed blocks (fragmentation across blocks):
+    on a 12-block test model the resident size grew by most of a block per block, up to about the
+    model's size. With it, the next block page-faults its calibration buffers in again, which
+    made SmolLM2-135M GPTQ 9% slower than before the quantize-core redesign (measured in
+    benchmarks/results/quant-cost-gptq.md). So ``auto`` trims only where the kept pages matter: a model
+    (fp32 bytes) above a quarter of the memory available when the run starts, or where that is
+    unknown. ``always`` / ``never`` force it (``QUANTSPEC_TRIM_HEAP``)."""
+    if mode not in TRIM_MODES:
+        raise QuantspecError(f"{TRIM_ENV}={mode!r} is not a heap policy.", f"use one of {', '.join(TRIM_MODES)}.")
+    if mode != "auto":
+        return mode == "always"
+    return available_bytes is None or model_bytes > available_bytes / 4
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the system can give without swapping (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((x for x in f if x.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+    return int(line.split()[1]) * 1024 if line else None

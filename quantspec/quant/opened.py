@@ -76,7 +76,8 @@ class Lazy:
         load_outside_blocks(self.model, self.weights, arch.blocks, torch.float32, (head,) if stream_head else ())
 
     def source(self, arch: ArchSpec) -> LazySource:
-        return LazySource(self.weights, arch, torch.float32)
+        fp32_bytes = 4 * sum(p.numel() for p in self.model.parameters())
+        return LazySource(self.weights, arch, torch.float32, fp32_bytes)
 
     def sink(self, folder: Path, arch: ArchSpec, fmt, save_dtype: torch.dtype, rest_quantized: bool) -> ShardSink:
         inside = lambda n: n.startswith(arch.blocks + ".")  # noqa: E731

@@ -9,6 +9,7 @@ tensors + one block + the calibration activations, for models larger than RAM.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -115,8 +116,11 @@ class LazySource:
     """Block weights read from ``weights`` just before a block is processed, released (back to
     the meta device) after its results are written."""
 
-    def __init__(self, weights: LazyWeights, arch: ArchSpec, dtype: torch.dtype):
+    def __init__(self, weights: LazyWeights, arch: ArchSpec, dtype: torch.dtype, model_bytes: int):
+        from .heap import TRIM_ENV, available_memory_bytes, trims_each_block
+
         self.weights, self.arch, self.dtype = weights, arch, dtype
+        self.trim = trims_each_block(model_bytes, available_memory_bytes(), os.environ.get(TRIM_ENV, "auto"))
 
     def load(self, index: int, block: nn.Module) -> None:
         self.weights.load_into(block, self.arch.block_name(index), self.dtype)
@@ -125,7 +129,8 @@ class LazySource:
         from .heap import release_heap
 
         block.to("meta")
-        release_heap()
+        if self.trim:
+            release_heap()
 
 
 def release_tensor(module: nn.Module, attr: str) -> None:
