@@ -157,6 +157,22 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
 
 
+@triton.jit
+def _dot(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x @ w (x [BLOCK_M, BLOCK_K]), or with SWAP_AB acc + w.T @ x (x given as x.T [BLOCK_K,
+    BLOCK_M], acc [BLOCK_N, BLOCK_M]); acc None: the product alone. DOT_F32: fp32 IEEE dot."""
+    if DOT_F32:
+        if SWAP_AB:
+            out = tl.dot(tl.trans(w), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    elif SWAP_AB:
+        out = tl.dot(tl.trans(w.to(x.dtype)), x, acc)
+    else:
+        out = tl.dot(x, w.to(x.dtype), acc)
+    return out
+
+
 @_EVEN
 @triton.jit
 def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_ptr,
@@ -165,7 +181,8 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   SWAP_AB: tl.constexpr = False):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -174,6 +191,8 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     decode, memory-bound) multiply the scale into the dot's fp32 result, once per column; large
     tiles scale the operand so that the dots chain in one accumulator. A tile of several groups
     (g_idx, small groups) dequantizes each element in fp32. DOT_F32: fp32 operands, IEEE dot.
+    SWAP_AB computes the transposed product, acc.T [BLOCK_N, BLOCK_M] += W.T @ x.T (the weight
+    the left operand, x.T read from memory), transposed back for the store.
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
@@ -184,22 +203,29 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        if SWAP_AB:  # x.T [BLOCK_K, BLOCK_M]
+            x_ptrs = x_ptr + offs_k[:, None] + offs_m[None, :] * stride_xm
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=offs_m[None, :] < M, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if HAS_GIDX or GROUP % BLOCK_K != 0:
             w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
-            if DOT_F32:
-                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+            acc = _dot(x, w, acc, SWAP_AB, DOT_F32)
         else:
             codes = _load_codes(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
@@ -211,15 +237,15 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                 wq = tl.reshape(v - (z + base).to(x.dtype)[None, None, :], (BLOCK_K, BLOCK_N))
             else:
                 wq = tl.reshape(_magic_f32(codes, (z + 8388608.0)[None, None, :]), (BLOCK_K, BLOCK_N)).to(x.dtype)
-            if BLOCK_M <= 32:
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), wq, input_precision="ieee") * s[None, :]
+            if BLOCK_M <= 32:  # the scale of column n: along acc's columns, or rows with SWAP_AB
+                if SWAP_AB:
+                    acc += _dot(x, wq, None, SWAP_AB, DOT_F32) * s[:, None]
                 else:
-                    acc += tl.dot(x, wq) * s[None, :]
-            elif DOT_F32:
-                acc = tl.dot(x.to(tl.float32), wq * s[None, :], acc, input_precision="ieee")
+                    acc += _dot(x, wq, None, SWAP_AB, DOT_F32) * s[None, :]
             else:
-                acc = tl.dot(x, wq * s.to(x.dtype)[None, :], acc)
+                acc = _dot(x, wq * s.to(wq.dtype)[None, :], acc, SWAP_AB, DOT_F32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
 
 
@@ -253,6 +279,16 @@ def _magic16(dtype: torch.dtype, fb: int) -> int:
 # launcher runs the plain-Triton pair operations (PACKED 1, what the interpreter tests) on every
 # target; ``asm=True`` (the AOT compiles, the gpu test of the asm path) selects them.
 ASM_PAIR_OPS = False
+
+
+# The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends.
+SWAP_AB_BACKENDS: frozenset[str] = frozenset()
+
+
+def swap_ab(family: str, backend: str) -> bool:
+    """Whether ``_wq_dot_kernel`` runs with SWAP_AB for a family ("small_m" / "large_m") on a
+    backend ("cuda", "hip", "interpreter")."""
+    return family == "small_m" and backend in SWAP_AB_BACKENDS
 
 
 def gemv_packed(dtype: torch.dtype, fb: int, group: int, has_gidx: bool, backend: str,
@@ -415,6 +451,7 @@ def wq_linear(
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
         meta["MAGIC16"] = _magic16(x.dtype, fb)
+        meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0])
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
