@@ -246,12 +246,16 @@ def amdgcn_loop(asm: str) -> int:
     return max(size.values(), default=0)
 
 
-def cuda_usage(cubin: bytes) -> dict:
+def cuobjdump(cubin: bytes, flag: str = "-sass") -> str:
+    """Triton's own cuobjdump run on a cubin (``-sass``: the SASS listing; ``-res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([_cuobjdump(), flag, f.name], capture_output=True, text=True).stdout
+
+
+def cuda_usage(cubin: bytes) -> dict:
+    res, sass = cuobjdump(cubin, "-res-usage"), cuobjdump(cubin)
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
     return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
             "local_bytes": int(fields.get("LOCAL", 0)), "loop_instructions": sass_loop(sass),

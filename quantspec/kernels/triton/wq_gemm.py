@@ -25,6 +25,8 @@ import triton.language as tl
 
 from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
+from .wq_dequant import (
+    _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
@@ -35,77 +37,6 @@ PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is i
 def field_bits(bits: int) -> int:
     """Width of one code's field in a packed word: 3-bit codes use 4-bit fields."""
     return 4 if bits == 3 else bits
-
-
-@triton.jit
-def _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """uint32 codes [KW, PF, BLOCK_N] of rows k0 .. k0 + BLOCK_K (field i of word j is row
-    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift and
-    ``code_mask`` (2**FB - 1; passed at run time, the compiler keeps shift, and-or as two
-    instructions instead of a bit-field extract and an or). Words past K or N read as 0 (EVEN:
-    none are, no masks)."""
-    PF: tl.constexpr = 32 // FB
-    KW: tl.constexpr = BLOCK_K // PF
-    offs_w = k0 // PF + tl.arange(0, KW)
-    ptrs = qw_ptr + offs_w[:, None] * N + offs_n[None, :]
-    if EVEN:
-        words = tl.load(ptrs)
-    else:
-        words = tl.load(ptrs, mask=(offs_w[:, None] < tl.cdiv(K, PF)) & (offs_n[None, :] < N), other=0)
-    shifts = (tl.arange(0, PF) * FB).to(tl.uint32)
-    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & code_mask
-
-
-@triton.jit
-def _magic_f32(codes, zf):
-    """codes - zero as exact fp32, with no int->float conversion instruction (those run at a
-    fraction of the ALU rate): ``code | 0x4B000000`` read as fp32 is 2**23 + code, and
-    ``zf`` = zero + 2**23."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - zf
-
-
-@triton.jit
-def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
-                      HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
-    """fp32 scales and zero points [BLOCK_N] of group g."""
-    if EVEN_N:
-        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-    else:
-        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        if EVEN_N:
-            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            z = tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    else:
-        z = tl.zeros_like(s) + SYM_ZERO
-    return s, z
-
-
-@triton.jit
-def _dequant_gathered(qw_ptr, code_mask, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
-                      FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
-                      HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, EVEN: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 dequantized rows k0 .. k0 + BLOCK_K when one tile holds several
-    groups: a scale (and zero) gathered per element, from g_idx or from k // GROUP. Rows past
-    K are not zero (the caller's x is 0 there); columns past N are."""
-    codes = _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
-    q = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    if HAS_GIDX:
-        g = tl.load(gidx_ptr + offs_k, mask=offs_k < K, other=0)
-    else:
-        g = offs_k // GROUP
-    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-    else:
-        z = SYM_ZERO
-    return (q - z) * s
-
 
 
 @_EVEN
@@ -155,22 +86,6 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_
                 a = tl.sum(tl.sum(xm.to(tl.float32)[:, :, None] * qz, axis=1), axis=0)  # [BN]
                 acc += tl.where(offs_m[:, None] == mi, (a * s)[None, :], 0.0)
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
-
-
-@triton.jit
-def _dot(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + x @ w (x [BLOCK_M, BLOCK_K]), or with SWAP_AB acc + w.T @ x (x given as x.T [BLOCK_K,
-    BLOCK_M], acc [BLOCK_N, BLOCK_M]); acc None: the product alone. DOT_F32: fp32 IEEE dot."""
-    if DOT_F32:
-        if SWAP_AB:
-            out = tl.dot(tl.trans(w), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            out = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-    elif SWAP_AB:
-        out = tl.dot(tl.trans(w.to(x.dtype)), x, acc)
-    else:
-        out = tl.dot(x, w.to(x.dtype), acc)
-    return out
 
 
 @_EVEN
@@ -225,7 +140,15 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
         if HAS_GIDX or GROUP % BLOCK_K != 0:
             w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
-            acc = _dot(x, w, acc, SWAP_AB, DOT_F32)
+            acc = _dot(x, tl.trans(w) if SWAP_AB else w, acc, SWAP_AB, DOT_F32)
+        elif SWAP_AB:
+            codes = _load_codes_t(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            wt = _code_minus_zero(codes, z[:, None], x, DOT_F32, MAGIC16)  # W.T [BLOCK_N, BLOCK_K]
+            if BLOCK_M <= 32:
+                acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
+            else:
+                acc = _dot(x, wt * s.to(wt.dtype)[:, None], acc, SWAP_AB, DOT_F32)
         else:
             codes = _load_codes(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
@@ -281,8 +204,12 @@ def _magic16(dtype: torch.dtype, fb: int) -> int:
 ASM_PAIR_OPS = False
 
 
-# The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends.
-SWAP_AB_BACKENDS: frozenset[str] = frozenset()
+# The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends: compiled
+# here (benchmarks/results/kernel-isa.md, docs/decisions/small-m-swap-ab.md) it takes sm90's main
+# loop from 6.09 to 4.89 instructions per weight (fp16 W4 g128; the weight the register operand of
+# wgmma) and gfx942's from 9.25 to 4.5. Not yet timed on a GPU; the interpreter keeps the plain
+# product (the interpreter tests force SWAP_AB in test_small_m_swap_ab_matches_reference).
+SWAP_AB_BACKENDS: frozenset[str] = frozenset({"cuda", "hip"})
 
 
 def swap_ab(family: str, backend: str) -> bool:
