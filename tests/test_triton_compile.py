@@ -160,3 +160,27 @@ def test_the_w4_gemv_instruction_budget(target_name, variant, asm):
     code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
     assert code["spills"] == 0, code
     assert code["instructions_per_weight"] <= GEMV_BUDGETS[target_name, variant, asm], code
+
+
+# The small-M tl.dot path with SWAP_AB (acc.T += W.T @ x.T), what the launcher runs on both targets:
+# instructions per weight within these budgets (measured with Triton 3.9: sm90 fp16 4.891, bf16
+# 5.438, gfx942 fp16 4.5, bf16 12.188; the plain product: 6.094, 7.625, 9.25, 14.875).
+SWAP_AB_BUDGETS = {("sm90", "fp16-w4g128-sym"): 5.0, ("sm90", "bf16-w4g128-asym"): 5.6,
+                   ("gfx942", "fp16-w4g128-sym"): 4.7, ("gfx942", "bf16-w4g128-asym"): 12.5}
+
+
+@pytest.mark.parametrize("target_name,variant", list(SWAP_AB_BUDGETS))
+def test_small_m_swap_ab_budget_and_operands(target_name, variant):
+    """No spills and the budget; on sm90 the dequantized weight is wgmma's register operand
+    (``HGMMA ... R<a>, gdesc[..]``: A from registers, x.T the shared-memory descriptor) and
+    reaches it without a scalar store per element (the plain product's 64 STS.U16 per thread)."""
+    assert aot.wq_gemm.swap_ab("small_m", aot.TARGETS[target_name][0].backend)
+    cfg = aot.first_config("small_m", target_name, variant)
+    kernel = aot.compile_path("small_m", target_name, variant, cfg, swap_ab=True)
+    code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+    assert code["spills"] == 0, code
+    assert code["instructions_per_weight"] <= SWAP_AB_BUDGETS[target_name, variant], code
+    if target_name == "sm90":
+        sass = aot.cuobjdump(kernel.asm["cubin"])
+        assert re.search(r"HGMMA\.64x16x16\.F32\S* R\d+, R\d+, gdesc\[", sass), "wgmma A is not a register operand"
+        assert "STS.U16" not in sass

@@ -166,6 +166,36 @@ def test_split_k_partials_are_reduced(tk, m, split_k):
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 48, 384, b), torch.float16)
 
 
+SWAP_AB_CASES = [  # (scheme, m, dtype, n, k, split_k): the interpreter's tiles are 32 x 128 x 128
+    (S(4, 128, True), 3, torch.float16, 72, 320, 1), (S(4, 128, False), 16, torch.float16, 200, 384, 2),
+    (S(4, 128, False), 17, torch.float32, 72, 320, 3), (S(4, 128, True), 32, torch.float32, 256, 256, 1),
+    (S(4, -1, False), 32, torch.float16, 130, 256, 2), (S(8, 128, False), 17, torch.float16, 48, 320, 2),
+    (S(8, -1, True), 3, torch.float32, 72, 256, 1), (S(3, 64, False), 16, torch.float16, 72, 320, 1),
+    (S(2, 32, True), 17, torch.float32, 48, 256, 2),
+]
+
+
+@interp
+@pytest.mark.parametrize("scheme,m,dtype,n,k,split_k", SWAP_AB_CASES,
+                         ids=[f"{c[0].short_name}-M{c[1]}-{str(c[2])[6:]}-{c[3]}x{c[4]}-split{c[5]}"
+                              for c in SWAP_AB_CASES])
+def test_small_m_swap_ab_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, split_k):
+    """The small-M tl.dot path with SWAP_AB (acc.T += W.T @ x.T, forced on here): 8- and 4-bit
+    fields (the tl.join unpack), 2-bit (broadcast shift), 3-bit, groups inside and across the K
+    tile, with and without zeros, split-K, N and K off the tiles (masked)."""
+    monkeypatch.setattr(tk.wq, "SWAP_AB_BACKENDS", frozenset({"interpreter"}))
+    metas, real = [], tk.wq._launch
+    monkeypatch.setattr(tk.wq, "_launch", lambda family, kernel, grid, args, meta, *a: (
+        metas.append((family, meta.get("SWAP_AB"))), real(family, kernel, grid, args, meta, *a)))
+    r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
+    p = tk.backend.TritonBackend().prepare(r, dtype)
+    y = tk.wq.wq_linear(x, p["qweight"], p["scales"], p.get("zeros"), None, b, bits=scheme.bits,
+                        group_size=scheme.group_size, split_k=split_k)
+    assert metas == [("small_m", True)]
+    ref = ReferenceBackend()
+    check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
+
+
 @interp
 def test_act_order_layouts(tk):
     """'permute' sorts rows into contiguous groups; 'gidx' keeps g_idx; an irregular g_idx

@@ -96,7 +96,7 @@ def wq_types(act: str) -> dict:
 
 
 def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90",
-                  asm: bool = wq_gemm.ASM_PAIR_OPS) -> dict:
+                  asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None) -> dict:
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
@@ -110,22 +110,26 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
     else:
         c["DOT_F32"] = act == "fp32"
         c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
+        if swap_ab is None:  # what the launcher runs on the target
+            swap_ab = wq_gemm.swap_ab(family, TARGETS[target_name][0].backend)
+        c["SWAP_AB"] = swap_ab
     return c
 
 
 def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config,
-                 asm: bool = wq_gemm.ASM_PAIR_OPS):
+                 asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None):
     """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
     variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
-    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``)."""
+    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``); ``swap_ab``: the
+    tl.dot kernel's transposed product (None: as the launcher picks it, ``wq_gemm.swap_ab``)."""
     if family == "w8a8":
         from . import w8a8
 
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm)
+    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab)
     if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
         if "PACKED" not in consts:
             if family == "gemv_packed":
@@ -242,12 +246,16 @@ def amdgcn_loop(asm: str) -> int:
     return max(size.values(), default=0)
 
 
-def cuda_usage(cubin: bytes) -> dict:
+def cuobjdump(cubin: bytes, flag: str = "-sass") -> str:
+    """Triton's own cuobjdump run on a cubin (``-sass``: the SASS listing; ``-res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([_cuobjdump(), flag, f.name], capture_output=True, text=True).stdout
+
+
+def cuda_usage(cubin: bytes) -> dict:
+    res, sass = cuobjdump(cubin, "-res-usage"), cuobjdump(cubin)
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
     return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
             "local_bytes": int(fields.get("LOCAL", 0)), "loop_instructions": sass_loop(sass),

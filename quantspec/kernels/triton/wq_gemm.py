@@ -25,6 +25,8 @@ import triton.language as tl
 
 from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
+from .wq_dequant import (
+    _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
@@ -35,77 +37,6 @@ PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is i
 def field_bits(bits: int) -> int:
     """Width of one code's field in a packed word: 3-bit codes use 4-bit fields."""
     return 4 if bits == 3 else bits
-
-
-@triton.jit
-def _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """uint32 codes [KW, PF, BLOCK_N] of rows k0 .. k0 + BLOCK_K (field i of word j is row
-    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift and
-    ``code_mask`` (2**FB - 1; passed at run time, the compiler keeps shift, and-or as two
-    instructions instead of a bit-field extract and an or). Words past K or N read as 0 (EVEN:
-    none are, no masks)."""
-    PF: tl.constexpr = 32 // FB
-    KW: tl.constexpr = BLOCK_K // PF
-    offs_w = k0 // PF + tl.arange(0, KW)
-    ptrs = qw_ptr + offs_w[:, None] * N + offs_n[None, :]
-    if EVEN:
-        words = tl.load(ptrs)
-    else:
-        words = tl.load(ptrs, mask=(offs_w[:, None] < tl.cdiv(K, PF)) & (offs_n[None, :] < N), other=0)
-    shifts = (tl.arange(0, PF) * FB).to(tl.uint32)
-    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & code_mask
-
-
-@triton.jit
-def _magic_f32(codes, zf):
-    """codes - zero as exact fp32, with no int->float conversion instruction (those run at a
-    fraction of the ALU rate): ``code | 0x4B000000`` read as fp32 is 2**23 + code, and
-    ``zf`` = zero + 2**23."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - zf
-
-
-@triton.jit
-def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
-                      HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
-    """fp32 scales and zero points [BLOCK_N] of group g."""
-    if EVEN_N:
-        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-    else:
-        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        if EVEN_N:
-            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            z = tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    else:
-        z = tl.zeros_like(s) + SYM_ZERO
-    return s, z
-
-
-@triton.jit
-def _dequant_gathered(qw_ptr, code_mask, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
-                      FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
-                      HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, EVEN: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 dequantized rows k0 .. k0 + BLOCK_K when one tile holds several
-    groups: a scale (and zero) gathered per element, from g_idx or from k // GROUP. Rows past
-    K are not zero (the caller's x is 0 there); columns past N are."""
-    codes = _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
-    q = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    if HAS_GIDX:
-        g = tl.load(gidx_ptr + offs_k, mask=offs_k < K, other=0)
-    else:
-        g = offs_k // GROUP
-    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-    else:
-        z = SYM_ZERO
-    return (q - z) * s
-
 
 
 @_EVEN
@@ -165,7 +96,8 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   SWAP_AB: tl.constexpr = False):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -174,6 +106,8 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     decode, memory-bound) multiply the scale into the dot's fp32 result, once per column; large
     tiles scale the operand so that the dots chain in one accumulator. A tile of several groups
     (g_idx, small groups) dequantizes each element in fp32. DOT_F32: fp32 operands, IEEE dot.
+    SWAP_AB computes the transposed product, acc.T [BLOCK_N, BLOCK_M] += W.T @ x.T (the weight
+    the left operand, x.T read from memory), transposed back for the store.
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
@@ -184,22 +118,37 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        if SWAP_AB:  # x.T [BLOCK_K, BLOCK_M]
+            x_ptrs = x_ptr + offs_k[:, None] + offs_m[None, :] * stride_xm
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=offs_m[None, :] < M, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if HAS_GIDX or GROUP % BLOCK_K != 0:
             w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
-            if DOT_F32:
-                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            acc = _dot(x, tl.trans(w) if SWAP_AB else w, acc, SWAP_AB, DOT_F32)
+        elif SWAP_AB:
+            codes = _load_codes_t(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            wt = _code_minus_zero(codes, z[:, None], x, DOT_F32, MAGIC16)  # W.T [BLOCK_N, BLOCK_K]
+            if BLOCK_M <= 32:
+                acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
             else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+                acc = _dot(x, wt * s.to(wt.dtype)[:, None], acc, SWAP_AB, DOT_F32)
         else:
             codes = _load_codes(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
@@ -211,15 +160,15 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                 wq = tl.reshape(v - (z + base).to(x.dtype)[None, None, :], (BLOCK_K, BLOCK_N))
             else:
                 wq = tl.reshape(_magic_f32(codes, (z + 8388608.0)[None, None, :]), (BLOCK_K, BLOCK_N)).to(x.dtype)
-            if BLOCK_M <= 32:
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), wq, input_precision="ieee") * s[None, :]
+            if BLOCK_M <= 32:  # the scale of column n: along acc's columns, or rows with SWAP_AB
+                if SWAP_AB:
+                    acc += _dot(x, wq, None, SWAP_AB, DOT_F32) * s[:, None]
                 else:
-                    acc += tl.dot(x, wq) * s[None, :]
-            elif DOT_F32:
-                acc = tl.dot(x.to(tl.float32), wq * s[None, :], acc, input_precision="ieee")
+                    acc += _dot(x, wq, None, SWAP_AB, DOT_F32) * s[None, :]
             else:
-                acc = tl.dot(x, wq * s.to(x.dtype)[None, :], acc)
+                acc = _dot(x, wq * s.to(wq.dtype)[None, :], acc, SWAP_AB, DOT_F32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     _store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT_K)
 
 
@@ -253,6 +202,20 @@ def _magic16(dtype: torch.dtype, fb: int) -> int:
 # launcher runs the plain-Triton pair operations (PACKED 1, what the interpreter tests) on every
 # target; ``asm=True`` (the AOT compiles, the gpu test of the asm path) selects them.
 ASM_PAIR_OPS = False
+
+
+# The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends: compiled
+# here (benchmarks/results/kernel-isa.md, docs/decisions/small-m-swap-ab.md) it takes sm90's main
+# loop from 6.09 to 4.89 instructions per weight (fp16 W4 g128; the weight the register operand of
+# wgmma) and gfx942's from 9.25 to 4.5. Not yet timed on a GPU; the interpreter keeps the plain
+# product (the interpreter tests force SWAP_AB in test_small_m_swap_ab_matches_reference).
+SWAP_AB_BACKENDS: frozenset[str] = frozenset({"cuda", "hip"})
+
+
+def swap_ab(family: str, backend: str) -> bool:
+    """Whether ``_wq_dot_kernel`` runs with SWAP_AB for a family ("small_m" / "large_m") on a
+    backend ("cuda", "hip", "interpreter")."""
+    return family == "small_m" and backend in SWAP_AB_BACKENDS
 
 
 def gemv_packed(dtype: torch.dtype, fb: int, group: int, has_gidx: bool, backend: str,
@@ -415,6 +378,7 @@ def wq_linear(
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
         meta["MAGIC16"] = _magic16(x.dtype, fb)
+        meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0])
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024

@@ -1,0 +1,138 @@
+"""The weight-only tl.dot and GEMV kernels' building blocks (wq_gemm.py): packed codes read from
+``qweight`` (K-major as ``_load_codes``, or transposed for the swapped product as
+``_load_codes_t``), code - zero without conversion instructions, per-element dequantization of
+tiles spanning several groups, and the tl.dot of either orientation (``_dot``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """uint32 codes [KW, PF, BLOCK_N] of rows k0 .. k0 + BLOCK_K (field i of word j is row
+    k0 + PF*j + i): each word loaded once, its fields split by one broadcast shift and
+    ``code_mask`` (2**FB - 1; passed at run time, the compiler keeps shift, and-or as two
+    instructions instead of a bit-field extract and an or). Words past K or N read as 0 (EVEN:
+    none are, no masks)."""
+    PF: tl.constexpr = 32 // FB
+    KW: tl.constexpr = BLOCK_K // PF
+    offs_w = k0 // PF + tl.arange(0, KW)
+    ptrs = qw_ptr + offs_w[:, None] * N + offs_n[None, :]
+    if EVEN:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=(offs_w[:, None] < tl.cdiv(K, PF)) & (offs_n[None, :] < N), other=0)
+    shifts = (tl.arange(0, PF) * FB).to(tl.uint32)
+    return (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & code_mask
+
+
+@triton.jit
+def _load_codes_t(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """uint32 codes of W.T [BLOCK_N, BLOCK_K] (rows k0 .. k0 + BLOCK_K along dim 1). 8- and 4-bit
+    fields are split by one shift and mask each and put back in order by tl.join (a new minor
+    dimension, in registers: a thread keeps its word's codes, K-contiguous, as the left tl.dot
+    operand wants them); a broadcast shift (``_load_codes``) makes the compiler spread one word's
+    fields over threads and pass the tile through shared memory one element at a time."""
+    PF: tl.constexpr = 32 // FB
+    KW: tl.constexpr = BLOCK_K // PF
+    offs_w = k0 // PF + tl.arange(0, KW)
+    ptrs = qw_ptr + offs_w[None, :] * N + offs_n[:, None]
+    if EVEN:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=(offs_w[None, :] < tl.cdiv(K, PF)) & (offs_n[:, None] < N), other=0)
+    w = words.to(tl.uint32, bitcast=True)
+    if FB == 8:  # fields (a, b) of join(join(f0, f2), join(f1, f3)) hold field 2a + b
+        c = tl.join(tl.join(w & code_mask, (w >> 16) & code_mask), tl.join((w >> 8) & code_mask, w >> 24))
+    elif FB == 4:  # (a, b, c): field 4a + 2b + c
+        c = tl.join(tl.join(tl.join(w & code_mask, (w >> 16) & code_mask),
+                            tl.join((w >> 8) & code_mask, (w >> 24) & code_mask)),
+                    tl.join(tl.join((w >> 4) & code_mask, (w >> 20) & code_mask),
+                            tl.join((w >> 12) & code_mask, w >> 28)))
+    else:
+        c = (w[:, :, None] >> (tl.arange(0, PF) * FB).to(tl.uint32)[None, None, :]) & code_mask
+    return tl.reshape(c, (offs_n.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _code_minus_zero(codes, z, x, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr):
+    """code - zero (broadcast) as exact fp32 (DOT_F32), or in x's dtype (MAGIC16 or via fp32)."""
+    if DOT_F32:
+        r = _magic_f32(codes, z + 8388608.0)
+    elif MAGIC16 != 0:
+        base = 1024.0 if MAGIC16 == 0x6400 else 128.0
+        r = (codes | MAGIC16).to(tl.uint16).to(x.dtype, bitcast=True) - (z + base).to(x.dtype)
+    else:
+        r = _magic_f32(codes, z + 8388608.0).to(x.dtype)
+    return r
+
+
+@triton.jit
+def _magic_f32(codes, zf):
+    """codes - zero as exact fp32, with no int->float conversion instruction (those run at a
+    fraction of the ALU rate): ``code | 0x4B000000`` read as fp32 is 2**23 + code, and
+    ``zf`` = zero + 2**23."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - zf
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
+    """fp32 scales and zero points [BLOCK_N] of group g."""
+    if EVEN_N:
+        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        if EVEN_N:
+            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + SYM_ZERO
+    return s, z
+
+
+@triton.jit
+def _dequant_gathered(qw_ptr, code_mask, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N,
+                      FB: tl.constexpr, GROUP: tl.constexpr, SYM_ZERO: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, EVEN: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32 dequantized rows k0 .. k0 + BLOCK_K when one tile holds several
+    groups: a scale (and zero) gathered per element, from g_idx or from k // GROUP. Rows past
+    K are not zero (the caller's x is 0 there); columns past N are."""
+    codes = _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
+    q = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + offs_k, mask=offs_k < K, other=0)
+    else:
+        g = offs_k // GROUP
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    else:
+        z = SYM_ZERO
+    return (q - z) * s
+
+
+@triton.jit
+def _dot(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x @ w (x [BLOCK_M, BLOCK_K], w [BLOCK_K, BLOCK_N]), or with SWAP_AB acc + w @ x (w given
+    as W.T [BLOCK_N, BLOCK_K], x as x.T [BLOCK_K, BLOCK_M], acc [BLOCK_N, BLOCK_M]); acc None:
+    the product alone. DOT_F32: fp32 operands, IEEE dot."""
+    if DOT_F32:
+        if SWAP_AB:
+            out = tl.dot(w, x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    elif SWAP_AB:
+        out = tl.dot(w.to(x.dtype), x, acc)
+    else:
+        out = tl.dot(x, w.to(x.dtype), acc)
+    return out
