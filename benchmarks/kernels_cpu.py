@@ -47,7 +47,7 @@ from quantspec.models.paths import cache_root
 from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme
 from quantspec.sizes import tensors_bytes
 
-KERNELS = ("ours", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
+KERNELS = ("ours", "ours_fp32_x", "read", "ours_rows", "torch_int4", "dense_bf16", "dense_fp32", "reference")
 
 READ_SOURCE = r"""
 #include <torch/extension.h>
@@ -139,6 +139,8 @@ def build_float_kernels(n: int, k: int, scheme: QuantScheme, cold_bytes: int = 0
     ours_bytes = tensors_bytes([ours["fcodes"], ours["fscales"]])
     kernels = {
         "ours": rotating(lambda x, p: cpu.linear(x, p, scheme, n, k, None), ours, ours_bytes, cold_bytes),
+        # the same op on x widened to fp32: its path before the AVX-512 BF16 one (and on CPUs without it)
+        "ours_fp32_x": rotating(lambda x, p: cpu.linear(x.float(), p, scheme, n, k, None), ours, ours_bytes, cold_bytes),
         "dense_bf16": rotating(lambda x, w: x @ w[0].T, (w_bf16,), tensors_bytes([w_bf16]), cold_bytes),
         "dense_fp32": rotating(lambda x, w: (x.float() @ w[0].T).to(x.dtype), (w_fp32,),
                                tensors_bytes([w_fp32]), cold_bytes),
