@@ -174,7 +174,7 @@ def test_small_m_swap_ab_budget_and_operands(target_name, variant):
     """No spills and the budget; on sm90 the dequantized weight is wgmma's register operand
     (``HGMMA ... R<a>, gdesc[..]``: A from registers, x.T the shared-memory descriptor) and
     reaches it without a scalar store per element (the plain product's 64 STS.U16 per thread)."""
-    assert aot.wq_gemm.swap_ab("small_m", aot.TARGETS[target_name][0].backend)
+    assert aot.wq_gemm.swap_ab("small_m", aot.TARGETS[target_name][0].backend, 4)
     cfg = aot.first_config("small_m", target_name, variant)
     kernel = aot.compile_path("small_m", target_name, variant, cfg, swap_ab=True)
     code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])

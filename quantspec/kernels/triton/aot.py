@@ -111,7 +111,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
         c["DOT_F32"] = act == "fp32"
         c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
         if swap_ab is None:  # what the launcher runs on the target
-            swap_ab = wq_gemm.swap_ab(family, TARGETS[target_name][0].backend)
+            swap_ab = wq_gemm.swap_ab(family, TARGETS[target_name][0].backend, fb)
         c["SWAP_AB"] = swap_ab
     return c
 

@@ -207,15 +207,16 @@ ASM_PAIR_OPS = False
 # The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends: compiled
 # here (benchmarks/results/kernel-isa.md, docs/decisions/small-m-swap-ab.md) it takes sm90's main
 # loop from 6.09 to 4.89 instructions per weight (fp16 W4 g128; the weight the register operand of
-# wgmma) and gfx942's from 9.25 to 4.5. Not yet timed on a GPU; the interpreter keeps the plain
-# product (the interpreter tests force SWAP_AB in test_small_m_swap_ab_matches_reference).
+# wgmma) and gfx942's from 9.25 to 4.5; except 2-bit fields on CUDA (sm90 8.05 -> 9.33, kept
+# plain). Not yet timed on a GPU; the interpreter keeps the plain product (the interpreter tests
+# force SWAP_AB in test_small_m_swap_ab_matches_reference).
 SWAP_AB_BACKENDS: frozenset[str] = frozenset({"cuda", "hip"})
 
 
-def swap_ab(family: str, backend: str) -> bool:
+def swap_ab(family: str, backend: str, fb: int) -> bool:
     """Whether ``_wq_dot_kernel`` runs with SWAP_AB for a family ("small_m" / "large_m") on a
-    backend ("cuda", "hip", "interpreter")."""
-    return family == "small_m" and backend in SWAP_AB_BACKENDS
+    backend ("cuda", "hip", "interpreter") with ``fb``-bit code fields."""
+    return family == "small_m" and backend in SWAP_AB_BACKENDS and not (backend == "cuda" and fb == 2)
 
 
 def gemv_packed(dtype: torch.dtype, fb: int, group: int, has_gidx: bool, backend: str,
@@ -378,7 +379,7 @@ def wq_linear(
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
         meta["MAGIC16"] = _magic16(x.dtype, fb)
-        meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0])
+        meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0], fb)
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
