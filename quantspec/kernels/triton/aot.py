@@ -61,10 +61,21 @@ def packed_variant(variant: str, target_name: str) -> bool:
 
 def first_config(family: str, target_name: str, variant: str | None = None) -> triton.Config:
     """The first config of a family's list for the target; with a weight-only ``variant``, of the
-    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there)."""
+    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there), and
+    the first that reads a pre-shuffled qweight where the variant is pre-shuffled by default."""
     if family == "gemv" and variant is not None and packed_variant(variant, target_name):
         family = "gemv_packed"
-    return configs.configs_for(family, target_key(target_name))[0]
+    cfgs = configs.configs_for(family, target_key(target_name))
+    if variant is not None and preshuffled_variant(family, variant, target_name):
+        return next(c for c in cfgs if wq_gemm.preshuffled_fits(c))
+    return cfgs[0]
+
+
+def preshuffled_variant(family: str, variant: str, target_name: str) -> bool:
+    """Whether the backend pre-shuffles a weight-only variant's qweight by default on the target
+    (``wq_gemm.preshuffled_default``), so that the tl.dot ``family`` reads layout.py's layout."""
+    _, bits, group, _, gidx, _ = WQ_VARIANTS[variant]
+    return wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, cfg: triton.Config, target_name: str):

@@ -122,8 +122,10 @@ def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16
         zc = (zr + 64.0) if ODD else (zr + (1024.0 if MAGIC16 == 0x6400 else 128.0))
     lo = t.to(tl.uint16).to(x.dtype, bitcast=True)
     hi = (t >> 16).to(tl.uint16).to(x.dtype, bitcast=True)
-    if ODD:
-        return lo * 0.0625 - zc.to(x.dtype), hi * 0.0625 - zc.to(x.dtype)
+    if ODD:  # an explicit fma: one HFMA2 whether or not the compiler contracts a * b - c
+        sixteenth = tl.full(lo.shape, 0.0625, tl.float16)
+        nz = (-zc).to(tl.float16)
+        return tl.fma(lo, sixteenth, nz), tl.fma(hi, sixteenth, nz)
     return lo - zc.to(x.dtype), hi - zc.to(x.dtype)
 
 
