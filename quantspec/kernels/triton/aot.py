@@ -59,16 +59,26 @@ def packed_variant(variant: str, target_name: str) -> bool:
     return wq_gemm.gemv_packed(dtype, wq_gemm.field_bits(bits), group, gidx, TARGETS[target_name][0].backend) != 0
 
 
-def first_config(family: str, target_name: str, variant: str | None = None) -> triton.Config:
+def first_config(family: str, target_name: str, variant: str | None = None,
+                 preshuffled: bool | None = None) -> triton.Config:
     """The first config of a family's list for the target; with a weight-only ``variant``, of the
     list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there), and
-    the first that reads a pre-shuffled qweight where the variant is pre-shuffled by default."""
+    the first that reads a pre-shuffled qweight where the variant is pre-shuffled by default
+    (``preshuffled``: True / False force either)."""
     if family == "gemv" and variant is not None and packed_variant(variant, target_name):
         family = "gemv_packed"
     cfgs = configs.configs_for(family, target_key(target_name))
-    if variant is not None and preshuffled_variant(family, variant, target_name):
+    if preshuffled is None:
+        preshuffled = variant is not None and preshuffled_variant(family, variant, target_name)
+    if preshuffled:
         return next(c for c in cfgs if wq_gemm.preshuffled_fits(c))
     return cfgs[0]
+
+
+def layout_reason(variant: str) -> str | None:
+    """Why layout.py's pre-shuffled layout cannot hold a weight-only variant (None: it can)."""
+    _, bits, group, _, gidx, _ = WQ_VARIANTS[variant]
+    return wq_gemm.preshuffle_reason(bits, group, gidx)
 
 
 def preshuffled_variant(family: str, variant: str, target_name: str) -> bool:
@@ -147,6 +157,8 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
+    if preshuffled is None and family in ("small_m", "large_m") and not wq_gemm.preshuffled_fits(cfg):
+        preshuffled = False  # a config the launcher prunes for pre-shuffled weights: the GPTQ layout's code
     consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab,
                            preshuffled=preshuffled)
     if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
