@@ -198,26 +198,35 @@ def test_small_m_swap_ab_matches_reference(tk, monkeypatch, scheme, m, dtype, n,
 
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (72, 320), (130, 200), (1, 9), (256, 128)])
 @pytest.mark.parametrize("bits", [4, 3])
-def test_preshuffle_round_trip(n, k, bits):
-    """layout.preshuffle then unshuffle gives the GPTQ words back (N, K off the 16 x 64 atoms:
-    padded with code 0), and each word holds the fragment the module doc names."""
+@pytest.mark.parametrize("lay", ["mma16x64", "mfma16x128"])
+def test_preshuffle_round_trip(n, k, bits, lay):
+    """layout.preshuffle then unshuffle gives the GPTQ words back (N, K off the 16 x 64 / 16 x 128
+    atoms: padded with code 0), and each word holds the fragment the module doc names."""
     pytest.importorskip("triton")
     from quantspec.kernels.triton import layout
     from quantspec.kernels.triton_backend import pack_codes
 
     codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))
     q = pack_codes(codes, bits)
-    ps = layout.preshuffle(q, k)
-    assert ps.shape == (-(-n // 16), -(-k // 64), 128) and ps.dtype == torch.int32
-    assert torch.equal(layout.unshuffle(ps, k, n), q)
+    ps = layout.preshuffle(q, k, lay)
+    ka = 64 if lay == "mma16x64" else 128
+    assert ps.shape == (-(-n // 16), -(-k // ka), 2 * ka) and ps.dtype == torch.int32
+    assert torch.equal(layout.unshuffle(ps, k, n, lay), q)
     w = ps.to(torch.int64) & 0xFFFFFFFF
-    full = torch.zeros((-(-n // 16) * 16, -(-k // 64) * 64), dtype=torch.int64)
+    full = torch.zeros((-(-n // 16) * 16, -(-k // ka) * ka), dtype=torch.int64)
     full[:n, :k] = codes
-    for nb, kb, g, c, s_, p in [(0, 0, 0, 0, 0, 0), (0, 0, 7, 3, 3, 7), (-1, -1, 5, 2, 1, 6)]:
+    for nb, kb, a, b, s_, p in [(0, 0, 0, 0, 0, 0), (0, 0, 7, 3, 3, 7), (-1, -1, 5, 2, 1, 6), (-1, 0, 3, 15, 2, 5)]:
         nb, kb = nb % ps.shape[0], kb % ps.shape[1]
-        r1, r2, k0 = p & 1, (p >> 1) & 1, p >> 2
-        got = (w[nb, kb, 16 * g + 4 * c + s_] >> (4 * p)) & 0xF
-        assert got == full[16 * nb + g + 8 * r1, 64 * kb + 16 * s_ + 8 * r2 + 2 * c + k0]
+        j, k0 = p % 4, p // 4
+        if lay == "mma16x64":  # a = g, b = c (mod 4), s_ = s: rows g, g + 8; k 2c + {0, 1, 8, 9}
+            b %= 4
+            got = (w[nb, kb, 16 * a + 4 * b + s_] >> (4 * p)) & 0xF
+            want = full[16 * nb + a + 8 * (j & 1), 64 * kb + 16 * s_ + 8 * (j >> 1) + 2 * b + k0]
+        else:  # a = q (mod 4), b = r, s_ = i: row r; k 32 i + 8 q + 2 j + k0
+            a %= 4
+            got = (w[nb, kb, 4 * (16 * a + b) + s_] >> (4 * p)) & 0xF
+            want = full[16 * nb + b, 128 * kb + 32 * s_ + 8 * a + 2 * j + k0]
+        assert got == want
 
 
 def test_preshuffle_reasons():
@@ -232,22 +241,27 @@ def test_preshuffle_reasons():
     assert "group 64" in layout.preshuffle_reason(4, 64, False)
 
 
-PRESHUFFLED_CASES = [  # (scheme, m, dtype, n, k, split_k, swap): the interpreter's tiles are 32 x 128 x 128
+PRESHUFFLED_CASES = [  # (scheme, m, dtype, n, k, split_k, swap[, layout]): interpreter tiles 32 x 128 x 128
     (S(4, 128, True), 1, torch.float16, 72, 320, 1, False), (S(4, 128, True), 3, torch.float16, 72, 320, 1, True),
     (S(4, 128, False), 16, torch.float16, 200, 384, 2, True), (S(4, 128, False), 17, torch.float32, 72, 320, 3, True),
     (S(4, 128, True), 32, torch.float32, 256, 256, 1, True), (S(4, -1, False), 32, torch.float16, 130, 256, 2, True),
     (S(3, 128, False), 17, torch.float16, 48, 384, 1, True), (S(4, 128, False), 17, torch.float16, 200, 384, 2, False),
     (S(4, 128, False), 2, torch.float16, 48, 256, 1, True), (S(4, 128, True, act_order=True), 16, torch.float16, 72, 256, 1, True),
     (S(4, 128, False), 40, torch.float16, 136, 320, 1, False), (S(4, -1, True), 17, torch.bfloat16, 64, 256, 2, True),
+    (S(4, 128, True), 3, torch.float16, 72, 320, 1, True, "mfma16x128"),
+    (S(4, 128, False), 17, torch.float16, 200, 384, 2, True, "mfma16x128"),
+    (S(4, -1, False), 1, torch.float32, 48, 256, 1, False, "mfma16x128"),
+    (S(3, 128, False), 40, torch.float16, 136, 320, 1, False, "mfma16x128"),
 ]
 
 
 @interp
-@pytest.mark.parametrize("scheme,m,dtype,n,k,split_k,swap", PRESHUFFLED_CASES,
+@pytest.mark.parametrize("scheme,m,dtype,n,k,split_k,swap,lay", [c if len(c) == 8 else (*c, "mma16x64")
+                                                                 for c in PRESHUFFLED_CASES],
                          ids=[f"{c[0].short_name}-M{c[1]}-{str(c[2])[6:]}-{c[3]}x{c[4]}-split{c[5]}-{'swap' if c[6] else 'plain'}"
-                              for c in PRESHUFFLED_CASES])
-def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, split_k, swap):
-    """weight_layout="mma16x64" (layout.py): every M on the tl.dot kernel with PRESHUFFLED, the
+                              f"-{c[7] if len(c) == 8 else 'mma16x64'}" for c in PRESHUFFLED_CASES])
+def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, split_k, swap, lay):
+    """weight_layout "mma16x64" / "mfma16x128" (layout.py): every M on the tl.dot kernel with PRESHUFFLED, the
     swapped product (forced on here) and the plain one, zeros on and off, 3- and 4-bit codes, per
     channel, act-order (permuted), split-K, N and K off the 16 x 64 atoms and the tiles (masked)."""
     if swap:
@@ -256,13 +270,14 @@ def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, 
     monkeypatch.setattr(tk.wq, "_launch", lambda family, kernel, grid, args, meta, *a: (
         metas.append((family, meta.get("SWAP_AB"), meta.get("PRESHUFFLED"))), real(family, kernel, grid, args, meta, *a)))
     r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
-    backend = tk.backend.TritonBackend(weight_layout="mma16x64")
+    backend = tk.backend.TritonBackend(weight_layout=lay)
     p = backend.prepare(r, dtype)
-    assert "qweight_mma" in p and "qweight" not in p
-    y = tk.wq.wq_linear(x if "perm" not in p else x.index_select(1, p["perm"]), p["qweight_mma"], p["scales"],
+    key = {"mma16x64": "qweight_mma", "mfma16x128": "qweight_mfma"}[lay]
+    assert key in p and "qweight" not in p
+    y = tk.wq.wq_linear(x if "perm" not in p else x.index_select(1, p["perm"]), p[key], p["scales"],
                         p.get("zeros"), None, b, bits=scheme.bits, group_size=scheme.group_size, split_k=split_k,
-                        layout="mma16x64")
-    assert metas == [("small_m" if m <= 32 else "large_m", swap and m <= 32, True)]
+                        layout=lay)
+    assert metas == [("small_m" if m <= 32 else "large_m", swap and m <= 32, 1 if lay == "mma16x64" else 2)]
     ref = ReferenceBackend()
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
     y2, _ = run_both(backend, r, x, b)
@@ -270,19 +285,22 @@ def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, 
 
 
 @interp
-@pytest.mark.parametrize("tile", [(16, 16, 64), (16, 32, 64), (32, 64, 128), (64, 256, 64)])
-def test_preshuffled_other_tiles(tk, monkeypatch, tile):
+@pytest.mark.parametrize("tile,lay", [((16, 16, 64), "mma16x64"), ((16, 32, 64), "mma16x64"), ((32, 64, 128), "mma16x64"),
+                                      ((64, 256, 64), "mma16x64"), ((16, 16, 128), "mfma16x128"),
+                                      ((64, 32, 256), "mfma16x128")])
+def test_preshuffled_other_tiles(tk, monkeypatch, tile, lay):
     """The GPU configs' tiles (one 16 x 64 atom a tile and up; the interpreter's own is 32 x 128 x
     128), swapped or plain product, N and K off the tiles."""
     bm, bn, bk = tile
     monkeypatch.setattr(tk.wq, "SWAP_AB_BACKENDS", frozenset({"interpreter"}))
     monkeypatch.setattr(tk.wq.configs, "interpreter_config",
                         lambda family: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1})
-    scheme = S(4, 128, False)
+    scheme = S(4, -1 if bk > 128 else 128, False)  # the K tile in one group
     r, x, b = make_case(scheme, 88, 320, 17, torch.float16)
-    p = tk.backend.TritonBackend(weight_layout="mma16x64").prepare(r, torch.float16)
-    y = tk.wq.wq_linear(x, p["qweight_mma"], p["scales"], p["zeros"], None, b, bits=4, group_size=128,
-                        split_k=2, layout="mma16x64")
+    p = tk.backend.TritonBackend(weight_layout=lay).prepare(r, torch.float16)
+    key = {"mma16x64": "qweight_mma", "mfma16x128": "qweight_mfma"}[lay]
+    y = tk.wq.wq_linear(x, p[key], p["scales"], p["zeros"], None, b, bits=4, group_size=scheme.group_size,
+                        split_k=2, layout=lay)
     ref = ReferenceBackend()
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 88, 320, b), torch.float16)
 
@@ -304,6 +322,8 @@ def test_preshuffled_layout_is_refused_where_it_does_not_match(tk):
         tk.wq.wq_linear(x, gptq["qweight"], gptq["scales"], None, None, b, layout="mma16x64", **kw)
     with pytest.raises(ValueError, match="layout"):
         tk.wq.wq_linear(x, gptq["qweight"], gptq["scales"], None, None, b, layout="marlin", **kw)
+    with pytest.raises(ValueError, match="mfma16x128"):  # the other pre-shuffled layout's shape
+        tk.wq.wq_linear(x, mma["qweight_mma"], mma["scales"], None, None, b, layout="mfma16x128", **kw)
     with pytest.raises(ValueError, match="group 32"):
         tk.wq.wq_linear(x, mma["qweight_mma"], mma["scales"], None, None, b, layout="mma16x64", bits=4, group_size=32)
     r8, x8, _ = make_case(S(8, 128, True), 48, 256, 3, torch.float16)

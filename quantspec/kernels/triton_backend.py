@@ -8,8 +8,9 @@ CUDA/ROCm devices, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
 Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
 
 * weight-only: ``qweight`` int32 [ceil(K/PF), N] packed along K, or instead ``qweight_mma``
-  int32 [ceil(N/16), ceil(K/64), 128] (``weight_layout``, ``triton/layout.py``: pre-shuffled so
-  that each thread's load is its tl.dot fragment; the key says which); ``scales`` [G, N] in the
+  int32 [ceil(N/16), ceil(K/64), 128] or ``qweight_mfma`` [ceil(N/16), ceil(K/128), 256]
+  (``weight_layout``, ``triton/layout.py``: pre-shuffled so that each thread's load is its tl.dot
+  fragment, NVIDIA's or AMD's; the key says which); ``scales`` [G, N] in the
   checkpoint's scale dtype (fp16 scales are not rounded to bf16); ``zeros`` uint8 [G, N] when
   asymmetric; with act-order either ``perm`` int32 [K] (strategy "permute") or ``g_idx``
   int32 [K] (strategy "gidx").
@@ -44,11 +45,12 @@ from .triton import configs
 from .triton.fp8_w8a8 import BLOCK as FP8_BLOCK_COLS, fp8_format, fp8_linear
 from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
 from .triton.w8a8 import w8a8_linear
-from .triton.layout import LAYOUT_GPTQ, LAYOUT_MMA, preshuffle, preshuffle_reason
+from .triton.layout import LAYOUT_GPTQ, LAYOUT_MFMA, LAYOUT_MMA, preshuffle, preshuffle_reason
 from .triton.wq_gemm import PER_CHANNEL_GROUP as WQ_PER_CHANNEL, PRESHUFFLED_BACKENDS, field_bits, wq_linear
 
 ACT_ORDER_STRATEGIES = ("permute", "gidx")
-WEIGHT_LAYOUTS = ("auto", LAYOUT_GPTQ, LAYOUT_MMA)
+WEIGHT_LAYOUTS = ("auto", LAYOUT_GPTQ, LAYOUT_MMA, LAYOUT_MFMA)
+QWEIGHT_KEYS = {LAYOUT_GPTQ: "qweight", LAYOUT_MMA: "qweight_mma", LAYOUT_MFMA: "qweight_mfma"}
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -84,10 +86,10 @@ class TritonBackend:
     autotune: False runs the first fitting config per target instead of tuning (tests).
     fp8: the FP8 flavour of W8A8 (FP8 activations): "e4m3fn" or "e4m3fnuz"; None picks the
     current target's (``fp8_w8a8.fp8_format``).
-    weight_layout: the weight-only qweight layout: "gptq", "mma16x64" (pre-shuffled, 4-bit
-    fields, groups of a multiple of 128 or per channel, no g_idx; others keep "gptq", with a
-    warning saying why) or "auto" (default): "mma16x64" where it can hold the weight on the
-    backends of ``wq_gemm.PRESHUFFLED_BACKENDS``, else "gptq".
+    weight_layout: the weight-only qweight layout: "gptq", "mma16x64" / "mfma16x128" (pre-shuffled
+    for NVIDIA / AMD tensor cores: 4-bit fields, groups of a multiple of 128 or per channel, no
+    g_idx; others keep "gptq", with a warning saying why) or "auto" (default): "mma16x64" where it
+    can hold the weight on the backends of ``wq_gemm.PRESHUFFLED_BACKENDS``, else "gptq".
     """
 
     name = "triton"
@@ -110,11 +112,11 @@ class TritonBackend:
         if self.weight_layout == LAYOUT_GPTQ:
             return LAYOUT_GPTQ
         reason = preshuffle_reason(bits, group, has_gidx)
-        if self.weight_layout == LAYOUT_MMA:
+        if self.weight_layout != "auto":
             if reason is not None:
-                warnings.warn(f"weight_layout {LAYOUT_MMA!r}: {reason}; keeping {LAYOUT_GPTQ!r}", stacklevel=3)
+                warnings.warn(f"weight_layout {self.weight_layout!r}: {reason}; keeping {LAYOUT_GPTQ!r}", stacklevel=3)
                 return LAYOUT_GPTQ
-            return LAYOUT_MMA
+            return self.weight_layout
         if configs.interpreting() or device.type != "cuda":
             backend = "interpreter"
         else:
@@ -184,10 +186,10 @@ class TritonBackend:
         if g_idx is not None:
             out["g_idx"] = g_idx.to(torch.int32).contiguous()
         group = WQ_PER_CHANNEL if scheme.group_size == -1 else glen
-        if self._layout_for(scheme.bits, group, g_idx is not None, codes.device) == LAYOUT_MMA:
-            out["qweight_mma"] = preshuffle(pack_codes(codes, scheme.bits), k)
-        else:
-            out["qweight"] = pack_codes(codes, scheme.bits)
+        layout = self._layout_for(scheme.bits, group, g_idx is not None, codes.device)
+        out[QWEIGHT_KEYS[layout]] = pack_codes(codes, scheme.bits)
+        if layout != LAYOUT_GPTQ:
+            out[QWEIGHT_KEYS[layout]] = preshuffle(out[QWEIGHT_KEYS[layout]], k, layout)
         out["scales"] = result.scales.t().contiguous()
         if result.zeros is not None:
             out["zeros"] = result.zeros.t().contiguous()
@@ -226,10 +228,10 @@ class TritonBackend:
         elif scheme.activations == "int8-token-dynamic":
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         else:
-            mma = "qweight_mma" in prepared
+            layout = next(lay for lay, key in QWEIGHT_KEYS.items() if key in prepared)
             y = wq_linear(
-                x2, prepared["qweight_mma" if mma else "qweight"], prepared["scales"], prepared.get("zeros"),
+                x2, prepared[QWEIGHT_KEYS[layout]], prepared["scales"], prepared.get("zeros"),
                 prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
-                autotune=self.autotune, layout=LAYOUT_MMA if mma else LAYOUT_GPTQ,
+                autotune=self.autotune, layout=layout,
             )
         return y.reshape(*lead, out_features)

@@ -19,6 +19,13 @@ words for 4 consecutive K steps are adjacent (one 16-byte load):
   so ``((w >> 4*j) & 0x000F000F) | 0x64006400`` is the fp16 pair (1024 + code, 1024 + code);
   fp16 odd j skip the shift (``_fragment_register``).
 
+``LAYOUT_MFMA`` ("mfma16x128", int32 [ceil(N/16), ceil(K/128), 256]) does the same for AMD's MFMA
+16x16x16 with kpack 2 (``_load_wt_mfma``): lane l = 16 q + r holds row r and the 8 consecutive K
+8 q .. 8 q + 7 of each 32-wide K block (the register group of kWidth 8), its words for 4 such
+blocks adjacent. The GPTQ word already is such a group (8 consecutive K of one row), but the
+coalesced load spreads a tile over the warps along K where MFMA splits N, so it passes through
+LDS; the pair order within the word is the same as above (register j = K 2j, 2j + 1).
+
 Supported: 4-bit fields (bits 4 and 3). Everything else keeps the GPTQ layout
 (``preshuffle_reason`` says why). Scales and zeros keep their [G, N] layout.
 """
@@ -33,8 +40,10 @@ from .wq_dequant import _code_minus_zero
 
 LAYOUT_GPTQ = "gptq"
 LAYOUT_MMA = "mma16x64"
-LAYOUTS = (LAYOUT_GPTQ, LAYOUT_MMA)
-N_ATOM, K_ATOM = 16, 64  # rows of N and K one thread group of 32 covers with 4 words a thread
+LAYOUT_MFMA = "mfma16x128"
+LAYOUTS = (LAYOUT_GPTQ, LAYOUT_MMA, LAYOUT_MFMA)
+PRESHUFFLED_CODE = {LAYOUT_GPTQ: 0, LAYOUT_MMA: 1, LAYOUT_MFMA: 2}  # _wq_dot_kernel's PRESHUFFLED
+N_ATOM = 16  # rows of N in one atom
 
 
 def preshuffle_reason(bits: int, group: int, has_gidx: bool) -> str | None:
@@ -60,32 +69,49 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
-def preshuffle(qweight: torch.Tensor, k: int) -> torch.Tensor:
-    """GPTQ-layout 4-bit qweight int32 [ceil(K/8), N] -> ``qweight_mma`` (module doc)."""
+# layout -> (K atom, the K atom's dims and the N atom's dims as a view of codes [K, N], the permute
+# of (kb, *k dims, nb, *n dims) that orders them as [nb, kb, word, nibble])
+_ATOMS = {
+    # k = 64 kb + 16 s + 8 r2 + 2 c + k0, n = 16 nb + 8 r1 + g -> nb, kb, (g, c, s), (k0, r2, r1)
+    LAYOUT_MMA: (64, (4, 2, 4, 2), (2, 8), (5, 0, 7, 3, 1, 4, 2, 6)),
+    # k = 128 kb + 32 i + 8 q + 4 r2 + 2 r1 + k0, n = 16 nb + r -> nb, kb, (q, r, i), (k0, r2, r1)
+    LAYOUT_MFMA: (128, (4, 4, 2, 2, 2), (16,), (6, 0, 2, 7, 1, 5, 3, 4)),
+}
+
+
+def atom_shape(layout: str, n: int, k: int) -> tuple[int, int, int]:
+    """The pre-shuffled qweight's shape for N x K in ``layout``."""
+    ka = _ATOMS[layout][0]
+    return -(-n // N_ATOM), -(-k // ka), ka * N_ATOM // 8
+
+
+def preshuffle(qweight: torch.Tensor, k: int, layout: str = LAYOUT_MMA) -> torch.Tensor:
+    """GPTQ-layout 4-bit qweight int32 [ceil(K/8), N] -> the pre-shuffled ``layout`` (module doc)."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[0] != -(-k // 8):
         raise ValueError(f"qweight must be int32 [{-(-k // 8)}, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    ka, kdims, ndims, perm = _ATOMS[layout]
     n = qweight.shape[1]
-    nb, kb = -(-n // N_ATOM), -(-k // K_ATOM)
-    codes = torch.zeros((kb * K_ATOM, nb * N_ATOM), dtype=torch.int64, device=qweight.device)
+    nb, kb, words = atom_shape(layout, n, k)
+    codes = torch.zeros((kb * ka, nb * N_ATOM), dtype=torch.int64, device=qweight.device)
     codes[:k, :n] = _codes_kn(qweight, k)
-    # k = 64 kb + 16 s + 8 r2 + 2 c + k0, n = 16 nb + 8 r1 + g
-    t = codes.view(kb, 4, 2, 4, 2, nb, 2, 8)  # kb, s, r2, c, k0, nb, r1, g
-    t = t.permute(5, 0, 7, 3, 1, 4, 2, 6)  # nb, kb, g, c, s | k0, r2, r1 (nibble p = r1 + 2 r2 + 4 k0)
-    t = t.reshape(nb, kb, 128, 8)
+    t = codes.view(kb, *kdims, nb, *ndims).permute(*perm).reshape(nb, kb, words, 8)
     shifts = torch.arange(8, device=qweight.device, dtype=torch.int64) * 4
     return _to_int32((t << shifts).sum(dim=-1))
 
 
-def unshuffle(qweight_mma: torch.Tensor, k: int, n: int) -> torch.Tensor:
+def unshuffle(qweight_ps: torch.Tensor, k: int, n: int, layout: str = LAYOUT_MMA) -> torch.Tensor:
     """The inverse of ``preshuffle``: the GPTQ-layout qweight int32 [ceil(K/8), N]."""
-    nb, kb = -(-n // N_ATOM), -(-k // K_ATOM)
-    if qweight_mma.dtype != torch.int32 or tuple(qweight_mma.shape) != (nb, kb, 128):
-        raise ValueError(f"qweight_mma must be int32 [{nb}, {kb}, 128], got "
-                         f"{qweight_mma.dtype} {tuple(qweight_mma.shape)}")
-    w = qweight_mma.to(torch.int64) & 0xFFFFFFFF
+    ka, kdims, ndims, perm = _ATOMS[layout]
+    shape = atom_shape(layout, n, k)
+    if qweight_ps.dtype != torch.int32 or tuple(qweight_ps.shape) != shape:
+        raise ValueError(f"a {layout} qweight must be int32 {list(shape)}, got {qweight_ps.dtype} {tuple(qweight_ps.shape)}")
+    nb, kb, _ = shape
+    w = qweight_ps.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(8, device=w.device, dtype=torch.int64) * 4
-    t = ((w[..., None] >> shifts) & 0xF).view(nb, kb, 8, 4, 4, 2, 2, 2)  # nb, kb, g, c, s, k0, r2, r1
-    codes = t.permute(1, 4, 6, 3, 5, 0, 7, 2).reshape(kb * K_ATOM, nb * N_ATOM)[:k, :n]
+    full_shape = (kb, *kdims, nb, *ndims)
+    t = ((w[..., None] >> shifts) & 0xF).reshape([full_shape[p] for p in perm])
+    inverse = sorted(range(len(perm)), key=lambda d: perm[d])
+    codes = t.permute(*inverse).reshape(kb * ka, nb * N_ATOM)[:k, :n]
     kw = -(-k // 8)
     full = torch.zeros((kw * 8, n), dtype=torch.int64, device=w.device)
     full[:k] = codes
@@ -162,4 +188,37 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
     v = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
     # -> [nb, r1, g | kb, s, r2, c, k0]: n = 16 nb + 8 r1 + g, k = 64 kb + 16 s + 8 r2 + 2 c + k0
     v = tl.permute(v, (0, 6, 2, 1, 4, 7, 3, 5))
+    return tl.reshape(v, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
+                  EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr):
+    """``_load_wt_mma`` for the mfma16x128 layout: word [nb, kb, 4 l + i] (lane l = 16 q + r) is
+    row 16 nb + r, k = 128 kb + 32 i + 8 q + 2 j + k0 at nibble j + 4 k0: the 8 consecutive K of
+    one row MFMA 16x16x16 with kpack 2 (kWidth 8) keeps in a lane, 4 K blocks of 32 a 16-byte
+    load. BLOCK_K a multiple of 128."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 128
+    rows = pid_n * NB + tl.arange(0, NB)
+    cols = (k0 // 128) * 256 + tl.arange(0, KB * 256)
+    row_words = tl.cdiv(K, 128) * 256
+    ptrs = qw_ptr + rows[:, None] * row_words + cols[None, :]
+    if EVEN:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=(rows[:, None] < tl.cdiv(N, 16)) & (cols[None, :] < row_words), other=0)
+    w = tl.reshape(words.to(tl.uint32, bitcast=True), (NB, KB, 4, 16, 4))  # nb, kb, q, r, i
+    ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32
+    if ZERO_PAIRS:
+        z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537
+    zr = tl.reshape(z, (NB, 1, 1, 16, 1))
+    a0, b0 = _fragment_register(w, 0, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    a1, b1 = _fragment_register(w, 1, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    a2, b2 = _fragment_register(w, 2, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    a3, b3 = _fragment_register(w, 3, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    v = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
+    # [nb, kb, q, r, i, k0, r1, r2] -> [nb, r | kb, i, q, r2, r1, k0]
+    v = tl.permute(v, (0, 3, 1, 4, 2, 7, 6, 5))
     return tl.reshape(v, (BLOCK_N, BLOCK_K))

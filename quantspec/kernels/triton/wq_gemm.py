@@ -27,7 +27,7 @@ from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
 from .wq_dequant import (
     _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
-from .layout import LAYOUT_GPTQ, LAYOUT_MMA, LAYOUTS, _load_wt_mma, preshuffle_reason
+from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
@@ -98,7 +98,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = False):
+                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -110,8 +110,9 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     SWAP_AB computes the transposed product, acc.T [BLOCK_N, BLOCK_M] += W.T @ x.T (the weight
     the left operand, x.T read from memory), transposed back for the store.
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
-    PRESHUFFLED: qweight in ``layout.py``'s mma16x64 layout (4-bit fields, the K tile in one group,
-    no g_idx), unpacked as W.T with two fields per 32-bit op and no shared-memory step.
+    PRESHUFFLED: qweight in a ``layout.py`` layout, 1 mma16x64 (wgmma / mma.sync), 2 mfma16x128
+    (MFMA kpack 2); 4-bit fields, the K tile in one group, no g_idx; unpacked as W.T with two
+    fields per 32-bit op and no shared-memory step.
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
     pid = tl.program_id(0)
@@ -142,10 +143,14 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                 x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if PRESHUFFLED:
             tl.static_assert(FB == 4 and not HAS_GIDX and GROUP % BLOCK_K == 0)
-            tl.static_assert(BLOCK_N % 16 == 0 and BLOCK_K % 64 == 0)
+            tl.static_assert(BLOCK_N % 16 == 0 and BLOCK_K % (64 * PRESHUFFLED) == 0)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
-            wt = _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
-                              BLOCK_N, BLOCK_K, HAS_ZEROS)  # W.T [BLOCK_N, BLOCK_K], code - zero
+            if PRESHUFFLED == 2:
+                wt = _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
+                                   BLOCK_N, BLOCK_K, HAS_ZEROS)
+            else:
+                wt = _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
+                                  BLOCK_N, BLOCK_K, HAS_ZEROS)  # W.T [BLOCK_N, BLOCK_K], code - zero
             if SWAP_AB and BLOCK_M <= 32:
                 acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
             elif SWAP_AB:
@@ -296,11 +301,11 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
     return split
 
 
-def _fits(family: str, cfg, m_key: int, block_m: int, preshuffled: bool = False) -> bool:
+def _fits(family: str, cfg, m_key: int, block_m: int, preshuffled: int = 0) -> bool:
     """Whether a config suits the launch: GEMV tiles [BLOCK_M, BLOCK_K, BLOCK_N] small enough
     not to spill registers; small-M tiles no taller than M needs (16 covers M <= 16); a
-    pre-shuffled qweight (layout.py) takes BLOCK_N a multiple of 16 and BLOCK_K of 64."""
-    if preshuffled and not preshuffled_fits(cfg):
+    pre-shuffled qweight (layout.py) takes BLOCK_N a multiple of 16 and BLOCK_K of its K atom."""
+    if preshuffled and not preshuffled_fits(cfg, preshuffled):
         return False
     if family == "gemv":
         return block_m * cfg.kwargs["BLOCK_K"] * cfg.kwargs["BLOCK_N"] <= 32768
@@ -309,9 +314,10 @@ def _fits(family: str, cfg, m_key: int, block_m: int, preshuffled: bool = False)
     return True
 
 
-def preshuffled_fits(cfg) -> bool:
-    """Whether a tl.dot config reads a pre-shuffled qweight: BLOCK_N a multiple of 16, BLOCK_K of 64."""
-    return cfg.kwargs["BLOCK_N"] % 16 == 0 and cfg.kwargs["BLOCK_K"] % 64 == 0
+def preshuffled_fits(cfg, code: int = 1) -> bool:
+    """Whether a tl.dot config reads a pre-shuffled qweight (PRESHUFFLED ``code``: 1 mma16x64, 2
+    mfma16x128): BLOCK_N a multiple of 16, BLOCK_K of the layout's K atom (64, 128)."""
+    return cfg.kwargs["BLOCK_N"] % 16 == 0 and cfg.kwargs["BLOCK_K"] % (64 * code) == 0
 
 
 def _prune_gemv(cfgs, named_args, **kwargs):
@@ -319,12 +325,12 @@ def _prune_gemv(cfgs, named_args, **kwargs):
 
 
 def _prune_small_m(cfgs, named_args, **kwargs):
-    ps = kwargs.get("PRESHUFFLED", False)
+    ps = kwargs.get("PRESHUFFLED", 0)
     return [c for c in cfgs if _fits("small_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
 
 
 def _prune_large_m(cfgs, named_args, **kwargs):
-    ps = kwargs.get("PRESHUFFLED", False)
+    ps = kwargs.get("PRESHUFFLED", 0)
     return [c for c in cfgs if _fits("large_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
 
 
@@ -343,7 +349,7 @@ def _launch(family, kernel, grid, args, meta, m_key, autotune):
         configs.autotuned(kernel, family, target, key, _PRUNE[family])[grid](*args, **meta)
         return
     cfgs = configs.configs_for(family, target)
-    ps = meta.get("PRESHUFFLED", False)
+    ps = meta.get("PRESHUFFLED", 0)
     cfg = next((c for c in cfgs if _fits(family, c, m_key, meta.get("BLOCK_M", 0), ps)), None)
     if cfg is None:
         raise ValueError(f"no {family} config of {target} takes a pre-shuffled qweight")
@@ -367,8 +373,9 @@ def wq_linear(
 
     x:        [M, K] fp16, bf16 or fp32 (rows contiguous).
     qweight:  int32 [ceil(K / PF), N], PF = 32 // field_bits(bits), packed along K; with
-              ``layout`` "mma16x64" the pre-shuffled int32 [ceil(N/16), ceil(K/64), 128] of
-              ``layout.preshuffle`` (every M then runs the tl.dot kernel).
+              ``layout`` "mma16x64" / "mfma16x128" the pre-shuffled int32 [ceil(N/16),
+              ceil(K/64), 128] / [ceil(N/16), ceil(K/128), 256] of ``layout.preshuffle`` (every M
+              then runs the tl.dot kernel).
     scales:   [G, N] fp16, bf16 or fp32.
     zeros:    uint8 [G, N] integer zero points, or None (symmetric: 2**(bits-1)).
     g_idx:    int32 [K] group of each row of qweight, or None (``k // group_size``).
@@ -376,8 +383,8 @@ def wq_linear(
     bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
     split_k:  K splits (None: from the grid size and the GPU's compute units).
     autotune: False runs the first fitting config of the target's list (no tuning runs).
-    layout:   "gptq" (default) or "mma16x64": which layout ``qweight`` holds; a qweight in the
-              other layout, or a scheme the layout cannot hold, is refused (ValueError).
+    layout:   "gptq" (default), "mma16x64" or "mfma16x128": which layout ``qweight`` holds; a
+              qweight in another layout, or a scheme the layout cannot hold, is refused (ValueError).
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -391,19 +398,19 @@ def wq_linear(
     pf = 32 // fb
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    preshuffled = layout == LAYOUT_MMA
+    preshuffled = PRESHUFFLED_CODE[layout]
     if preshuffled:
         n = scales.shape[1] if scales.dim() == 2 else -1
-        want = (triton.cdiv(n, 16), triton.cdiv(k, 64), 128)
+        want = atom_shape(layout, n, k)
         if qweight.dtype != torch.int32 or tuple(qweight.shape) != want:
-            raise ValueError(f"layout {LAYOUT_MMA!r}: qweight must be the pre-shuffled int32 {list(want)}, got "
+            raise ValueError(f"layout {layout!r}: qweight must be the pre-shuffled int32 {list(want)}, got "
                              f"{qweight.dtype} {tuple(qweight.shape)}")
         reason = preshuffle_reason(bits, PER_CHANNEL_GROUP if group_size == -1 else group_size, g_idx is not None)
         if reason is not None:
-            raise ValueError(f"layout {LAYOUT_MMA!r} cannot hold this weight: {reason}")
+            raise ValueError(f"layout {layout!r} cannot hold this weight: {reason}")
     else:
         if qweight.dim() != 2:
-            raise ValueError(f"qweight is {qweight.dim()}-D: a pre-shuffled qweight needs layout={LAYOUT_MMA!r}")
+            raise ValueError(f"qweight is {qweight.dim()}-D: a pre-shuffled qweight needs its layout= (mma16x64, mfma16x128)")
         n = qweight.shape[1]
         if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, pf):
             raise ValueError(f"qweight must be int32 [{triton.cdiv(k, pf)}, N], got "
