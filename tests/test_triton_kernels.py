@@ -544,15 +544,19 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
 
 
 @interp
-def test_moe_experts_run_on_the_triton_backend(tk):
+@pytest.mark.parametrize("preshuffled", [False, True])
+def test_moe_experts_run_on_the_triton_backend(tk, monkeypatch, preshuffled):
     """A quantized Qwen3-MoE (experts one QuantLinear each, ``models.experts.LinearExperts``) on
     the Triton backend, through the grouped path (``kernels.moe``: two grouped launches per MoE
-    block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's."""
+    block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's; also
+    with the experts' qweights pre-shuffled (CUDA's default: unshuffled for the stacked copy)."""
     import quantspec
     from helpers import tiny_model
     from quantspec.quant.recipe import Recipe
 
-    recipe = Recipe(name="t", method="rtn", format="gptq", scheme=S(4, 32, True))
+    if preshuffled:
+        monkeypatch.setattr(tk.backend, "PRESHUFFLED_BACKENDS", frozenset({"interpreter"}))
+    recipe = Recipe(name="t", method="rtn", format="gptq", scheme=S(4, -1 if preshuffled else 32, True))
     ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
     logits = {}
     for backend in ("reference", "triton"):
@@ -560,6 +564,10 @@ def test_moe_experts_run_on_the_triton_backend(tk):
         assert set(report["backends"].values()) == {backend}
         assert sum(".experts." in n for n in report["backends"]) == 48
         assert len(report["grouped_experts"]) == (2 if backend == "triton" else 0)
+        if backend == "triton":
+            keys = {k for m in model.modules() if hasattr(m, "prepared") and callable(m.prepared)
+                    for k in m.prepared()}
+            assert ("qweight_mma" in keys) == preshuffled
         with torch.no_grad():
             logits[backend] = model(ids).logits
     ref = logits["reference"]
