@@ -6,7 +6,11 @@ VGPR/SGPR spill counts on AMD), shared memory, the main loop's instruction count
 loop closed by a backward branch) and, from it, instructions per weight element: every thread
 issues the loop body once per K tile, so per weight it is ``body x threads / (BLOCK_N x
 BLOCK_K)`` (threads = warps x 32 on NVIDIA, x 64 on AMD's wavefronts); ``aot.machine_code``
-reads them (SASS from Triton's own ``cuobjdump``, AMDGCN from the compiler).
+reads them (SASS from Triton's own ``cuobjdump``, AMDGCN from the compiler). small_m and
+large_m rows are what the launcher runs (on CUDA a pre-shuffled qweight where layout.py holds
+it); small_m_gptq / small_m_mma / small_m_mfma: the small-M path on the GPTQ layout or on
+layout.py's pre-shuffled mma16x64 (wgmma / mma.sync fragments) or mfma16x128 (MFMA kpack 2)
+forced, for the variants those layouts hold.
 
     python benchmarks/kernel_isa.py                 # writes benchmarks/results/kernel-isa.{md,json}
     python benchmarks/kernel_isa.py --targets sm90 --families gemv,small_m
@@ -34,6 +38,13 @@ def cases(targets: list[str], families: list[str]):
                     cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
+            elif family in ("small_m_gptq", "small_m_mma", "small_m_mfma"):  # the small-M path on one layout
+                code = {"small_m_gptq": 0, "small_m_mma": 1, "small_m_mfma": 2}[family]
+                for variant in aot.WQ_VARIANTS:
+                    if aot.layout_reason(variant) is None:
+                        cfg = aot.first_config("small_m", target, variant, preshuffled=code)
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
+                               aot.compile_path("small_m", t, v, c, preshuffled=p))
             elif family == "gemv_asm":  # the packed GEMV with its pair operations as inline asm
                 for variant in aot.WQ_VARIANTS:
                     if aot.packed_variant(variant, target):
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,gemv_asm,small_m,large_m,w8a8,moe,fp,fp8")
+    p.add_argument("--families", default="gemv,gemv_asm,small_m,small_m_gptq,small_m_mma,small_m_mfma,large_m,w8a8,moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

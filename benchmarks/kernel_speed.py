@@ -245,7 +245,7 @@ def prewarm(todo: list, workers: int, dtype, triton_kw) -> None:
 def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     peak = peak_bandwidth(device_name)
-    triton_kw = {"autotune": not args.no_autotune}
+    triton_kw = {"autotune": not args.no_autotune, "weight_layout": args.weight_layout}
     todo = [c for c in cases(args.smoke, dry) if not args.schemes or c[0] in args.schemes]
     todo = [c for c in todo if not args.m or c[1] in args.m]
     todo = [c for c in todo if not args.nk or f"{c[2]}x{c[3]}" in args.nk]
@@ -319,6 +319,8 @@ def parse_args(argv):
     p.add_argument("--schemes", nargs="*", choices=tuple(SCHEMES), help="only these schemes")
     p.add_argument("--no-autotune", action="store_true", help="first config per target, no tuning")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference backend")
+    p.add_argument("--weight-layout", default="auto", choices=("auto", "gptq", "mma16x64", "mfma16x128"),
+                   help="the Triton backend's qweight layout (docs/decisions/preshuffled-layout.md)")
     p.add_argument("--out", help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--m", type=int, nargs="*", help="only these M")

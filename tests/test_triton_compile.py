@@ -162,7 +162,8 @@ def test_the_w4_gemv_instruction_budget(target_name, variant, asm):
     assert code["instructions_per_weight"] <= GEMV_BUDGETS[target_name, variant, asm], code
 
 
-# The small-M tl.dot path with SWAP_AB (acc.T += W.T @ x.T), what the launcher runs on both targets:
+# The small-M tl.dot path with SWAP_AB (acc.T += W.T @ x.T) on the GPTQ layout, what the launcher runs on
+# both targets for a weight that is not pre-shuffled:
 # instructions per weight within these budgets (measured with Triton 3.9: sm90 fp16 4.891, bf16
 # 5.438, gfx942 fp16 4.5, bf16 12.188; the plain product: 6.094, 7.625, 9.25, 14.875).
 SWAP_AB_BUDGETS = {("sm90", "fp16-w4g128-sym"): 5.0, ("sm90", "bf16-w4g128-asym"): 5.6,
@@ -176,7 +177,7 @@ def test_small_m_swap_ab_budget_and_operands(target_name, variant):
     reaches it without a scalar store per element (the plain product's 64 STS.U16 per thread)."""
     assert aot.wq_gemm.swap_ab("small_m", aot.TARGETS[target_name][0].backend, 4)
     cfg = aot.first_config("small_m", target_name, variant)
-    kernel = aot.compile_path("small_m", target_name, variant, cfg, swap_ab=True)
+    kernel = aot.compile_path("small_m", target_name, variant, cfg, swap_ab=True, preshuffled=False)
     code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
     assert code["spills"] == 0, code
     assert code["instructions_per_weight"] <= SWAP_AB_BUDGETS[target_name, variant], code
@@ -184,3 +185,31 @@ def test_small_m_swap_ab_budget_and_operands(target_name, variant):
         sass = aot.cuobjdump(kernel.asm["cubin"])
         assert re.search(r"HGMMA\.64x16x16\.F32\S* R\d+, R\d+, gdesc\[", sass), "wgmma A is not a register operand"
         assert "STS.U16" not in sass
+
+
+# The same path on a pre-shuffled qweight (layout.py; 1: mma16x64, CUDA's default; 2: mfma16x128),
+# measured with Triton 3.9: sm90 fp16 3.328, bf16 3.875, sm80 fp16 4.172; gfx942 mfma16x128 fp16
+# 3.344, bf16 10.219 (mma16x64 there: 4.031, 11.781).
+PRESHUFFLED_BUDGETS = {("sm90", "fp16-w4g128-sym", 1): 3.45, ("sm90", "bf16-w4g128-asym", 1): 4.0,
+                       ("sm80", "fp16-w4g128-sym", 1): 4.3, ("gfx942", "fp16-w4g128-sym", 2): 3.45,
+                       ("gfx942", "bf16-w4g128-asym", 2): 10.5}
+
+
+@pytest.mark.parametrize("target_name,variant,code", list(PRESHUFFLED_BUDGETS))
+def test_small_m_preshuffled_budget_and_operands(target_name, variant, code):
+    """No spills and the budget; on sm90 the weight tile reaches wgmma's register operand with no
+    shared-memory layout change (no STS.128 / LDSM of the dequantized tile: each thread's 16-byte
+    load is its fragment) and no per-element byte permutes of the pairs; on gfx942 (mfma16x128)
+    shared memory holds x alone (BLOCK_K x 16 fp16: the weight tile skips LDS)."""
+    cfg = aot.first_config("small_m", target_name, variant, preshuffled=code)
+    kernel = aot.compile_path("small_m", target_name, variant, cfg, swap_ab=True, preshuffled=code)
+    code_ = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+    assert code_["spills"] == 0, code_
+    assert code_["instructions_per_weight"] <= PRESHUFFLED_BUDGETS[target_name, variant, code], code_
+    if target_name == "gfx942":
+        assert code_["shared_bytes"] <= cfg.kwargs["BLOCK_K"] * 16 * 2 * 2, code_
+    if target_name == "sm90":
+        sass = aot.cuobjdump(kernel.asm["cubin"])
+        assert re.search(r"HGMMA\.64x16x16\.F32\S* R\d+, R\d+, gdesc\[", sass), "wgmma A is not a register operand"
+        assert "LDSM" not in sass and not re.search(r"\sSTS(\.U16|\.128)?\s", sass), "weight tile through shared memory"
+        assert sass.count("PRMT") <= 2, "pairs re-packed byte by byte"

@@ -196,6 +196,144 @@ def test_small_m_swap_ab_matches_reference(tk, monkeypatch, scheme, m, dtype, n,
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (72, 320), (130, 200), (1, 9), (256, 128)])
+@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("lay", ["mma16x64", "mfma16x128"])
+def test_preshuffle_round_trip(n, k, bits, lay):
+    """layout.preshuffle then unshuffle gives the GPTQ words back (N, K off the 16 x 64 / 16 x 128
+    atoms: padded with code 0), and each word holds the fragment the module doc names."""
+    pytest.importorskip("triton")
+    from quantspec.kernels.triton import layout
+    from quantspec.kernels.triton_backend import pack_codes
+
+    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))
+    q = pack_codes(codes, bits)
+    ps = layout.preshuffle(q, k, lay)
+    ka = 64 if lay == "mma16x64" else 128
+    assert ps.shape == (-(-n // 16), -(-k // ka), 2 * ka) and ps.dtype == torch.int32
+    assert torch.equal(layout.unshuffle(ps, k, n, lay), q)
+    w = ps.to(torch.int64) & 0xFFFFFFFF
+    full = torch.zeros((-(-n // 16) * 16, -(-k // ka) * ka), dtype=torch.int64)
+    full[:n, :k] = codes
+    for nb, kb, a, b, s_, p in [(0, 0, 0, 0, 0, 0), (0, 0, 7, 3, 3, 7), (-1, -1, 5, 2, 1, 6), (-1, 0, 3, 15, 2, 5)]:
+        nb, kb = nb % ps.shape[0], kb % ps.shape[1]
+        j, k0 = p % 4, p // 4
+        if lay == "mma16x64":  # a = g, b = c (mod 4), s_ = s: rows g, g + 8; k 2c + {0, 1, 8, 9}
+            b %= 4
+            got = (w[nb, kb, 16 * a + 4 * b + s_] >> (4 * p)) & 0xF
+            want = full[16 * nb + a + 8 * (j & 1), 64 * kb + 16 * s_ + 8 * (j >> 1) + 2 * b + k0]
+        else:  # a = q (mod 4), b = r, s_ = i: row r; k 32 i + 8 q + 2 j + k0
+            a %= 4
+            got = (w[nb, kb, 4 * (16 * a + b) + s_] >> (4 * p)) & 0xF
+            want = full[16 * nb + b, 128 * kb + 32 * s_ + 8 * a + 2 * j + k0]
+        assert got == want
+
+
+def test_preshuffle_reasons():
+    """What the pre-shuffled layout cannot hold keeps the GPTQ layout, with the reason."""
+    pytest.importorskip("triton")
+    from quantspec.kernels.triton import layout, wq_gemm
+
+    assert layout.preshuffle_reason(4, 128, False) is None and layout.preshuffle_reason(3, 256, False) is None
+    assert layout.preshuffle_reason(4, wq_gemm.PER_CHANNEL_GROUP, False) is None
+    assert "4-bit" in layout.preshuffle_reason(8, 128, False) and "4-bit" in layout.preshuffle_reason(2, 128, False)
+    assert "g_idx" in layout.preshuffle_reason(4, 128, True)
+    assert "group 64" in layout.preshuffle_reason(4, 64, False)
+
+
+PRESHUFFLED_CASES = [  # (scheme, m, dtype, n, k, split_k, swap[, layout]): interpreter tiles 32 x 128 x 128
+    (S(4, 128, True), 1, torch.float16, 72, 320, 1, False), (S(4, 128, True), 3, torch.float16, 72, 320, 1, True),
+    (S(4, 128, False), 16, torch.float16, 200, 384, 2, True), (S(4, 128, False), 17, torch.float32, 72, 320, 3, True),
+    (S(4, 128, True), 32, torch.float32, 256, 256, 1, True), (S(4, -1, False), 32, torch.float16, 130, 256, 2, True),
+    (S(3, 128, False), 17, torch.float16, 48, 384, 1, True), (S(4, 128, False), 17, torch.float16, 200, 384, 2, False),
+    (S(4, 128, False), 2, torch.float16, 48, 256, 1, True), (S(4, 128, True, act_order=True), 16, torch.float16, 72, 256, 1, True),
+    (S(4, 128, False), 40, torch.float16, 136, 320, 1, False), (S(4, -1, True), 17, torch.bfloat16, 64, 256, 2, True),
+    (S(4, 128, True), 3, torch.float16, 72, 320, 1, True, "mfma16x128"),
+    (S(4, 128, False), 17, torch.float16, 200, 384, 2, True, "mfma16x128"),
+    (S(4, -1, False), 1, torch.float32, 48, 256, 1, False, "mfma16x128"),
+    (S(3, 128, False), 40, torch.float16, 136, 320, 1, False, "mfma16x128"),
+]
+
+
+@interp
+@pytest.mark.parametrize("scheme,m,dtype,n,k,split_k,swap,lay", [c if len(c) == 8 else (*c, "mma16x64")
+                                                                 for c in PRESHUFFLED_CASES],
+                         ids=[f"{c[0].short_name}-M{c[1]}-{str(c[2])[6:]}-{c[3]}x{c[4]}-split{c[5]}-{'swap' if c[6] else 'plain'}"
+                              f"-{c[7] if len(c) == 8 else 'mma16x64'}" for c in PRESHUFFLED_CASES])
+def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, split_k, swap, lay):
+    """weight_layout "mma16x64" / "mfma16x128" (layout.py): every M on the tl.dot kernel with PRESHUFFLED, the
+    swapped product (forced on here) and the plain one, zeros on and off, 3- and 4-bit codes, per
+    channel, act-order (permuted), split-K, N and K off the 16 x 64 atoms and the tiles (masked)."""
+    if swap:
+        monkeypatch.setattr(tk.wq, "SWAP_AB_BACKENDS", frozenset({"interpreter"}))
+    metas, real = [], tk.wq._launch
+    monkeypatch.setattr(tk.wq, "_launch", lambda family, kernel, grid, args, meta, *a: (
+        metas.append((family, meta.get("SWAP_AB"), meta.get("PRESHUFFLED"))), real(family, kernel, grid, args, meta, *a)))
+    r, x, b = make_case(scheme, n, k, m, dtype, bias=(m % 2 == 1))
+    backend = tk.backend.TritonBackend(weight_layout=lay)
+    p = backend.prepare(r, dtype)
+    key = {"mma16x64": "qweight_mma", "mfma16x128": "qweight_mfma"}[lay]
+    assert key in p and "qweight" not in p
+    y = tk.wq.wq_linear(x if "perm" not in p else x.index_select(1, p["perm"]), p[key], p["scales"],
+                        p.get("zeros"), None, b, bits=scheme.bits, group_size=scheme.group_size, split_k=split_k,
+                        layout=lay)
+    assert metas == [("small_m" if m <= 32 else "large_m", swap and m <= 32, 1 if lay == "mma16x64" else 2)]
+    ref = ReferenceBackend()
+    check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
+    y2, _ = run_both(backend, r, x, b)
+    check_close(y2, y, dtype)
+
+
+@interp
+@pytest.mark.parametrize("tile,lay", [((16, 16, 64), "mma16x64"), ((16, 32, 64), "mma16x64"), ((32, 64, 128), "mma16x64"),
+                                      ((64, 256, 64), "mma16x64"), ((16, 16, 128), "mfma16x128"),
+                                      ((64, 32, 256), "mfma16x128")])
+def test_preshuffled_other_tiles(tk, monkeypatch, tile, lay):
+    """The GPU configs' tiles (one 16 x 64 atom a tile and up; the interpreter's own is 32 x 128 x
+    128), swapped or plain product, N and K off the tiles."""
+    bm, bn, bk = tile
+    monkeypatch.setattr(tk.wq, "SWAP_AB_BACKENDS", frozenset({"interpreter"}))
+    monkeypatch.setattr(tk.wq.configs, "interpreter_config",
+                        lambda family: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1})
+    scheme = S(4, -1 if bk > 128 else 128, False)  # the K tile in one group
+    r, x, b = make_case(scheme, 88, 320, 17, torch.float16)
+    p = tk.backend.TritonBackend(weight_layout=lay).prepare(r, torch.float16)
+    key = {"mma16x64": "qweight_mma", "mfma16x128": "qweight_mfma"}[lay]
+    y = tk.wq.wq_linear(x, p[key], p["scales"], p["zeros"], None, b, bits=4, group_size=scheme.group_size,
+                        split_k=2, layout=lay)
+    ref = ReferenceBackend()
+    check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 88, 320, b), torch.float16)
+
+
+@interp
+def test_preshuffled_layout_is_refused_where_it_does_not_match(tk):
+    """The launcher refuses a qweight in the other layout, and a weight the layout cannot hold;
+    the backend keeps the GPTQ layout (with a warning) where mma16x64 cannot hold the weight,
+    and "auto" keeps it off the pre-shuffling backends (here: the interpreter)."""
+    scheme = S(4, 128, True)
+    r, x, b = make_case(scheme, 48, 256, 3, torch.float16)
+    gptq = tk.backend.TritonBackend(weight_layout="gptq").prepare(r, torch.float16)
+    mma = tk.backend.TritonBackend(weight_layout="mma16x64").prepare(r, torch.float16)
+    assert "qweight" in tk.backend.TritonBackend().prepare(r, torch.float16)
+    kw = dict(bits=4, group_size=128)
+    with pytest.raises(ValueError, match="mma16x64"):
+        tk.wq.wq_linear(x, mma["qweight_mma"], mma["scales"], None, None, b, **kw)
+    with pytest.raises(ValueError, match="pre-shuffled"):
+        tk.wq.wq_linear(x, gptq["qweight"], gptq["scales"], None, None, b, layout="mma16x64", **kw)
+    with pytest.raises(ValueError, match="layout"):
+        tk.wq.wq_linear(x, gptq["qweight"], gptq["scales"], None, None, b, layout="marlin", **kw)
+    with pytest.raises(ValueError, match="mfma16x128"):  # the other pre-shuffled layout's shape
+        tk.wq.wq_linear(x, mma["qweight_mma"], mma["scales"], None, None, b, layout="mfma16x128", **kw)
+    with pytest.raises(ValueError, match="group 32"):
+        tk.wq.wq_linear(x, mma["qweight_mma"], mma["scales"], None, None, b, layout="mma16x64", bits=4, group_size=32)
+    r8, x8, _ = make_case(S(8, 128, True), 48, 256, 3, torch.float16)
+    with pytest.warns(UserWarning, match="4-bit"):
+        p8 = tk.backend.TritonBackend(weight_layout="mma16x64").prepare(r8, torch.float16)
+    assert "qweight" in p8 and "qweight_mma" not in p8
+    with pytest.raises(ValueError):
+        tk.backend.TritonBackend(weight_layout="nope")
+
+
 @interp
 def test_act_order_layouts(tk):
     """'permute' sorts rows into contiguous groups; 'gidx' keeps g_idx; an irregular g_idx
@@ -393,7 +531,10 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
         family, S(4, 128, False))
     ms = {"gemv": (1, 2), "gemv_packed": (1, 2), "small_m": (9,), "large_m": (300,), "w8a8": (1, 40)}[family]
     dtypes = (torch.float16, torch.bfloat16) if family == "gemv_packed" else (torch.float16,)
-    backend = mods.backend.TritonBackend(autotune=False)
+    # the GEMVs read the GPTQ layout only; a tl.dot config that cannot read a pre-shuffled qweight
+    # runs on the GPTQ layout (the launcher prunes it for pre-shuffled weights)
+    fits = family in ("small_m", "large_m") and mods.wq.preshuffled_fits(cfgs[index])
+    backend = mods.backend.TritonBackend(autotune=False, weight_layout="auto" if fits else "gptq")
     for dtype in dtypes:
         for m in ms:
             for n, k in ((1000, 1000), (512, 1024)):
@@ -403,15 +544,19 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
 
 
 @interp
-def test_moe_experts_run_on_the_triton_backend(tk):
+@pytest.mark.parametrize("preshuffled", [False, True])
+def test_moe_experts_run_on_the_triton_backend(tk, monkeypatch, preshuffled):
     """A quantized Qwen3-MoE (experts one QuantLinear each, ``models.experts.LinearExperts``) on
     the Triton backend, through the grouped path (``kernels.moe``: two grouped launches per MoE
-    block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's."""
+    block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's; also
+    with the experts' qweights pre-shuffled (CUDA's default: unshuffled for the stacked copy)."""
     import quantspec
     from helpers import tiny_model
     from quantspec.quant.recipe import Recipe
 
-    recipe = Recipe(name="t", method="rtn", format="gptq", scheme=S(4, 32, True))
+    if preshuffled:
+        monkeypatch.setattr(tk.backend, "PRESHUFFLED_BACKENDS", frozenset({"interpreter"}))
+    recipe = Recipe(name="t", method="rtn", format="gptq", scheme=S(4, -1 if preshuffled else 32, True))
     ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
     logits = {}
     for backend in ("reference", "triton"):
@@ -419,6 +564,10 @@ def test_moe_experts_run_on_the_triton_backend(tk):
         assert set(report["backends"].values()) == {backend}
         assert sum(".experts." in n for n in report["backends"]) == 48
         assert len(report["grouped_experts"]) == (2 if backend == "triton" else 0)
+        if backend == "triton":
+            keys = {k for m in model.modules() if hasattr(m, "prepared") and callable(m.prepared)
+                    for k in m.prepared()}
+            assert ("qweight_mma" in keys) == preshuffled
         with torch.no_grad():
             logits[backend] = model(ids).logits
     ref = logits["reference"]

@@ -28,8 +28,8 @@ class GroupedExperts:
         self.scheme = gate[0].scheme
         self.glu = mlps[0].glu
         self.n_experts = len(mlps)
-        self.gate_up = _stack([(g.prepared(), u.prepared()) for g, u in zip(gate, up)])
-        self.down = _stack([(d.prepared(),) for d in down])
+        self.gate_up = _stack([(_gptq(g), _gptq(u)) for g, u in zip(gate, up)])
+        self.down = _stack([(_gptq(d),) for d in down])
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from .triton.moe_gemm import moe_wq_linear
@@ -44,6 +44,18 @@ class GroupedExperts:
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         out.index_add_(0, tok, y)
         return out.to(hidden.dtype)
+
+
+def _gptq(lin: QuantLinear) -> dict[str, torch.Tensor]:
+    """A linear's prepared tensors with qweight in the GPTQ layout, which the grouped kernel reads:
+    a pre-shuffled one (``triton/layout.py``, CUDA's default) is unshuffled for the stacked copy."""
+    from .triton.layout import LAYOUT_MFMA, LAYOUT_MMA, unshuffle
+
+    p = dict(lin.prepared())
+    for layout, key in ((LAYOUT_MMA, "qweight_mma"), (LAYOUT_MFMA, "qweight_mfma")):
+        if key in p:
+            p["qweight"] = unshuffle(p.pop(key), lin.in_features, lin.out_features, layout)
+    return p
 
 
 def _stack(layers: list[tuple[dict, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

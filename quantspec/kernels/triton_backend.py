@@ -7,7 +7,10 @@ CUDA/ROCm devices, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
 
 Prepared layout (see ``triton/wq_gemm.py`` for the bit order):
 
-* weight-only: ``qweight`` int32 [ceil(K/PF), N] packed along K; ``scales`` [G, N] in the
+* weight-only: ``qweight`` int32 [ceil(K/PF), N] packed along K, or instead ``qweight_mma``
+  int32 [ceil(N/16), ceil(K/64), 128] or ``qweight_mfma`` [ceil(N/16), ceil(K/128), 256]
+  (``weight_layout``, ``triton/layout.py``: pre-shuffled so that each thread's load is its tl.dot
+  fragment, NVIDIA's or AMD's; the key says which); ``scales`` [G, N] in the
   checkpoint's scale dtype (fp16 scales are not rounded to bf16); ``zeros`` uint8 [G, N] when
   asymmetric; with act-order either ``perm`` int32 [K] (strategy "permute") or ``g_idx``
   int32 [K] (strategy "gidx").
@@ -31,6 +34,8 @@ inner loop). A g_idx that sorting cannot turn into contiguous equal groups falls
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
 
@@ -40,9 +45,12 @@ from .triton import configs
 from .triton.fp8_w8a8 import BLOCK as FP8_BLOCK_COLS, fp8_format, fp8_linear
 from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
 from .triton.w8a8 import w8a8_linear
-from .triton.wq_gemm import field_bits, wq_linear
+from .triton.layout import LAYOUT_GPTQ, LAYOUT_MFMA, LAYOUT_MMA, preshuffle, preshuffle_reason
+from .triton.wq_gemm import PER_CHANNEL_GROUP as WQ_PER_CHANNEL, PRESHUFFLED_BACKENDS, field_bits, wq_linear
 
 ACT_ORDER_STRATEGIES = ("permute", "gidx")
+WEIGHT_LAYOUTS = ("auto", LAYOUT_GPTQ, LAYOUT_MMA, LAYOUT_MFMA)
+QWEIGHT_KEYS = {LAYOUT_GPTQ: "qweight", LAYOUT_MMA: "qweight_mma", LAYOUT_MFMA: "qweight_mfma"}
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -78,11 +86,18 @@ class TritonBackend:
     autotune: False runs the first fitting config per target instead of tuning (tests).
     fp8: the FP8 flavour of W8A8 (FP8 activations): "e4m3fn" or "e4m3fnuz"; None picks the
     current target's (``fp8_w8a8.fp8_format``).
+    weight_layout: the weight-only qweight layout: "gptq", "mma16x64" / "mfma16x128" (pre-shuffled
+    for NVIDIA / AMD tensor cores: 4-bit fields, groups of a multiple of 128 or per channel, no
+    g_idx; others keep "gptq", with a warning saying why) or "auto" (default): "mma16x64" where it
+    can hold the weight on the backends of ``wq_gemm.PRESHUFFLED_BACKENDS``, else "gptq".
     """
 
     name = "triton"
 
-    def __init__(self, act_order: str = "permute", autotune: bool = True, fp8: str | None = None):
+    def __init__(self, act_order: str = "permute", autotune: bool = True, fp8: str | None = None,
+                 weight_layout: str = "auto"):
+        if weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
         if act_order not in ACT_ORDER_STRATEGIES:
             raise ValueError(f"act_order must be one of {ACT_ORDER_STRATEGIES}, got {act_order!r}")
         if fp8 not in (None, "e4m3fn", "e4m3fnuz"):
@@ -90,6 +105,23 @@ class TritonBackend:
         self.act_order = act_order
         self.autotune = autotune
         self.fp8 = fp8
+        self.weight_layout = weight_layout
+
+    def _layout_for(self, bits: int, group: int, has_gidx: bool, device: torch.device) -> str:
+        """The qweight layout ``prepare`` writes for a weight on ``device``."""
+        if self.weight_layout == LAYOUT_GPTQ:
+            return LAYOUT_GPTQ
+        reason = preshuffle_reason(bits, group, has_gidx)
+        if self.weight_layout != "auto":
+            if reason is not None:
+                warnings.warn(f"weight_layout {self.weight_layout!r}: {reason}; keeping {LAYOUT_GPTQ!r}", stacklevel=3)
+                return LAYOUT_GPTQ
+            return self.weight_layout
+        if configs.interpreting() or device.type != "cuda":
+            backend = "interpreter"
+        else:
+            backend = "hip" if torch.version.hip is not None else "cuda"
+        return LAYOUT_MMA if backend in PRESHUFFLED_BACKENDS and reason is None else LAYOUT_GPTQ
 
     def _fp8_format(self) -> str:
         """The FP8 flavour, the target's looked up once (not a driver query per linear call)."""
@@ -153,7 +185,11 @@ class TritonBackend:
                 out["perm"] = perm.to(torch.int32).contiguous()
         if g_idx is not None:
             out["g_idx"] = g_idx.to(torch.int32).contiguous()
-        out["qweight"] = pack_codes(codes, scheme.bits)
+        group = WQ_PER_CHANNEL if scheme.group_size == -1 else glen
+        layout = self._layout_for(scheme.bits, group, g_idx is not None, codes.device)
+        out[QWEIGHT_KEYS[layout]] = pack_codes(codes, scheme.bits)
+        if layout != LAYOUT_GPTQ:
+            out[QWEIGHT_KEYS[layout]] = preshuffle(out[QWEIGHT_KEYS[layout]], k, layout)
         out["scales"] = result.scales.t().contiguous()
         if result.zeros is not None:
             out["zeros"] = result.zeros.t().contiguous()
@@ -192,9 +228,10 @@ class TritonBackend:
         elif scheme.activations == "int8-token-dynamic":
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         else:
+            layout = next(lay for lay, key in QWEIGHT_KEYS.items() if key in prepared)
             y = wq_linear(
-                x2, prepared["qweight"], prepared["scales"], prepared.get("zeros"),
+                x2, prepared[QWEIGHT_KEYS[layout]], prepared["scales"], prepared.get("zeros"),
                 prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
-                autotune=self.autotune,
+                autotune=self.autotune, layout=layout,
             )
         return y.reshape(*lead, out_features)

@@ -59,12 +59,33 @@ def packed_variant(variant: str, target_name: str) -> bool:
     return wq_gemm.gemv_packed(dtype, wq_gemm.field_bits(bits), group, gidx, TARGETS[target_name][0].backend) != 0
 
 
-def first_config(family: str, target_name: str, variant: str | None = None) -> triton.Config:
+def first_config(family: str, target_name: str, variant: str | None = None,
+                 preshuffled: bool | int | None = None) -> triton.Config:
     """The first config of a family's list for the target; with a weight-only ``variant``, of the
-    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there)."""
+    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there), and
+    the first that reads a pre-shuffled qweight where the variant is pre-shuffled by default
+    (``preshuffled``: False, True / 1 (mma16x64) or 2 (mfma16x128) force one)."""
     if family == "gemv" and variant is not None and packed_variant(variant, target_name):
         family = "gemv_packed"
-    return configs.configs_for(family, target_key(target_name))[0]
+    cfgs = configs.configs_for(family, target_key(target_name))
+    if preshuffled is None:
+        preshuffled = variant is not None and preshuffled_variant(family, variant, target_name)
+    if preshuffled:
+        return next(c for c in cfgs if wq_gemm.preshuffled_fits(c, int(preshuffled)))
+    return cfgs[0]
+
+
+def layout_reason(variant: str) -> str | None:
+    """Why layout.py's pre-shuffled layout cannot hold a weight-only variant (None: it can)."""
+    _, bits, group, _, gidx, _ = WQ_VARIANTS[variant]
+    return wq_gemm.preshuffle_reason(bits, group, gidx)
+
+
+def preshuffled_variant(family: str, variant: str, target_name: str) -> bool:
+    """Whether the backend pre-shuffles a weight-only variant's qweight by default on the target
+    (``wq_gemm.preshuffled_default``), so that the tl.dot ``family`` reads layout.py's layout."""
+    _, bits, group, _, gidx, _ = WQ_VARIANTS[variant]
+    return wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, cfg: triton.Config, target_name: str):
@@ -96,7 +117,8 @@ def wq_types(act: str) -> dict:
 
 
 def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90",
-                  asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None) -> dict:
+                  asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None,
+                  preshuffled: bool | int | None = None) -> dict:
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
@@ -113,23 +135,32 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
         if swap_ab is None:  # what the launcher runs on the target
             swap_ab = wq_gemm.swap_ab(family, TARGETS[target_name][0].backend, fb)
         c["SWAP_AB"] = swap_ab
+        if preshuffled is None:  # what the launcher runs by default on the target
+            preshuffled = wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
+        c["PRESHUFFLED"] = int(preshuffled)  # True: mma16x64 (1); 2: mfma16x128
     return c
 
 
 def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config,
-                 asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None):
+                 asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None,
+                 preshuffled: bool | int | None = None):
     """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
     variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
     the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``); ``swap_ab``: the
-    tl.dot kernel's transposed product (None: as the launcher picks it, ``wq_gemm.swap_ab``)."""
+    tl.dot kernel's transposed product (None: as the launcher picks it, ``wq_gemm.swap_ab``);
+    ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
+    target, ``wq_gemm.preshuffled_default``; True or 1: mma16x64, 2: mfma16x128)."""
     if family == "w8a8":
         from . import w8a8
 
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab)
+    if preshuffled is None and family in ("small_m", "large_m") and not wq_gemm.preshuffled_fits(cfg, 1):
+        preshuffled = False  # a config the launcher prunes for pre-shuffled weights: the GPTQ layout's code
+    consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab,
+                           preshuffled=preshuffled)
     if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
         if "PACKED" not in consts:
             if family == "gemv_packed":

@@ -125,6 +125,7 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
             _cfg(128, 128, bk // 2, 8, 2, waves_per_eu=0, **amd),
             _cfg(64, 128, bk, 4, 2, waves_per_eu=2, **amd),
             _cfg(64, 64, bk, 4, 2, waves_per_eu=2, **amd),
+            _cfg(64, 128, 128, 4, 2, waves_per_eu=2, **amd),  # BLOCK_K 128: a qweight in layout.py's mfma16x128
         ]
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 

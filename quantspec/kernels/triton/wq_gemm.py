@@ -27,6 +27,7 @@ from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
 from .wq_dequant import (
     _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
+from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
@@ -97,7 +98,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SWAP_AB: tl.constexpr = False):
+                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -109,6 +110,9 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     SWAP_AB computes the transposed product, acc.T [BLOCK_N, BLOCK_M] += W.T @ x.T (the weight
     the left operand, x.T read from memory), transposed back for the store.
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
+    PRESHUFFLED: qweight in a ``layout.py`` layout, 1 mma16x64 (wgmma / mma.sync), 2 mfma16x128
+    (MFMA kpack 2); 4-bit fields, the K tile in one group, no g_idx; unpacked as W.T with two
+    fields per 32-bit op and no shared-memory step.
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
     pid = tl.program_id(0)
@@ -137,7 +141,25 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                 x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        if HAS_GIDX or GROUP % BLOCK_K != 0:
+        if PRESHUFFLED:
+            tl.static_assert(FB == 4 and not HAS_GIDX and GROUP % BLOCK_K == 0)
+            tl.static_assert(BLOCK_N % 16 == 0 and BLOCK_K % (64 * PRESHUFFLED) == 0)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            if PRESHUFFLED == 2:
+                wt = _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
+                                   BLOCK_N, BLOCK_K, HAS_ZEROS)
+            else:
+                wt = _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
+                                  BLOCK_N, BLOCK_K, HAS_ZEROS)  # W.T [BLOCK_N, BLOCK_K], code - zero
+            if SWAP_AB and BLOCK_M <= 32:
+                acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
+            elif SWAP_AB:
+                acc = _dot(x, wt * s.to(wt.dtype)[:, None], acc, SWAP_AB, DOT_F32)
+            elif BLOCK_M <= 32:
+                acc += _dot(x, tl.trans(wt), None, SWAP_AB, DOT_F32) * s[None, :]
+            else:
+                acc = _dot(x, tl.trans(wt * s.to(wt.dtype)[:, None]), acc, SWAP_AB, DOT_F32)
+        elif HAS_GIDX or GROUP % BLOCK_K != 0:
             w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
             acc = _dot(x, tl.trans(w) if SWAP_AB else w, acc, SWAP_AB, DOT_F32)
@@ -219,6 +241,23 @@ def swap_ab(family: str, backend: str, fb: int) -> bool:
     return family == "small_m" and backend in SWAP_AB_BACKENDS and not (backend == "cuda" and fb == 2)
 
 
+# Backends whose TritonBackend pre-shuffles qweight by default (layout.py's mma16x64, where
+# ``layout.preshuffle_reason`` allows it; docs/decisions/preshuffled-layout.md). CUDA: compiled
+# here, sm90 small-M 4.89 -> 3.33 instructions per weight (fp16 W4 g128 sym; bf16 asym 5.44 ->
+# 3.88), no STS / LDSM of the weight tile, no spills; M <= 2 then runs the tl.dot kernel too (the
+# GEMVs read the GPTQ layout only). ROCm stays on the GPTQ layout: the CUDA fragment is not
+# MFMA's (the tile still goes through LDS there) and M <= 2 would lose the packed GEMV. Not yet
+# timed on a GPU.
+PRESHUFFLED_BACKENDS: frozenset[str] = frozenset({"cuda"})
+
+
+def preshuffled_default(family: str, backend: str, bits: int, group: int, has_gidx: bool) -> bool:
+    """Whether a weight is pre-shuffled by default on ``backend`` (and so ``family`` runs
+    ``_wq_dot_kernel`` with PRESHUFFLED); the GEMV families never read that layout."""
+    return (family in ("small_m", "large_m") and backend in PRESHUFFLED_BACKENDS
+            and preshuffle_reason(bits, group, has_gidx) is None)
+
+
 def gemv_packed(dtype: torch.dtype, fb: int, group: int, has_gidx: bool, backend: str,
                 asm: bool = ASM_PAIR_OPS) -> int:
     """PACKED mode of the packed GEMV (``_wq_gemv_f16x2_kernel``) for x's dtype, the field
@@ -262,9 +301,12 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
     return split
 
 
-def _fits(family: str, cfg, m_key: int, block_m: int) -> bool:
+def _fits(family: str, cfg, m_key: int, block_m: int, preshuffled: int = 0) -> bool:
     """Whether a config suits the launch: GEMV tiles [BLOCK_M, BLOCK_K, BLOCK_N] small enough
-    not to spill registers; small-M tiles no taller than M needs (16 covers M <= 16)."""
+    not to spill registers; small-M tiles no taller than M needs (16 covers M <= 16); a
+    pre-shuffled qweight (layout.py) takes BLOCK_N a multiple of 16 and BLOCK_K of its K atom."""
+    if preshuffled and not preshuffled_fits(cfg, preshuffled):
+        return False
     if family == "gemv":
         return block_m * cfg.kwargs["BLOCK_K"] * cfg.kwargs["BLOCK_N"] <= 32768
     if family == "small_m":
@@ -272,15 +314,27 @@ def _fits(family: str, cfg, m_key: int, block_m: int) -> bool:
     return True
 
 
+def preshuffled_fits(cfg, code: int = 1) -> bool:
+    """Whether a tl.dot config reads a pre-shuffled qweight (PRESHUFFLED ``code``: 1 mma16x64, 2
+    mfma16x128): BLOCK_N a multiple of 16, BLOCK_K of the layout's K atom (64, 128)."""
+    return cfg.kwargs["BLOCK_N"] % 16 == 0 and cfg.kwargs["BLOCK_K"] % (64 * code) == 0
+
+
 def _prune_gemv(cfgs, named_args, **kwargs):
     return [c for c in cfgs if _fits("gemv", c, named_args["M_KEY"], kwargs["BLOCK_M"])] or cfgs[:1]
 
 
 def _prune_small_m(cfgs, named_args, **kwargs):
-    return [c for c in cfgs if _fits("small_m", c, named_args["M_KEY"], 0)] or cfgs[:1]
+    ps = kwargs.get("PRESHUFFLED", 0)
+    return [c for c in cfgs if _fits("small_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
 
 
-_PRUNE = {"gemv": _prune_gemv, "gemv_packed": None, "small_m": _prune_small_m, "large_m": None}
+def _prune_large_m(cfgs, named_args, **kwargs):
+    ps = kwargs.get("PRESHUFFLED", 0)
+    return [c for c in cfgs if _fits("large_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
+
+
+_PRUNE = {"gemv": _prune_gemv, "gemv_packed": None, "small_m": _prune_small_m, "large_m": _prune_large_m}
 
 
 def _launch(family, kernel, grid, args, meta, m_key, autotune):
@@ -295,7 +349,10 @@ def _launch(family, kernel, grid, args, meta, m_key, autotune):
         configs.autotuned(kernel, family, target, key, _PRUNE[family])[grid](*args, **meta)
         return
     cfgs = configs.configs_for(family, target)
-    cfg = next((c for c in cfgs if _fits(family, c, m_key, meta.get("BLOCK_M", 0))), cfgs[0])
+    ps = meta.get("PRESHUFFLED", 0)
+    cfg = next((c for c in cfgs if _fits(family, c, m_key, meta.get("BLOCK_M", 0), ps)), None)
+    if cfg is None:
+        raise ValueError(f"no {family} config of {target} takes a pre-shuffled qweight")
     kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -310,11 +367,15 @@ def wq_linear(
     group_size: int,
     split_k: int | None = None,
     autotune: bool = True,
+    layout: str = LAYOUT_GPTQ,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight-only quantized W, in one fused dequant-GEMM.
 
     x:        [M, K] fp16, bf16 or fp32 (rows contiguous).
-    qweight:  int32 [ceil(K / PF), N], PF = 32 // field_bits(bits), packed along K.
+    qweight:  int32 [ceil(K / PF), N], PF = 32 // field_bits(bits), packed along K; with
+              ``layout`` "mma16x64" / "mfma16x128" the pre-shuffled int32 [ceil(N/16),
+              ceil(K/64), 128] / [ceil(N/16), ceil(K/128), 256] of ``layout.preshuffle`` (every M
+              then runs the tl.dot kernel).
     scales:   [G, N] fp16, bf16 or fp32.
     zeros:    uint8 [G, N] integer zero points, or None (symmetric: 2**(bits-1)).
     g_idx:    int32 [K] group of each row of qweight, or None (``k // group_size``).
@@ -322,6 +383,8 @@ def wq_linear(
     bits:     2, 3, 4 or 8. group_size: -1 (per channel) or the group length.
     split_k:  K splits (None: from the grid size and the GPU's compute units).
     autotune: False runs the first fitting config of the target's list (no tuning runs).
+    layout:   "gptq" (default), "mma16x64" or "mfma16x128": which layout ``qweight`` holds; a
+              qweight in another layout, or a scheme the layout cannot hold, is refused (ValueError).
     Returns [M, N] in x's dtype. Raises ValueError on shapes or dtypes it cannot take.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -333,10 +396,25 @@ def wq_linear(
     m, k = x.shape
     fb = field_bits(bits)
     pf = 32 // fb
-    n = qweight.shape[1]
-    if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, pf):
-        raise ValueError(f"qweight must be int32 [{triton.cdiv(k, pf)}, N], got "
-                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    preshuffled = PRESHUFFLED_CODE[layout]
+    if preshuffled:
+        n = scales.shape[1] if scales.dim() == 2 else -1
+        want = atom_shape(layout, n, k)
+        if qweight.dtype != torch.int32 or tuple(qweight.shape) != want:
+            raise ValueError(f"layout {layout!r}: qweight must be the pre-shuffled int32 {list(want)}, got "
+                             f"{qweight.dtype} {tuple(qweight.shape)}")
+        reason = preshuffle_reason(bits, PER_CHANNEL_GROUP if group_size == -1 else group_size, g_idx is not None)
+        if reason is not None:
+            raise ValueError(f"layout {layout!r} cannot hold this weight: {reason}")
+    else:
+        if qweight.dim() != 2:
+            raise ValueError(f"qweight is {qweight.dim()}-D: a pre-shuffled qweight needs its layout= (mma16x64, mfma16x128)")
+        n = qweight.shape[1]
+        if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, pf):
+            raise ValueError(f"qweight must be int32 [{triton.cdiv(k, pf)}, N], got "
+                             f"{qweight.dtype} {tuple(qweight.shape)}")
     if scales.dim() != 2 or scales.shape[1] != n:
         raise ValueError(f"scales must be [G, {n}], got {tuple(scales.shape)}")
     if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
@@ -363,7 +441,7 @@ def wq_linear(
     m_key = min(_next_pow2(m), 256)
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
-    if m <= GEMV_MAX_M:
+    if m <= GEMV_MAX_M and not preshuffled:  # the GEMVs read the GPTQ layout only
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
         backend = "interpreter" if configs.interpreting() else configs.current_target()[0]
@@ -380,6 +458,7 @@ def wq_linear(
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
         meta["MAGIC16"] = _magic16(x.dtype, fb)
         meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0], fb)
+        meta["PRESHUFFLED"] = preshuffled
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
