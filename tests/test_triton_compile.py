@@ -187,7 +187,7 @@ def test_small_m_swap_ab_budget_and_operands(target_name, variant):
         assert "STS.U16" not in sass
 
 
-# The same path on a pre-shuffled qweight (layout.py; 1: mma16x64, CUDA's default; 2: mfma16x128),
+# The same path on a pre-shuffled qweight (layout.py; 1: mma16x64, 2: mfma16x128; opt-in),
 # measured with Triton 3.9: sm90 fp16 3.328, bf16 3.875, sm80 fp16 4.172; gfx942 mfma16x128 fp16
 # 3.344, bf16 10.219 (mma16x64 there: 4.031, 11.781).
 PRESHUFFLED_BUDGETS = {("sm90", "fp16-w4g128-sym", 1): 3.45, ("sm90", "bf16-w4g128-asym", 1): 4.0,

@@ -549,7 +549,7 @@ def test_moe_experts_run_on_the_triton_backend(tk, monkeypatch, preshuffled):
     """A quantized Qwen3-MoE (experts one QuantLinear each, ``models.experts.LinearExperts``) on
     the Triton backend, through the grouped path (``kernels.moe``: two grouped launches per MoE
     block): logits within 1e-5 (fp32, relative to the largest) of the reference backend's; also
-    with the experts' qweights pre-shuffled (CUDA's default: unshuffled for the stacked copy)."""
+    with the experts' qweights pre-shuffled (unshuffled for the stacked copy)."""
     import quantspec
     from helpers import tiny_model
     from quantspec.quant.recipe import Recipe

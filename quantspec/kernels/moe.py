@@ -48,7 +48,7 @@ class GroupedExperts:
 
 def _gptq(lin: QuantLinear) -> dict[str, torch.Tensor]:
     """A linear's prepared tensors with qweight in the GPTQ layout, which the grouped kernel reads:
-    a pre-shuffled one (``triton/layout.py``, CUDA's default) is unshuffled for the stacked copy."""
+    a pre-shuffled one (``triton/layout.py``, opt-in) is unshuffled for the stacked copy."""
     from .triton.layout import LAYOUT_MFMA, LAYOUT_MMA, unshuffle
 
     p = dict(lin.prepared())

@@ -242,13 +242,15 @@ def swap_ab(family: str, backend: str, fb: int) -> bool:
 
 
 # Backends whose TritonBackend pre-shuffles qweight by default (layout.py's mma16x64, where
-# ``layout.preshuffle_reason`` allows it; docs/decisions/preshuffled-layout.md). CUDA: compiled
-# here, sm90 small-M 4.89 -> 3.33 instructions per weight (fp16 W4 g128 sym; bf16 asym 5.44 ->
-# 3.88), no STS / LDSM of the weight tile, no spills; M <= 2 then runs the tl.dot kernel too (the
-# GEMVs read the GPTQ layout only). ROCm stays on the GPTQ layout: the CUDA fragment is not
-# MFMA's (the tile still goes through LDS there) and M <= 2 would lose the packed GEMV. Not yet
-# timed on a GPU.
-PRESHUFFLED_BACKENDS: frozenset[str] = frozenset({"cuda"})
+# ``layout.preshuffle_reason`` allows it; docs/decisions/preshuffled-layout.md). None yet: compiled
+# here, CUDA sm90 small-M goes from 4.89 to 3.33 instructions per weight (fp16 W4 g128 sym; bf16
+# asym 5.44 -> 3.88) with no STS / LDSM of the weight tile, but M <= 2 would then run the tl.dot
+# kernel instead of the packed GEMV (3.33 vs 2.77 per weight, fp16), the tiled path loses its
+# BLOCK_K 32 configs, and nothing of it has run on a GPU. Opt in with
+# ``TritonBackend(weight_layout="mma16x64")``; the next GPU session decides by timing
+# (benchmarks/kernel_speed.py --weight-layout). ROCm: the CUDA fragment is not MFMA's; mfma16x128
+# is opt-in there too.
+PRESHUFFLED_BACKENDS: frozenset[str] = frozenset()
 
 
 def preshuffled_default(family: str, backend: str, bits: int, group: int, has_gidx: bool) -> bool:
