@@ -65,13 +65,13 @@ TRIM_MODES = ("auto", "always", "never")
 def trims_each_block(model_bytes: int, available_bytes: int | None, mode: str = "auto") -> bool:
     """Whether streaming returns the freed heap to the system after every block.
 
-    Without it, glibc keeps the freed pages of processed blocks (fragmentation across blocks):
-    on a 12-block test model the resident size grew by most of a block per block, up to about the
-    model's size. With it, the next block page-faults its calibration buffers in again, which
-    made SmolLM2-135M GPTQ 9% slower than before the quantize-core redesign (measured in
-    benchmarks/results/quant-cost-gptq.md). So ``auto`` trims only where the kept pages matter: a model
-    (fp32 bytes) above a quarter of the memory available when the run starts, or where that is
-    unknown. ``always`` / ``never`` force it (``QUANTSPEC_TRIM_HEAP``)."""
+    Without it, glibc keeps the freed pages of processed blocks (fragmentation across blocks): on
+    12- and 40-block test models the resident size grew by a third to two thirds of a block per
+    block, up to about the model's size. With it, the next block page-faults its calibration
+    buffers in again, which made SmolLM2-135M GPTQ 9% slower than before the quantize-core
+    redesign (benchmarks/results/quant-cost-gptq.md). So ``auto`` trims only where the kept pages
+    matter: a model (fp32 bytes) above a quarter of the memory available when the run starts, or
+    where that is unknown. ``always`` / ``never`` force it (``QUANTSPEC_TRIM_HEAP``)."""
     if mode not in TRIM_MODES:
         raise QuantspecError(f"{TRIM_ENV}={mode!r} is not a heap policy.", f"use one of {', '.join(TRIM_MODES)}.")
     if mode != "auto":
