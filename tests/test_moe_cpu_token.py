@@ -3,8 +3,10 @@ a decode token through a quantized MoE block in one op call gives the per-expert
 (same kernels, same roundings; only the exp inside SiLU differs, std::exp against torch's
 vectorized exp), is attached only where every expert qualifies, and decodes the same tokens.
 
-Tolerances, relative to the largest output: fp32 1e-4, bf16 1e-2 (one bf16 rounding of one GLU
-value may differ when the two exps straddle a rounding boundary; both are 1e-6 in practice).
+Tolerances, relative to the largest output: fp32 1e-5, bf16 4e-3 (a bf16 ulp: one rounding of a
+GLU value may differ when the two exps straddle a rounding boundary). Observed on 100 random
+tokens per case (tiny Qwen3-MoE and Mixtral, W4 g32): fp32 at most 3.4e-7 (about 80% bit-equal),
+bf16 bit-equal throughout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(load_cpu_ext() is None, reason="the cpu extension is not built here"),
 ]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 LAYOUTS = ["auto", "rows"]  # auto: panels on AVX-512 VNNI CPUs
 
 
@@ -172,3 +174,20 @@ def test_static_decoder_decodes_the_same_tokens(dtype, monkeypatch):
     ref_tokens, ref = greedy()
     assert fast_tokens == ref_tokens
     _close(fast.to(dtype), ref.to(dtype), dtype)
+
+
+def test_load_quantized_attaches_it(tmp_path):
+    """A checkpoint loaded for the cpu backend gets the path on every MoE block
+    (``model.quantspec_cpu_token_experts``), with the per-expert path's output."""
+    from helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "qwen3_moe")
+    recipe = Recipe(name="t", method="rtn", scheme=QuantScheme(4, 32, True), format="gptq")
+    outcome = quantspec.quantize(str(folder), recipe, tmp_path / "q", progress=False)
+    model = quantspec.load_quantized(outcome.out, backend="cpu", dtype="float32")
+    blocks = experts_modules(model)
+    assert model.quantspec_cpu_token_experts == list(blocks) and len(blocks) == 2
+    for experts in blocks.values():
+        x = torch.randn(1, experts[0].linears()[0].in_features, generator=torch.Generator().manual_seed(1))
+        ids, weights = _routing(len(experts), 2, 0, torch.float32)
+        _close(*_both(experts, x, ids, weights), torch.float32)

@@ -187,7 +187,7 @@ class LinearExperts(nn.ModuleList):
             return self.runner(hidden_states, top_k_index, top_k_weights)
         n, rows = len(self), hidden_states.shape[0]
         if rows == 1 and self.calibration is None and self.routed_counts is None:
-            if self.token_runner is not None:
+            if self.token_runner is not None and hidden_states.is_cpu:  # its layouts stay on CPU
                 return self.token_runner(hidden_states, top_k_index, top_k_weights)
             return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
         tokens, slots, counts = routing_order(top_k_index, n)
