@@ -13,8 +13,8 @@
 // result to x's dtype; this op rounds where that path does (the gate/up product, silu, the GLU
 // product and the down product, in x's dtype; the weighting and the sum in fp32), so the two
 // agree up to the exp of silu (std::exp here, torch's vectorized exp there). What it saves is
-// the calls: every chosen expert's gate/up panels run in one parallel region, the GLU and the
-// down activations' quantization in a second, every chosen expert's down panels in a third.
+// the calls: every chosen expert's gate/up panels run in one parallel region, and the GLU, the
+// down activations' quantization and every chosen expert's down panels in a second.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -36,9 +36,8 @@ using qs_cpu::Geometry;
 
 // Buffers of the calling thread, reused across calls (a decode step calls this once per block).
 struct MoeScratch {
-  std::vector<float> xf, gu, h, yd, sx, xg, sxd, xgd, w;
-  std::vector<int8_t> xq, xqd;
-  std::vector<int64_t> expert, slot;
+  std::vector<float> xf, gu, yd, sx, xg, w;
+  std::vector<int8_t> xq;
 };
 
 MoeScratch& moe_scratch() {
@@ -145,18 +144,17 @@ void run_units(const Stacked& s, bool panels, int bits, bool simd, int64_t e, co
                        simd, u0, u1, y);
 }
 
-// Every chosen expert's product in one parallel region: work item i is unit i % units of the
-// (i / units)-th chosen expert; act(j) gives that expert's activations.
-template <typename ActsOf>
+// Every chosen expert's product of the same activations in one parallel region: work item i is
+// unit i % units of the (i / units)-th chosen expert.
 void all_experts(const Stacked& s, bool panels, int bits, bool simd, const int64_t* experts,
-                 int64_t kv, ActsOf act, float* y) {
+                 int64_t kv, const Acts& a, float* y) {
   const int64_t units = s.units, total = kv * units;
   // at least 32 KB of weights per thread, as qgemm_panel: smaller shares cost more to wake
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.unit_bytes));
   at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
     while (i0 < i1) {
       const int64_t j = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
-      run_units(s, panels, bits, simd, experts[j], act(j), u0, u1, y + j * s.g.N);
+      run_units(s, panels, bits, simd, experts[j], a, u0, u1, y + j * s.g.N);
       i0 += u1 - u0;
     }
   });
@@ -183,27 +181,32 @@ torch::Tensor moe_token_t(const torch::Tensor& x, const std::vector<int64_t>& ex
   qs_cpu::quantize_rows(s.xf.data(), nullptr, g1, simd, s.xq.data(), s.sx.data(), s.xg.data());
   const Acts ax{s.xq.data(), s.sx.data(), s.xg.data()};
   s.gu.resize(kv * g1.N);
-  all_experts(gu, panels, bits, simd, experts.data(), kv, [&](int64_t) { return ax; }, s.gu.data());
-  // the GLU and the down products' activations, one expert per work item
+  all_experts(gu, panels, bits, simd, experts.data(), kv, ax, s.gu.data());
+  // every chosen expert's down rows, each thread first forming the GLU and its quantized
+  // activations for the experts its share touches (an expert split between two threads has
+  // them formed by both, identically: one parallel region fewer than a separate pass)
   const Geometry& g2 = down.g;
-  Geometry gk = g2;
-  gk.M = kv;
-  s.h.resize(kv * inter);
-  s.xqd.resize(kv * g2.xld());
-  s.sxd.resize(kv * g2.nblk());
-  s.xgd.resize(kv * g2.G);
-  at::parallel_for(0, kv, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      glu_row<T>(s.gu.data() + j * g1.N, inter, s.h.data() + j * inter);
-      qs_cpu::quantize_rows(s.h.data() + j * inter, nullptr, g2, simd, s.xqd.data() + j * g2.xld(),
-                            s.sxd.data() + j * g2.nblk(), s.xgd.data() + j * g2.G);
+  s.yd.resize(kv * hidden);
+  const int64_t units = down.units, total = kv * units;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, down.unit_bytes));
+  const float* gup = s.gu.data();
+  float* ydp = s.yd.data();
+  at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> h, sx, xg;
+    thread_local std::vector<int8_t> xq;
+    h.resize(inter);
+    xq.resize(g2.xld());
+    sx.resize(g2.nblk());
+    xg.resize(g2.G);
+    while (i0 < i1) {
+      const int64_t j = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
+      glu_row<T>(gup + j * g1.N, inter, h.data());
+      qs_cpu::quantize_rows(h.data(), nullptr, g2, simd, xq.data(), sx.data(), xg.data());
+      run_units(down, panels, bits, simd, experts[j], Acts{xq.data(), sx.data(), xg.data()}, u0, u1,
+                ydp + j * hidden);
+      i0 += u1 - u0;
     }
   });
-  auto acts_of = [&](int64_t j) {
-    return Acts{s.xqd.data() + j * g2.xld(), s.sxd.data() + j * g2.nblk(), s.xgd.data() + j * g2.G};
-  };
-  s.yd.resize(kv * hidden);
-  all_experts(down, panels, bits, simd, experts.data(), kv, acts_of, s.yd.data());
   weighted_sum<T>(s.yd.data(), wts.data(), kv, hidden, op);
   return out;
 }
