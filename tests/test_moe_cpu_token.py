@@ -169,6 +169,10 @@ def test_static_decoder_decodes_the_same_tokens(dtype, monkeypatch):
         experts.token_runner = Counted(experts.token_runner)
     fast_tokens, fast = greedy()
     assert calls and set(calls) == {1}  # one token at a time, never the prefill
+    for name, experts in blocks.items():  # the decoder's fused gate/up are views of the stack
+        for e, mlp in enumerate(experts):
+            assert mlp.gate_up.fused
+            assert mlp.gate_up._prepared["w"].data_ptr() == runners[name].gu["w"][e].data_ptr()
     for name, experts in blocks.items():
         experts.token_runner = None
     ref_tokens, ref = greedy()
