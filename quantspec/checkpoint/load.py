@@ -157,9 +157,11 @@ def load_quantized(
         if isinstance(mod, QuantLinear):
             backends[name] = mod.prepare(backend)
     model.quantspec_backends = backends
+    from ..kernels.cpu_moe import attach_cpu_token
     from ..kernels.moe import attach_grouped
 
     model.quantspec_grouped_experts = attach_grouped(model)
+    model.quantspec_cpu_token_experts = attach_cpu_token(model)
     model.quantspec_format = fmt.name
     model.quantspec_kv_cache = _kv_cache(model, kv, kv_state, path)
     model.name_or_path = str(path)

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include "cpu_qgemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,21 +38,8 @@
 
 namespace {
 
-struct Geometry {
-  int64_t M, N, K, Kp, G, B;
-  int64_t nblk() const { return Kp / B; }
-  int64_t bpg() const { return (Kp / G) / B; }
-  // Row stride of the int8 activations: a cache line more than a row, so that the rows of x
-  // do not all fall into one L1 set when Kp is a multiple of 4 KB (AMX loads 16 rows at once).
-  int64_t xld() const { return Kp + 64; }
-};
-
-// Per-block activation operands for one matmul call.
-struct Acts {
-  const int8_t* xq;  // [M, Kp], rows Geometry::xld() apart
-  const float* sx;   // [M, nblk]
-  const float* xg;   // [M, G]
-};
+using qs_cpu::Acts;
+using qs_cpu::Geometry;
 
 // One block of activations -> int8 codes (absmax / 127, round half to even, as
 // quantspec.kernels.reference.quantize_per_token_int8 does); returns the sum of the codes.
@@ -787,6 +776,65 @@ torch::Tensor finish(const float* y, int64_t M, int64_t N,
 }
 
 }  // namespace
+
+// ---- the kernels for other sources of the extension (cpu_qgemm.h) ----
+namespace qs_cpu {
+
+bool has_avx2() {
+#ifdef QS_X86
+  return cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#ifdef QS_X86
+  return cpu_has_vnni();
+#else
+  return false;
+#endif
+}
+
+void quantize_rows(const float* x, const int32_t* src, const Geometry& g, bool simd, int8_t* xq,
+                   float* sx, float* xg) {
+  quantize_activations(x, src, g, simd, xq, sx, xg);
+}
+
+void rows_range(const uint8_t* w, int64_t row_bytes, const c10::Half* scales, const int8_t* zeros,
+                int bits, const Acts& a, const Geometry& g, bool simd, int64_t n0, int64_t n1,
+                float* y) {
+  std::vector<float> swf(g.G), szf(g.G);
+  for (int64_t n = n0; n < n1; ++n) {
+#ifdef QS_X86
+    if (simd) row_scales_f16c(scales + n * g.G, zeros + n * g.G, g.G, swf.data(), szf.data());
+    else
+#endif
+      row_scales(scales + n * g.G, zeros + n * g.G, g.G, swf.data(), szf.data());
+    if (bits == 4) row_all_m<4>(w + n * row_bytes, swf.data(), szf.data(), a, g, simd, y + n);
+    else row_all_m<8>(w + n * row_bytes, swf.data(), szf.data(), a, g, simd, y + n);
+  }
+}
+
+void panels_range(const uint8_t* w, int64_t panel_bytes, const c10::Half* scales,
+                  const uint8_t* zeros, int bits, const Acts& a, const Geometry& g, int64_t p0,
+                  int64_t p1, float* y) {
+#ifdef QS_X86
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t valid = std::min<int64_t>(16, g.N - 16 * p);
+    if (bits == 4)
+      panel_all_m<4>(w + p * panel_bytes, scales + p * g.G * 16, zeros + p * g.G * 16, a, g,
+                     16 * p, valid, y);
+    else
+      panel_all_m<8>(w + p * panel_bytes, scales + p * g.G * 16, zeros + p * g.G * 16, a, g,
+                     16 * p, valid, y);
+  }
+#else
+  TORCH_CHECK(false, "the panel layout needs an x86 CPU with AVX-512 VNNI");
+#endif
+}
+
+}  // namespace qs_cpu
 
 // y = x @ W^T (+ bias): x [M, K] float/bf16/fp16 -> y [M, N] in x's dtype.
 // src: int32 [Kp] column gather (act-order / padding) or an empty tensor for identity + zero pad.

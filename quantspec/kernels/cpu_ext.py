@@ -24,7 +24,8 @@ import torch
 from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp")
+SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp")
+HEADERS = (_CSRC / "cpu_qgemm.h",)  # hashed with the sources: a change rebuilds
 
 
 def _cpu_flags() -> str:
@@ -39,7 +40,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
@@ -68,7 +69,8 @@ def load_cpu_ext() -> ModuleType | None:
     ``has_avx2``, ``has_vnni``; the two products also as the ops ``torch.ops.quantspec_cpu.qgemm``
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
     ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
-    ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights), or None with one
+    ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights; cpu_moe.cpp the op ``moe_token``
+    of one token through a MoE block's chosen experts), or None with one
     warning."""
     if not extension_enabled():
         return None
@@ -148,6 +150,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("quantspec_cpu::fgemm")
     def _fgemm_fake(x, codes, scales, gscale, kind, group):
         return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("quantspec_cpu::moe_token")
+    def _moe_token_fake(x, ids, weights, gu_w, gu_scales, gu_zeros, down_w, down_scales, down_zeros,
+                        bits, gu_block, down_block, inter, panels):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("quantspec_cpu::argmax_rows")
     def _argmax_rows_fake(x):

@@ -8,6 +8,7 @@ weighted by the router.
 ``attach_grouped(model)`` binds it to each LinearExperts that qualifies (every expert Linear a
 QuantLinear prepared for "triton" with one scheme, no act-order layout, no bias); the others keep the
 per-expert path, which runs on any backend. The stacked copy is made once, at attach time.
+Experts on the cpu backend have a one-token path of their own (``kernels.cpu_moe``).
 """
 
 from __future__ import annotations

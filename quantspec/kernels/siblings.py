@@ -8,7 +8,9 @@ with that backend, the same scheme, input width, compute dtype and column order 
 otherwise it calls the layers one by one. Either way ``siblings(x)`` returns the layers' outputs
 in order, as the layers themselves would compute them. Fused layers release their own prepared
 layouts (``QuantLinear.release_prepared``), so memory holds one copy; called directly, such a
-layer prepares itself again. ``fuse=False`` leaves the layers as they are (a model whose own
+layer prepares itself again. ``prepared`` (optional) is the fused layout already made for this
+backend (e.g. views of the stacked experts of ``kernels.cpu_moe``), used instead of a new copy.
+``fuse=False`` leaves the layers as they are (a model whose own
 forward runs between uses, e.g. a speculative target, would re-prepare them every time).
 """
 
@@ -56,7 +58,7 @@ def _fusable(mods: list[nn.Module]) -> bool:
 class Siblings:
     """``mods`` (Linears of one input) as a callable: x [..., K] -> tuple of [..., N_i]."""
 
-    def __init__(self, mods: list[nn.Module], fuse: bool = True):
+    def __init__(self, mods: list[nn.Module], fuse: bool = True, prepared: dict[str, torch.Tensor] | None = None):
         self.mods = list(mods)
         self.sizes = [int(m.out_features) for m in self.mods]
         self._calls = [fast_linear(m) for m in self.mods]
@@ -64,18 +66,20 @@ class Siblings:
         if fuse and _fusable(self.mods):
             results = [m.quant_result() for m in self.mods]
             if _same_columns(results):
-                self._fuse(stack_results(results))
+                self._fuse(results, prepared)
 
     @property
     def fused(self) -> bool:
         return self._run is not None
 
-    def _fuse(self, result: QuantResult) -> None:
+    def _fuse(self, results: list[QuantResult], prepared: dict[str, torch.Tensor] | None) -> None:
         first = self.mods[0]
         backend = first._backend
-        self._prepared = backend.prepare(result, first.compute_dtype)
+        if prepared is None:
+            prepared = backend.prepare(stack_results(results), first.compute_dtype)
+        self._prepared = prepared
         n = sum(self.sizes)
-        self._run = backend.bind(self._prepared, result.scheme, n, first.in_features)
+        self._run = backend.bind(self._prepared, results[0].scheme, n, first.in_features)
         if self._run is None:
             return
         for m in self.mods:

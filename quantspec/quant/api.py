@@ -55,11 +55,13 @@ def quantize_model(
         backends[name] = qlin.prepare(backend)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qlin)
+    from ..kernels.cpu_moe import attach_cpu_token
     from ..kernels.moe import attach_grouped
 
     grouped = attach_grouped(model)
     report = {
         "grouped_experts": grouped,
+        "cpu_token_experts": attach_cpu_token(model),
         "layers": layers,
         "quantized": {n: s.short_name for n, s in job.plan.quantize.items()},
         "dense": dict(job.plan.dense),

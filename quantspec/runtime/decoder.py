@@ -103,9 +103,11 @@ class StaticDecoder(Decoder):
             from ..models.experts import experts_modules
 
             for experts in experts_modules(moe).values():
-                for mlp in experts:
+                shared = experts.token_runner  # its stacked layouts hold each gate/up already
+                for e, mlp in enumerate(experts):
                     gate, up, _ = mlp.linears()
-                    mlp.gate_up = Siblings([gate, up], fuse=True)
+                    layout = shared.gate_up_layout(e) if shared is not None else None
+                    mlp.gate_up = Siblings([gate, up], fuse=True, prepared=layout)
         return _Block(
             attn_norm=get(fam.attn_norm).weight,
             qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),

@@ -1,0 +1,154 @@
+"""Where a W4 MoE decode token's time goes on the cpu backend: the per-expert path against the
+one-op path (``kernels.cpu_moe``, op ``quantspec_cpu::moe_token``), interleaved in one process.
+
+The model is ``moe_decode.build(layers)`` (Qwen3-MoE shapes, random weights), experts linearized
+and quantized W4 g128 RTN (head too) on the default backend. Two measurements, each the median
+of ``--rounds`` interleaved rounds:
+
+* decode through the static decoder: ms per token, and how much of it is inside the experts
+  modules (``LinearExperts.forward``), with the token runner bound or not;
+* one MoE block, one token (8 of 64 experts, bf16): the per-expert module path, a bare Python
+  loop over the bound ops (two qgemm calls and a silu_mul per expert), the 16 qgemm calls alone,
+  and the one op.
+
+    python benchmarks/moe_token_split.py --layers 2 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _decode_ms(decoder, prompt: torch.Tensor, new: int, on_start=lambda: None) -> float:
+    """ms per token of ``new`` greedy tokens after a prefill; ``on_start()`` after the prefill."""
+    decoder.reset()
+    token = decoder.forward([prompt], keep=1)[0, -1].argmax().view(1)
+    on_start()
+    t0 = time.perf_counter()
+    for _ in range(new):
+        token = decoder.forward([token], keep=1)[0, -1].argmax().view(1)
+    return (time.perf_counter() - t0) / new * 1e3
+
+
+def _block_modes(experts, runner):
+    from quantspec.kernels.small_ops import silu_mul
+
+    ops, r = torch.ops.quantspec_cpu, runner
+    qgemm = ops.qgemm_panel.default if r.panels else None
+
+    def product(x, layout, e, block, n):
+        if qgemm is not None:
+            return qgemm(x, layout["w"][e], layout["scales"][e], layout["zeros"][e], r.src, None, r.bits, block, n)
+        return ops.qgemm.default(x, layout["w"][e], layout["scales"][e], layout["zeros"][e], r.src, None,
+                                 r.bits, block, True)
+
+    h0 = torch.randn(1, r.inter).to(torch.bfloat16)
+
+    def per_expert(x, ids, w):
+        experts.token_runner = None
+        try:
+            return experts(x, ids, w)
+        finally:
+            experts.token_runner = runner
+
+    def python_loop(x, ids, w):
+        out = None
+        for j, e in enumerate(ids[0].tolist()):
+            gu = product(x, r.gu, e, r.gu_block, 2 * r.inter)
+            y = product(silu_mul(gu[:, :r.inter], gu[:, r.inter:]), r.down, e, r.down_block, r.hidden)
+            y = y.float() * w[0, j].float()
+            out = y if out is None else out.add_(y)
+        return out.to(x.dtype)
+
+    def qgemm_only(x, ids, w):
+        for e in ids[0].tolist():
+            product(x, r.gu, e, r.gu_block, 2 * r.inter)
+            product(h0, r.down, e, r.down_block, r.hidden)
+
+    return {"per-expert module path": per_expert, "python loop over bound ops": python_loop,
+            "the 16 qgemm calls alone": qgemm_only, "one op (moe_token)": runner}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    from moe_decode import build
+
+    from quantspec.models.experts import LinearExperts, experts_modules, linearize_experts
+    from quantspec.quant.api import quantize_model
+    from quantspec.quant.recipe import Recipe
+    from quantspec.runtime.decoder import StaticDecoder
+
+    model = build(args.layers)
+    linearize_experts(model)
+    recipe = Recipe.from_dict({"method": "rtn", "format": "gptq",
+                               "scheme": {"bits": 4, "group_size": 128, "symmetric": True}, "ignore": []})
+    model, report = quantize_model(model, recipe)
+    blocks = experts_modules(model)
+    runners = {n: e.token_runner for n, e in blocks.items()}
+    print(f"one-op path on {len(report['cpu_token_experts'])} of {len(blocks)} blocks; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    if not all(runners.values()):
+        return 1
+    decoder = StaticDecoder(model)
+    prompt = torch.randint(3, 32000, (16,), generator=torch.Generator().manual_seed(0))
+    inside = [0.0]
+    forward = LinearExperts.forward
+
+    def timed(self, *a):
+        t0 = time.perf_counter()
+        out = forward(self, *a)
+        inside[0] += time.perf_counter() - t0
+        return out
+
+    LinearExperts.forward = timed
+    decode = {False: [], True: []}
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):
+            for fast in (False, True):
+                for n, e in blocks.items():
+                    e.token_runner = runners[n] if fast else None
+                ms = _decode_ms(decoder, prompt, args.new, on_start=lambda: inside.__setitem__(0, 0.0))
+                if r:  # round 0 warms up
+                    decode[fast].append((ms, inside[0] / args.new * 1e3))
+    LinearExperts.forward = forward
+    for fast, label in ((False, "per-expert"), (True, "one op")):
+        ms = statistics.median(v[0] for v in decode[fast])
+        moe = statistics.median(v[1] for v in decode[fast])
+        print(f"decode, {label}: {ms:.2f} ms/token, in the experts modules ~{moe:.2f} ms "
+              f"(rounds {[round(v[0], 2) for v in decode[fast]]})")
+
+    name, experts = next(iter(blocks.items()))
+    experts.token_runner = runners[name]
+    modes = _block_modes(experts, runners[name])
+    x = torch.randn(1, runners[name].hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    reps = 50
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):
+            for mode, fn in modes.items():
+                t0 = time.perf_counter()
+                for i in range(reps):
+                    ids = torch.randperm(len(experts), generator=torch.Generator().manual_seed(i))[:8].view(1, 8)
+                    fn(x, ids, torch.full((1, 8), 0.125, dtype=torch.bfloat16))
+                if r:
+                    times[mode].append((time.perf_counter() - t0) / reps * 1e6)
+    for mode, v in times.items():
+        print(f"one block, one token, {mode}: {statistics.median(v):.0f} us (rounds {[round(t) for t in v]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
