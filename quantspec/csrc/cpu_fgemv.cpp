@@ -287,6 +287,8 @@ QS_BF16 void tile_bf16(const uint16_t* x, int64_t K, const uint8_t* c, int64_t r
       __m512i xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512(x + m * K + k);
       for (int r = 0; r < R; ++r) {
+        // the next tile's rows at this column, a tile ahead (as cpu_dense's gemv_tile does)
+        _mm_prefetch(reinterpret_cast<const char*>(c + (R + r) * row_bytes + k), _MM_HINT_T0);
         const __m512i w = fp8x32(c + r * row_bytes + k, sub);
         for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv[m], (__m512bh)w);
       }
@@ -303,6 +305,7 @@ QS_BF16 void tile_bf16(const uint16_t* x, int64_t K, const uint8_t* c, int64_t r
       xo[m] = _mm512_loadu_si512(x + m * K + k + 32);
     }
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + (R + r) * row_bytes + (k >> 1)), _MM_HINT_T0);
       __m512i lo, hi;
       fp4x64(c + r * row_bytes + (k >> 1), table, lo, hi);
       const __m512 sc = chunk_scales(rs + r * ld + k / group, group);
