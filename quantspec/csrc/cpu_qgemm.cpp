@@ -1012,21 +1012,6 @@ torch::Tensor dequant_panel_rows(const torch::Tensor& w, const torch::Tensor& sc
   return out;
 }
 
-bool has_avx2() {
-#ifdef QS_X86
-  return cpu_has_avx2();
-#else
-  return false;
-#endif
-}
-
-bool has_vnni() {
-#ifdef QS_X86
-  return cpu_has_vnni();
-#else
-  return false;
-#endif
-}
 
 bool has_amx() {
 #ifdef QS_X86
@@ -1057,7 +1042,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm_panel_path", &qgemm_panel_path,
         "qgemm_panel with the path chosen: amx 1 (AMX tiles), 0 (VNNI), -1 (auto)");
   m.def("dequant_panel_rows", &dequant_panel_rows, "dense fp32 rows of a panel layout");
-  m.def("has_avx2", &has_avx2, "whether qgemm's AVX2 path runs on this CPU");
-  m.def("has_vnni", &has_vnni, "whether this CPU runs the panel layout (AVX-512 VNNI)");
+  m.def("has_avx2", &qs_cpu::has_avx2, "whether qgemm's AVX2 path runs on this CPU");
+  m.def("has_vnni", &qs_cpu::has_vnni, "whether this CPU runs the panel layout (AVX-512 VNNI)");
   m.def("has_amx", &has_amx, "whether qgemm_panel may use AMX tiles here (CPU and OS)");
 }
