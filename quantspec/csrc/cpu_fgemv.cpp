@@ -187,7 +187,7 @@ QS_AVX2 void tile_avx2(const float* x, int64_t K, const uint8_t* c, int64_t row_
     for (int r = 0; r < R; ++r) y[m * N + n + r] = hsum(tot[m][r]);
 }
 
-#define QS_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define QS_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")))
 
 bool has_avx512_bf16() {
   static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
@@ -256,12 +256,12 @@ QS_BF16 void decode_scales(const Scales& s, int64_t n, float* out) {
   const uint8_t* b = s.bytes + n * s.groups;
   int64_t g = 0;
   if (s.kind == 1) {
-    const __m512 mul = _mm512_set1_ps(256.0f * s.inv_global);
+    const __m256 mul = _mm256_set1_ps(256.0f * s.inv_global);
     for (; g + 16 <= s.groups; g += 16) {
-      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + g)));
-      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-      _mm512_storeu_ps(out + g, _mm512_mul_ps(_mm512_cvtph_ps(h), mul));
+      __m256 v0, v1;
+      fp8x16(b + g, v0, v1);  // the weights' decode: values times 2**-8
+      _mm256_storeu_ps(out + g, _mm256_mul_ps(v0, mul));
+      _mm256_storeu_ps(out + g + 8, _mm256_mul_ps(v1, mul));
     }
   } else if (s.kind == 2) {
     const __m512 tiny = _mm512_set1_ps(e8m0_value(0));

@@ -859,18 +859,7 @@ torch::Tensor qgemm(const torch::Tensor& x, const torch::Tensor& w, const torch:
   float* yp = y.data();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, g.Kp * g.M / 64));
   at::parallel_for(0, g.N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> swf(g.G), szf(g.G);
-    for (int64_t n = n0; n < n1; ++n) {
-#ifdef QS_X86
-      if (simd) row_scales_f16c(sp + n * g.G, zp + n * g.G, g.G, swf.data(), szf.data());
-      else
-#endif
-        row_scales(sp + n * g.G, zp + n * g.G, g.G, swf.data(), szf.data());
-      if (bits == 4)
-        row_all_m<4>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
-      else
-        row_all_m<8>(wp + n * row_bytes, swf.data(), szf.data(), acts, g, simd, yp + n);
-    }
+    qs_cpu::rows_range(wp, row_bytes, sp, zp, bits, acts, g, simd, n0, n1, yp);
   });
   return finish(y.data(), g.M, g.N, bias, x.scalar_type());
 }
