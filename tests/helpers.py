@@ -189,7 +189,7 @@ def act_order_result(w: torch.Tensor, scheme, seed: int = 0):
     from quantspec.core.scheme import QuantResult, QuantScheme
     from quantspec.quant.rtn import rtn
 
-    n, k = w.shape
+    k = w.shape[1]
     order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
     plain = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric)
     r = rtn(w[:, order], plain)

@@ -307,7 +307,7 @@ def test_static_decoder_decodes_the_same_tokens(dtype, biased, monkeypatch):
     Biased experts: the decoder's fused gate/up adds their biases, so does the op."""
     from quantspec.runtime.decoder import StaticDecoder
 
-    model, report = _quantized("qwen3_moe", dtype, "auto", monkeypatch)
+    model, _ = _quantized("qwen3_moe", dtype, "auto", monkeypatch)
     blocks = experts_modules(model)
     if biased:
         for i, experts in enumerate(blocks.values()):

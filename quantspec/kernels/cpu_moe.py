@@ -16,9 +16,10 @@ fp32 product before its rounding, where the per-expert path's kernel adds them.
 == 1, in inference; other shapes keep the per-expert path) to each LinearExperts whose experts
 all qualify (``cannot_attach`` says why one does not): every expert Linear a QuantLinear
 prepared for the cpu backend's extension with one integer weight-only scheme, no act-order
-column gather, and a GLU the op knows (``glu_args``); biases are optional, per Linear. The experts' own layouts become views of the stacked
-copy where they are the same bytes (memory holds one copy), and ``gate_up_layout(e)`` hands the
-static decoder's fused gate/up (``kernels.siblings``) its view too.
+column gather, and a GLU the op knows (``glu_args``); biases are optional, per Linear. The
+experts' own layouts become views of the stacked copy where they are the same bytes (memory
+holds one copy), and ``gate_up_layout(e)`` hands the static decoder's fused gate/up
+(``kernels.siblings``) its view too.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _layout_problem(lins: list[nn.Module]) -> str | None:
 
 
 def _shape_problem(experts: LinearExperts) -> str | None:
+    """Why the experts' gate/up/down shapes cannot be stacked (None: they are all the same)."""
     gate = experts[0].linears()[0]
     inter, hidden = gate.out_features, gate.in_features
     for mlp in experts:
@@ -102,7 +104,9 @@ def cannot_attach(experts: LinearExperts) -> str | None:
     if not all(isinstance(m, QuantLinear) for m in lins):
         return "not every expert Linear is quantized"
     glu = experts[0].glu
-    if not all(mlp.glu is glu for mlp in experts) or glu_args(glu) is None:
+    if not all(mlp.glu is glu for mlp in experts):
+        return "the experts' GLUs differ"
+    if glu_args(glu) is None:
         return "the GLU is neither SiLU(gate) * up nor GPT-OSS's clamped SwiGLU"
     return _scheme_problem(lins) or _layout_problem(lins) or _shape_problem(experts)
 
