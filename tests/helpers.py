@@ -5,7 +5,8 @@ few sentences; ``tiny_model(arch, seed, **overrides)`` is a 2-layer random causa
 family (``tiny_config``: the one place the tests' tiny sizes are written), and
 ``make_tiny_model(tmp_path, arch)`` saves one with the tokenizer, in a folder
 ``load_dense``/``from_pretrained`` can read.
-``missing_asset(reason)`` is what a test does when something it needs is absent.
+``missing_asset(reason)`` is what a test does when something it needs is absent;
+``act_order_result(w, scheme)`` a GPTQ-style act-order QuantResult without calibration.
 """
 
 from __future__ import annotations
@@ -180,3 +181,20 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     for f in sorted(Path(folder).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def act_order_result(w: torch.Tensor, scheme, seed: int = 0):
+    """A GPTQ-style act-order ``QuantResult`` of ``w`` [N, K] under ``scheme`` (a QuantScheme):
+    columns quantized in a random order, groups along it."""
+    from quantspec.core.scheme import QuantResult, QuantScheme
+    from quantspec.quant.rtn import rtn
+
+    k = w.shape[1]
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    plain = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric)
+    r = rtn(w[:, order], plain)
+    codes = torch.empty_like(r.qweight)
+    codes[:, order] = r.qweight
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // scheme.group_len(k)).to(torch.int32)
+    return QuantResult(codes, r.scales, r.zeros, g_idx, scheme)

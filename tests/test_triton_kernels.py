@@ -31,6 +31,8 @@ from quantspec.kernels.reference import ReferenceBackend, quantize_per_token_int
 from quantspec.quant.rtn import rtn
 from quantspec.core.scheme import QuantResult, QuantScheme
 
+from helpers import act_order_result
+
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 GPU_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # fp32 uses IEEE tl.dot
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -64,19 +66,6 @@ def test_kernels_in_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
-
-
-def act_order_result(w: torch.Tensor, scheme: QuantScheme, seed: int = 0) -> QuantResult:
-    """A GPTQ-style act-order result: columns quantized in a random order, groups along it."""
-    n, k = w.shape
-    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
-    plain = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric)
-    r = rtn(w[:, order], plain)
-    codes = torch.empty_like(r.qweight)
-    codes[:, order] = r.qweight
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[order] = (torch.arange(k) // scheme.group_len(k)).to(torch.int32)
-    return QuantResult(codes, r.scales, r.zeros, g_idx, scheme)
 
 
 def make_case(scheme, n, k, m, dtype, bias=True, seed=0, device="cpu"):

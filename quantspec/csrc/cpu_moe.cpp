@@ -3,18 +3,24 @@
 // quantspec/kernels/cpu_moe.py, which stacks the layouts and binds the op).
 //
 // moe_token(x [1, H], ids int64 [k], weights [k], gu_w, gu_scales, gu_zeros, down_w, down_scales,
-//           down_zeros, bits, gu_block, down_block, inter, panels) -> [1, H] in x's dtype:
+//           down_zeros, bits, gu_block, down_block, inter, panels, gu_bias, down_bias, glu, alpha,
+//           limit) -> [1, H] in x's dtype:
 //   sum over the slots j whose ids[j] is an expert e in [0, E) (others are dropped tokens) of
-//   weights[j] * down_e(silu(gate_e(x)) * up_e(x)), the sum in fp32 in slot order.
+//   weights[j] * (down_e(glu(gate_e(x) + gb_e, up_e(x) + ub_e)) + db_e), the sum in fp32 in slot
+//   order, where glu is SiLU(gate) * up (glu 0) or GPT-OSS's clamped SwiGLU (glu 1: gate clamped
+//   above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
 // The layouts are qgemm's (rows) or qgemm_panel's (panels) of every expert stacked along a first
 // dimension E: gate and up as one product of 2 * inter rows (gate rows first, as
-// kernels.siblings stacks them), down of H rows; no column gather (src), no bias.
+// kernels.siblings stacks them), down of H rows; no column gather (src). The biases (optional,
+// fp32): gu_bias [E, 2 * inter] (gate's then up's, as kernels.siblings concatenates them),
+// down_bias [E, H].
 // The per-expert path of LinearExperts runs the same kernels once per product and rounds each
-// result to x's dtype; this op rounds where that path does (the gate/up product, silu, the GLU
-// product and the down product, in x's dtype; the weighting and the sum in fp32), so the two
-// agree up to the exp of silu (std::exp here, torch's vectorized exp there). What it saves is
-// the calls: every chosen expert's gate/up panels run in one parallel region, and the GLU, the
-// down activations' quantization and every chosen expert's down panels in a second.
+// result to x's dtype; this op adds the biases and rounds where that path does (a bias is added
+// to the fp32 product before its rounding to x's dtype, as qgemm adds it; each elementwise op of
+// the GLU rounds to x's dtype as torch's does; the weighting and the sum in fp32), so the two
+// agree up to the exp of silu / sigmoid (std::exp here, torch's vectorized exp there). What it
+// saves is the calls: every chosen expert's gate/up panels run in one parallel region, and the
+// GLU, the down activations' quantization and every chosen expert's down panels in a second.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -56,14 +62,54 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
+// The experts' GLU (kernels/cpu_moe.py's GLU_SILU / GLU_CLAMPED_SWIGLU).
+enum GluKind : int64_t { kSilu = 0, kClampedSwiglu = 1 };
+
+struct Glu {
+  int64_t kind;
+  float alpha, limit;  // the clamped SwiGLU's
+};
+
 // silu(gate) * up for one expert, each rounded to T as LinearExperts' per-expert path rounds
 // (the product in T, then torch's silu in T, then the GLU product in T).
 template <typename T>
-void glu_row(const float* gu, int64_t inter, float* h) {
+void silu_row(const float* gu, int64_t inter, float* h) {
   for (int64_t i = 0; i < inter; ++i) {
     const float g = round_to<T>(gu[i]), u = round_to<T>(gu[inter + i]);
     const float act = round_to<T>(g / (1.0f + std::exp(-g)));
     h[i] = round_to<T>(act * u);
+  }
+}
+
+// GPT-OSS's (up + 1) * (gate * sigmoid(gate * alpha)) with gate clamped above at limit and up to
+// [-limit, limit] (models/experts.py ClampedSwiGLU), each torch op's result rounded to T in the
+// same order (torch's clamp, mul, sigmoid and add of a T tensor and a scalar compute in fp32).
+template <typename T>
+void clamped_swiglu_row(const float* gu, int64_t inter, float alpha, float limit, float* h) {
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = round_to<T>(std::min(round_to<T>(gu[i]), limit));
+    const float u = round_to<T>(std::clamp(round_to<T>(gu[inter + i]), -limit, limit));
+    const float z = round_to<T>(g * alpha);
+    const float sig = round_to<T>(1.0f / (1.0f + std::exp(-z)));
+    h[i] = round_to<T>(round_to<T>(u + 1.0f) * round_to<T>(g * sig));
+  }
+}
+
+template <typename T>
+void glu_row(const Glu& glu, const float* gu, int64_t inter, float* h) {
+  if (glu.kind == kClampedSwiglu)
+    clamped_swiglu_row<T>(gu, inter, glu.alpha, glu.limit, h);
+  else
+    silu_row<T>(gu, inter, h);
+}
+
+// y[j, n] += bias[experts[j], n] for the kv chosen experts (bias [E, n] fp32; null: none), in
+// fp32 before any rounding, as qgemm adds a Linear's bias to its product.
+void add_bias(float* y, const float* bias, const int64_t* experts, int64_t kv, int64_t n) {
+  if (bias == nullptr) return;
+  for (int64_t j = 0; j < kv; ++j) {
+    const float* b = bias + experts[j] * n;
+    for (int64_t i = 0; i < n; ++i) y[j * n + i] += b[i];
   }
 }
 
@@ -160,55 +206,91 @@ void all_experts(const Stacked& s, bool panels, int bits, bool simd, const int64
   });
 }
 
-template <typename T>
-torch::Tensor moe_token_t(const torch::Tensor& x, const std::vector<int64_t>& experts,
-                          const std::vector<float>& wts, const Stacked& gu, const Stacked& down,
-                          bool panels, int bits, bool simd, int64_t inter, int64_t hidden) {
-  MoeScratch& s = moe_scratch();
+// One MoE block's stacked products, biases and GLU, with the call's kernel choices.
+struct Block {
+  Stacked gu, down;
+  const float* gu_bias;    // [E, 2 * inter] fp32, or null
+  const float* down_bias;  // [E, H] fp32, or null
+  Glu glu;
+  bool panels, simd;
+  int bits;
+  int64_t inter, hidden;
+};
+
+// Every chosen expert's gate/up product (+ bias) of x, into s.gu [kv, 2 * inter]; x quantized
+// once for all of them (qgemm quantizes it the same way per call).
+void gate_up(const Block& b, const torch::Tensor& x, const std::vector<int64_t>& experts,
+             MoeScratch& s) {
   const int64_t kv = static_cast<int64_t>(experts.size());
-  torch::Tensor out = torch::empty({1, hidden}, x.options());
-  T* op = out.data_ptr<T>();
-  if (kv == 0) {
-    std::fill(op, op + hidden, static_cast<T>(0.f));
-    return out;
-  }
-  // x quantized once for every expert's gate/up (qgemm quantizes it the same way per call)
   to_floats(x, s.xf);
-  const Geometry& g1 = gu.g;
+  const Geometry& g1 = b.gu.g;
   s.xq.resize(g1.xld());
   s.sx.resize(g1.nblk());
   s.xg.resize(g1.G);
-  qs_cpu::quantize_rows(s.xf.data(), nullptr, g1, simd, s.xq.data(), s.sx.data(), s.xg.data());
+  qs_cpu::quantize_rows(s.xf.data(), nullptr, g1, b.simd, s.xq.data(), s.sx.data(), s.xg.data());
   const Acts ax{s.xq.data(), s.sx.data(), s.xg.data()};
   s.gu.resize(kv * g1.N);
-  all_experts(gu, panels, bits, simd, experts.data(), kv, ax, s.gu.data());
-  // every chosen expert's down rows, each thread first forming the GLU and its quantized
-  // activations for the experts its share touches (an expert split between two threads has
-  // them formed by both, identically: one parallel region fewer than a separate pass)
-  const Geometry& g2 = down.g;
-  s.yd.resize(kv * hidden);
-  const int64_t units = down.units, total = kv * units;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, down.unit_bytes));
+  all_experts(b.gu, b.panels, b.bits, b.simd, experts.data(), kv, ax, s.gu.data());
+  add_bias(s.gu.data(), b.gu_bias, experts.data(), kv, g1.N);
+}
+
+// Every chosen expert's down product (+ bias) of its GLU, into s.yd [kv, H]: each thread first
+// forms the GLU and its quantized activations for the experts its share touches (an expert split
+// between two threads has them formed by both, identically: one parallel region fewer than a
+// separate pass).
+template <typename T>
+void down_all(const Block& b, const std::vector<int64_t>& experts, MoeScratch& s) {
+  const int64_t kv = static_cast<int64_t>(experts.size());
+  const Geometry& g2 = b.down.g;
+  s.yd.resize(kv * b.hidden);
+  const int64_t units = b.down.units, total = kv * units, n_gu = b.gu.g.N;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, b.down.unit_bytes));
   const float* gup = s.gu.data();
   float* ydp = s.yd.data();
   at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> h, sx, xg;
     thread_local std::vector<int8_t> xq;
-    h.resize(inter);
+    h.resize(b.inter);
     xq.resize(g2.xld());
     sx.resize(g2.nblk());
     xg.resize(g2.G);
     while (i0 < i1) {
       const int64_t j = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
-      glu_row<T>(gup + j * g1.N, inter, h.data());
-      qs_cpu::quantize_rows(h.data(), nullptr, g2, simd, xq.data(), sx.data(), xg.data());
-      run_units(down, panels, bits, simd, experts[j], Acts{xq.data(), sx.data(), xg.data()}, u0, u1,
-                ydp + j * hidden);
+      glu_row<T>(b.glu, gup + j * n_gu, b.inter, h.data());
+      qs_cpu::quantize_rows(h.data(), nullptr, g2, b.simd, xq.data(), sx.data(), xg.data());
+      run_units(b.down, b.panels, b.bits, b.simd, experts[j], Acts{xq.data(), sx.data(), xg.data()},
+                u0, u1, ydp + j * b.hidden);
       i0 += u1 - u0;
     }
   });
-  weighted_sum<T>(s.yd.data(), wts.data(), kv, hidden, op);
+  add_bias(ydp, b.down_bias, experts.data(), kv, b.hidden);
+}
+
+template <typename T>
+torch::Tensor moe_token_t(const torch::Tensor& x, const std::vector<int64_t>& experts,
+                          const std::vector<float>& wts, const Block& b) {
+  MoeScratch& s = moe_scratch();
+  const int64_t kv = static_cast<int64_t>(experts.size());
+  torch::Tensor out = torch::empty({1, b.hidden}, x.options());
+  T* op = out.data_ptr<T>();
+  if (kv == 0) {
+    std::fill(op, op + b.hidden, static_cast<T>(0.f));
+    return out;
+  }
+  gate_up(b, x, experts, s);
+  down_all<T>(b, experts, s);
+  weighted_sum<T>(s.yd.data(), wts.data(), kv, b.hidden, op);
   return out;
+}
+
+// An optional bias as fp32 [E, n] data (null when absent).
+const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t experts, int64_t n,
+                       const char* what) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->dim() == 2 &&
+                  bias->size(0) == experts && bias->size(1) == n,
+              what, " must be contiguous fp32 [", experts, ", ", n, "]");
+  return bias->data_ptr<float>();
 }
 
 }  // namespace
@@ -218,21 +300,28 @@ torch::Tensor moe_token(const torch::Tensor& x, const torch::Tensor& ids, const 
                         const torch::Tensor& gu_zeros, const torch::Tensor& down_w,
                         const torch::Tensor& down_scales, const torch::Tensor& down_zeros,
                         int64_t bits, int64_t gu_block, int64_t down_block, int64_t inter,
-                        bool panels) {
+                        bool panels, const c10::optional<torch::Tensor>& gu_bias,
+                        const c10::optional<torch::Tensor>& down_bias, int64_t glu, double alpha,
+                        double limit) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, H]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids must be int64 [k]");
   TORCH_CHECK(weights.numel() == ids.numel(), "weights must have one value per id");
+  TORCH_CHECK(glu == kSilu || glu == kClampedSwiglu, "glu must be 0 (SiLU) or 1 (clamped SwiGLU), got ", glu);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "x must be fp32, bf16 or fp16");
-  bool simd = qs_cpu::has_avx2();
+  const bool simd = qs_cpu::has_avx2();
   TORCH_CHECK(!panels || qs_cpu::has_vnni(), "the panel layout needs AVX-512 VNNI");
   const int64_t hidden = x.size(1);
   const Stacked gu = stacked(gu_w, gu_scales, gu_zeros, panels, bits, gu_block, 2 * inter, hidden, "gate/up");
   const Stacked down = stacked(down_w, down_scales, down_zeros, panels, bits, down_block, hidden, inter, "down");
   TORCH_CHECK(gu_w.size(0) == down_w.size(0), "gate/up and down disagree on the number of experts");
   const int64_t n_experts = gu_w.size(0);
+  const Block b{gu, down, bias_data(gu_bias, n_experts, 2 * inter, "gu_bias"),
+                bias_data(down_bias, n_experts, hidden, "down_bias"),
+                Glu{glu, static_cast<float>(alpha), static_cast<float>(limit)}, panels, simd,
+                static_cast<int>(bits), inter, hidden};
   MoeScratch& s = moe_scratch();
   to_floats(weights.reshape(-1), s.w);
   const torch::Tensor idc = ids.contiguous();
@@ -244,17 +333,16 @@ torch::Tensor moe_token(const torch::Tensor& x, const torch::Tensor& ids, const 
     experts.push_back(idp[j]);
     wts.push_back(s.w[j]);
   }
-  if (dtype == torch::kBFloat16)
-    return moe_token_t<c10::BFloat16>(x, experts, wts, gu, down, panels, bits, simd, inter, hidden);
-  if (dtype == torch::kHalf)
-    return moe_token_t<c10::Half>(x, experts, wts, gu, down, panels, bits, simd, inter, hidden);
-  return moe_token_t<float>(x, experts, wts, gu, down, panels, bits, simd, inter, hidden);
+  if (dtype == torch::kBFloat16) return moe_token_t<c10::BFloat16>(x, experts, wts, b);
+  if (dtype == torch::kHalf) return moe_token_t<c10::Half>(x, experts, wts, b);
+  return moe_token_t<float>(x, experts, wts, b);
 }
 
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("moe_token(Tensor x, Tensor ids, Tensor weights, Tensor gu_w, Tensor gu_scales, "
         "Tensor gu_zeros, Tensor down_w, Tensor down_scales, Tensor down_zeros, int bits, "
-        "int gu_block, int down_block, int inter, bool panels) -> Tensor");
+        "int gu_block, int down_block, int inter, bool panels, Tensor? gu_bias=None, "
+        "Tensor? down_bias=None, int glu=0, float alpha=1.0, float limit=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) { m.impl("moe_token", &moe_token); }

@@ -153,7 +153,8 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("quantspec_cpu::moe_token")
     def _moe_token_fake(x, ids, weights, gu_w, gu_scales, gu_zeros, down_w, down_scales, down_zeros,
-                        bits, gu_block, down_block, inter, panels):
+                        bits, gu_block, down_block, inter, panels, gu_bias=None, down_bias=None, glu=0,
+                        alpha=1.0, limit=0.0):
         return torch.empty_like(x)
 
     @torch.library.register_fake("quantspec_cpu::argmax_rows")

@@ -7,16 +7,19 @@ of weights, so that at batch 1 the fixed cost of the calls outweighs reading the
 ``CpuTokenExperts`` stacks the experts' extension layouts (rows or AVX-512 VNNI panels, the
 layouts ``kernels.cpu`` prepares) once, at attach time, and runs the whole block as
 ``quantspec_cpu::moe_token`` (csrc/cpu_moe.cpp): every chosen expert's gate/up rows in one
-parallel region, SiLU(gate) * up, every chosen expert's down rows in a second one, and the
-router-weighted sum in fp32; the same kernels and roundings as the per-expert path.
+parallel region, the GLU (SiLU(gate) * up, or GPT-OSS's clamped SwiGLU), every chosen expert's
+down rows in a second one, and the router-weighted sum in fp32; the same kernels and roundings as
+the per-expert path. Biased experts (GPT-OSS) pass their biases stacked in fp32, added to each
+fp32 product before its rounding, where the per-expert path's kernel adds them.
 
 ``attach_cpu_token(model)`` binds it as ``LinearExperts.token_runner`` (used for one token, rows
 == 1, in inference; other shapes keep the per-expert path) to each LinearExperts whose experts
 all qualify (``cannot_attach`` says why one does not): every expert Linear a QuantLinear
 prepared for the cpu backend's extension with one integer weight-only scheme, no act-order
-column gather, no bias, and a SiLU GLU. The experts' own layouts become views of the stacked
-copy where they are the same bytes (memory holds one copy), and ``gate_up_layout(e)`` hands the
-static decoder's fused gate/up (``kernels.siblings``) its view too.
+column gather, and a GLU the op knows (``glu_args``); biases are optional, per Linear. The
+experts' own layouts become views of the stacked copy where they are the same bytes (memory
+holds one copy), and ``gate_up_layout(e)`` hands the static decoder's fused gate/up
+(``kernels.siblings``) its view too.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import functools
 import torch
 from torch import nn
 
-from ..models.experts import LinearExperts, SiluGLU, experts_modules
+from ..models.experts import ClampedSwiGLU, LinearExperts, SiluGLU, experts_modules
 from .cpu import EXT, EXT_PANEL, PANEL
 from .quant_linear import QuantLinear
 from .siblings import stack_results
 
 LAYOUT_KEYS = ("w", "scales", "zeros")
+GLU_SILU, GLU_CLAMPED_SWIGLU = 0, 1  # the op's ``glu`` (csrc/cpu_moe.cpp GluKind)
 
 
 def is_silu(act_fn) -> bool:
@@ -41,24 +45,34 @@ def is_silu(act_fn) -> bool:
     return type(act_fn).__name__ == "SiLUActivation"
 
 
-def cannot_attach(experts: LinearExperts) -> str | None:
-    """Why ``experts`` cannot run as one op per token (None: it can)."""
-    if len(experts) == 0:
-        return "no experts"
-    lins = [lin for mlp in experts for lin in mlp.linears()]
-    if not all(isinstance(m, QuantLinear) for m in lins):
-        return "not every expert Linear is quantized"
+def glu_args(glu) -> tuple[int, float, float] | None:
+    """The op's ``(glu, alpha, limit)`` for an experts' GLU, or None when the op has no such GLU."""
+    if isinstance(glu, SiluGLU) and is_silu(glu.act_fn):
+        return GLU_SILU, 1.0, 0.0
+    if isinstance(glu, ClampedSwiGLU):
+        return GLU_CLAMPED_SWIGLU, float(glu.alpha), float(glu.limit)
+    return None
+
+
+def _scheme_problem(lins: list[nn.Module]) -> str | None:
+    """Why the expert Linears' one scheme cannot run as the op (None: it can)."""
+    schemes = {m.scheme for m in lins}
+    if len(schemes) != 1:
+        return "the experts' schemes differ"
+    scheme = next(iter(schemes))
+    if scheme.is_float:
+        return f"{scheme.weights} weights (the op runs integer weights)"
+    if scheme.activations:
+        return "W8A8 (the op runs weight-only schemes)"
+    if scheme.act_order:
+        return "act-order (each expert's own column order; the op quantizes x once for all)"
+    return None
+
+
+def _layout_problem(lins: list[nn.Module]) -> str | None:
+    """Why the expert Linears' prepared layouts cannot be stacked for the op (None: they can)."""
     if not all(m.backend_name == "cpu" and m._runner is not None for m in lins):
         return "not every expert Linear runs on the cpu backend's extension"
-    if any(m.bias is not None for m in lins):
-        return "the experts have biases"
-    schemes = {m.scheme for m in lins}
-    scheme = next(iter(schemes))
-    if len(schemes) != 1 or scheme.act_order or scheme.activations or scheme.is_float:
-        return "the experts' schemes differ, or are act-order, W8A8 or float"
-    glu = experts[0].glu
-    if not all(mlp.glu is glu for mlp in experts) or not isinstance(glu, SiluGLU) or not is_silu(glu.act_fn):
-        return "the GLU is not SiLU(gate) * up"
     kinds = set()
     for m in lins:
         p = m.prepared()
@@ -67,7 +81,12 @@ def cannot_attach(experts: LinearExperts) -> str | None:
         kinds.add(int(p["meta"][0]))
     if len(kinds) != 1 or next(iter(kinds)) not in (EXT, EXT_PANEL):
         return "the experts' layouts are not all rows or all panels of the extension"
-    gate, up, down = experts[0].linears()
+    return None
+
+
+def _shape_problem(experts: LinearExperts) -> str | None:
+    """Why the experts' gate/up/down shapes cannot be stacked (None: they are all the same)."""
+    gate = experts[0].linears()[0]
     inter, hidden = gate.out_features, gate.in_features
     for mlp in experts:
         g, u, d = mlp.linears()
@@ -75,6 +94,32 @@ def cannot_attach(experts: LinearExperts) -> str | None:
                 (g.in_features, u.in_features, d.out_features) != (hidden,) * 3:
             return "the experts' shapes differ"
     return None
+
+
+def cannot_attach(experts: LinearExperts) -> str | None:
+    """Why ``experts`` cannot run as one op per token (None: it can)."""
+    if len(experts) == 0:
+        return "no experts"
+    lins = [lin for mlp in experts for lin in mlp.linears()]
+    if not all(isinstance(m, QuantLinear) for m in lins):
+        return "not every expert Linear is quantized"
+    glu = experts[0].glu
+    if not all(mlp.glu is glu for mlp in experts):
+        return "the experts' GLUs differ"
+    if glu_args(glu) is None:
+        return "the GLU is neither SiLU(gate) * up nor GPT-OSS's clamped SwiGLU"
+    return _scheme_problem(lins) or _layout_problem(lins) or _shape_problem(experts)
+
+
+def _stack_biases(groups: list[list[nn.Module]]) -> torch.Tensor | None:
+    """[E, n] fp32: row e the biases of ``groups[e]``'s Linears in order (zeros for one without;
+    gate's then up's, as ``kernels.siblings`` concatenates them), or None when none has a bias."""
+    if all(m.bias is None for group in groups for m in group):
+        return None
+    return torch.stack([
+        torch.cat([torch.zeros(m.out_features) if m.bias is None else m.bias.detach().float().cpu() for m in group])
+        for group in groups
+    ])
 
 
 def _stack_into(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -112,9 +157,19 @@ class CpuTokenExperts:
         if why is not None:
             raise ValueError(f"the cpu one-token path cannot run these experts: {why}")
         first = experts[0].linears()[0]
-        backend, dtype = first._backend, first.compute_dtype
         self.n_experts = len(experts)
         self.inter, self.hidden = first.out_features, first.in_features
+        self._stack_layouts(experts)
+        self.gu_bias = _stack_biases([list(mlp.linears()[:2]) for mlp in experts])  # [E, 2I] or None
+        self.down_bias = _stack_biases([[mlp.linears()[2]] for mlp in experts])  # [E, H] or None
+        self.glu, self.alpha, self.limit = glu_args(experts[0].glu)
+        self.shared = self._share_layouts(experts)
+
+    def _stack_layouts(self, experts: LinearExperts) -> None:
+        """``gu`` / ``down``: {key: [E, ...]} of every expert's gate/up (one product, gate rows
+        first) and down layouts, with their meta, bits and blocks."""
+        first = experts[0].linears()[0]
+        backend, dtype = first._backend, first.compute_dtype
         gate_up = []
         for mlp in experts:
             gate, up, _ = mlp.linears()
@@ -130,7 +185,6 @@ class CpuTokenExperts:
         self.panels = kind == EXT_PANEL
         self.bits = 4 if bits <= 4 else 8
         self.down_block = int(self.down_meta[2])
-        self.shared = self._share_layouts(experts)
 
     def _share_layouts(self, experts: LinearExperts) -> int:
         """Point the experts' own layouts at views of the stacked copy; returns how many
@@ -155,7 +209,7 @@ class CpuTokenExperts:
         return _moe_token()(
             hidden, top_k_index[0], top_k_weights[0], gu["w"], gu["scales"], gu["zeros"],
             down["w"], down["scales"], down["zeros"], self.bits, self.gu_block, self.down_block,
-            self.inter, self.panels)
+            self.inter, self.panels, self.gu_bias, self.down_bias, self.glu, self.alpha, self.limit)
 
 
 @functools.cache
