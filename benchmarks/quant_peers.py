@@ -130,8 +130,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None, help="results prefix (default results/METHOD-peers)")
     ap.add_argument("--reuse", type=Path, default=None,
-                    help="an earlier results .json: its rows for configs and tools not run now join the table, "
-                         "marked with the file they come from (a peer that takes hours need not run again)")
+                    help="an earlier results .json: its rows of tools not run now, for the configs run now, join the "
+                         "table, marked with the file they come from (a peer that takes hours need not run again)")
     args = ap.parse_args()
     tools = args.tools.split(",") if args.tools else list(METHODS[args.method])
     if args.setup:
@@ -157,7 +157,8 @@ def main() -> None:
 
 
 def reused(path: Path | None, args, rows: dict) -> list[dict]:
-    """The rows of an earlier run (same method, model, calibration and eval) not measured now."""
+    """The rows of an earlier run (same method, model, calibration and eval) of the tools not run
+    now, for the configs run now (an older row of a tool run now would read as current)."""
     if path is None:
         return []
     old = json.loads(path.read_text())
@@ -166,9 +167,10 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows"}
     if any(meta.get(k) != v for k, v in want.items()):
         raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
-    now = {(config_label(args.method, config), tool) for config, tool in rows}
+    configs = {config_label(args.method, config) for config, _ in rows}
+    tools = {tool for _, tool in rows}
     return [{**r, "from": r.get("from") or path.name} for r in old["rows"]
-            if r["method"] == args.method and (r["config"], r["tool"]) not in now]
+            if r["method"] == args.method and r["config"] in configs and r["tool"] not in tools]
 
 
 def config_label(method: str, config: str) -> str:
