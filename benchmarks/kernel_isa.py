@@ -10,7 +10,9 @@ reads them (SASS from Triton's own ``cuobjdump``, AMDGCN from the compiler). sma
 large_m rows are what the launcher runs (on CUDA a pre-shuffled qweight where layout.py holds
 it); small_m_gptq / small_m_mma / small_m_mfma: the small-M path on the GPTQ layout or on
 layout.py's pre-shuffled mma16x64 (wgmma / mma.sync fragments) or mfma16x128 (MFMA kpack 2)
-forced, for the variants those layouts hold.
+forced, for the variants those layouts hold. gemv_mma / gemv_mfma: the GEMV (M <= 2) on those
+layouts (``wq_gemv_preshuffled.py``, first config of gemv_preshuffled that reads the layout), what
+the launcher runs for a pre-shuffled qweight; ``_asm``: its pair operations as inline asm (as gemv_asm).
 
     python benchmarks/kernel_isa.py                 # writes benchmarks/results/kernel-isa.{md,json}
     python benchmarks/kernel_isa.py --targets sm90 --families gemv,small_m
@@ -45,6 +47,14 @@ def cases(targets: list[str], families: list[str]):
                         cfg = aot.first_config("small_m", target, variant, preshuffled=code)
                         yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
                                aot.compile_path("small_m", t, v, c, preshuffled=p))
+            elif family in ("gemv_mma", "gemv_mfma", "gemv_mma_asm", "gemv_mfma_asm"):  # the pre-shuffled GEMV
+                code = 1 if family.startswith("gemv_mma") else 2
+                asm = family.endswith("_asm")
+                for variant in aot.WQ_VARIANTS:
+                    if aot.layout_reason(variant) is None and aot.packed_variant(variant, target):
+                        cfg = aot.first_config("gemv_preshuffled", target, variant, preshuffled=code)
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code, a=asm:
+                               aot.compile_path("gemv_preshuffled", t, v, c, asm=a, preshuffled=p))
             elif family == "gemv_asm":  # the packed GEMV with its pair operations as inline asm
                 for variant in aot.WQ_VARIANTS:
                     if aot.packed_variant(variant, target):
@@ -97,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,gemv_asm,small_m,small_m_gptq,small_m_mma,small_m_mfma,large_m,w8a8,moe,fp,fp8")
+    p.add_argument("--families", default="gemv,gemv_asm,gemv_mma,gemv_mfma,gemv_mma_asm,gemv_mfma_asm,small_m,"
+                   "small_m_gptq,small_m_mma,small_m_mfma,large_m,w8a8,moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

@@ -213,3 +213,30 @@ def test_small_m_preshuffled_budget_and_operands(target_name, variant, code):
         assert re.search(r"HGMMA\.64x16x16\.F32\S* R\d+, R\d+, gdesc\[", sass), "wgmma A is not a register operand"
         assert "LDSM" not in sass and not re.search(r"\sSTS(\.U16|\.128)?\s", sass), "weight tile through shared memory"
         assert sass.count("PRMT") <= 2, "pairs re-packed byte by byte"
+
+
+# The GEMV (M <= 2) on a pre-shuffled qweight (wq_gemv_preshuffled.py; 1: mma16x64 on sm90, 2:
+# mfma16x128 on gfx942), first config, pair operations in plain Triton (what runs) and as inline
+# asm, measured with Triton 3.9: sm90 fp16 2.859 / asm 2.219, bf16 4.445 / 4.047; gfx942 fp16 3.25
+# / 2.422, bf16 4.875 / 3.984 (the GPTQ-layout packed GEMV: sm90 2.766 / 2.281, 4.547 / 4.227; gfx942
+# 3.188 / 2.391, 4.625 / 3.797; docs/decisions/preshuffled-layout.md).
+PRESHUFFLED_GEMV_BUDGETS = {  # (target, variant, layout code, asm): instructions per weight
+    ("sm90", "fp16-w4g128-sym", 1, False): 2.95, ("sm90", "bf16-w4g128-asym", 1, False): 4.5,
+    ("sm90", "fp16-w4g128-sym", 1, True): 2.3, ("sm90", "bf16-w4g128-asym", 1, True): 4.1,
+    ("gfx942", "fp16-w4g128-sym", 2, False): 3.35, ("gfx942", "bf16-w4g128-asym", 2, False): 4.95,
+    ("gfx942", "fp16-w4g128-sym", 2, True): 2.5, ("gfx942", "bf16-w4g128-asym", 2, True): 4.1}
+
+
+@pytest.mark.parametrize("target_name,variant,code,asm", list(PRESHUFFLED_GEMV_BUDGETS))
+def test_preshuffled_gemv_budget(target_name, variant, code, asm):
+    """No spills and the budget; no shared memory in the loop on sm90 (it holds the final
+    cross-thread sum only: each thread's 16-byte loads are the words it computes with)."""
+    cfg = aot.first_config("gemv_preshuffled", target_name, variant, preshuffled=code)
+    kernel = aot.compile_path("gemv_preshuffled", target_name, variant, cfg, asm=asm, preshuffled=code)
+    code_ = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+    assert code_["spills"] == 0, code_
+    assert code_["instructions_per_weight"] <= PRESHUFFLED_GEMV_BUDGETS[target_name, variant, code, asm], code_
+    assert code_["shared_bytes"] <= cfg.kwargs["BLOCK_N"] * 4 * 2, code_
+    if target_name == "sm90":
+        loop = aot.sass_loop_body(aot.cuobjdump(kernel.asm["cubin"]))
+        assert not [ins for ins in loop if re.match(r"(STS|LDS|STSM|LDSM|BAR)\b", ins)], "shared memory in the loop"

@@ -250,9 +250,10 @@ PRESHUFFLED_CASES = [  # (scheme, m, dtype, n, k, split_k, swap[, layout]): inte
                          ids=[f"{c[0].short_name}-M{c[1]}-{str(c[2])[6:]}-{c[3]}x{c[4]}-split{c[5]}-{'swap' if c[6] else 'plain'}"
                               f"-{c[7] if len(c) == 8 else 'mma16x64'}" for c in PRESHUFFLED_CASES])
 def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, split_k, swap, lay):
-    """weight_layout "mma16x64" / "mfma16x128" (layout.py): every M on the tl.dot kernel with PRESHUFFLED, the
-    swapped product (forced on here) and the plain one, zeros on and off, 3- and 4-bit codes, per
-    channel, act-order (permuted), split-K, N and K off the 16 x 64 atoms and the tiles (masked)."""
+    """weight_layout "mma16x64" / "mfma16x128" (layout.py): M > 2 and fp32 x on the tl.dot kernel with
+    PRESHUFFLED, the swapped product (forced on here) and the plain one, zeros on and off, 3- and 4-bit
+    codes, per channel, act-order (permuted), split-K, N and K off the 16 x 64 atoms and the tiles
+    (masked); fp16 / bf16 x at M <= 2 on the pre-shuffled GEMV (test_preshuffled_gemv_matches_reference)."""
     if swap:
         monkeypatch.setattr(tk.wq, "SWAP_AB_BACKENDS", frozenset({"interpreter"}))
     metas, real = [], tk.wq._launch
@@ -266,11 +267,89 @@ def test_preshuffled_matches_reference(tk, monkeypatch, scheme, m, dtype, n, k, 
     y = tk.wq.wq_linear(x if "perm" not in p else x.index_select(1, p["perm"]), p[key], p["scales"],
                         p.get("zeros"), None, b, bits=scheme.bits, group_size=scheme.group_size, split_k=split_k,
                         layout=lay)
-    assert metas == [("small_m" if m <= 32 else "large_m", swap and m <= 32, 1 if lay == "mma16x64" else 2)]
+    code = 1 if lay == "mma16x64" else 2
+    if m <= 2 and dtype != torch.float32:
+        assert metas == [("gemv_preshuffled", None, code)]
+    else:
+        assert metas == [("small_m" if m <= 32 else "large_m", swap and m <= 32, code)]
     ref = ReferenceBackend()
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
     y2, _ = run_both(backend, r, x, b)
     check_close(y2, y, dtype)
+
+
+# ---- the packed GEMV on a pre-shuffled qweight (``_wq_gemv_ps_kernel``): M <= 2, fp16 / bf16 x ----
+# (scheme, n, k): N off the 16-row atoms and the 128-wide tile, K off the 64 / 128 K atoms (padded
+# with code 0: x must be 0 there), one K tile and several (K 1024: split-K by default), per channel
+PS_GEMV_SHAPES = [(S(4, 128, True), 72, 264), (S(4, 128, False), 200, 384), (S(4, -1, False), 48, 328),
+                  (S(4, -1, True), 130, 1024), (S(3, 128, False), 64, 256), (S(4, 128, False), 40, 520)]
+
+
+def _ps_gemv_cases():
+    """Both layouts x the shapes x M 1, 2; fp16 and bf16 x on the first two shapes, one of them on the rest."""
+    for lay in ("mma16x64", "mfma16x128"):
+        for i, (scheme, n, k) in enumerate(PS_GEMV_SHAPES):
+            for m in (1, 2):
+                both = (torch.float16, torch.bfloat16)
+                for dtype in both if i < 2 else both[(i + m) % 2:][:1]:
+                    yield scheme, n, k, m, dtype, lay
+
+
+PS_GEMV_CASES = list(_ps_gemv_cases())
+
+
+@interp
+@pytest.mark.parametrize("scheme,n,k,m,dtype,lay", PS_GEMV_CASES,
+                         ids=[f"{c[0].short_name}-{c[1]}x{c[2]}-M{c[3]}-{str(c[4])[6:]}-{c[5]}" for c in PS_GEMV_CASES])
+def test_preshuffled_gemv_matches_reference(tk, monkeypatch, scheme, n, k, m, dtype, lay):
+    """A pre-shuffled qweight keeps a GEMV at M <= 2 (``_wq_gemv_ps_kernel``, both layouts): 4- and
+    3-bit codes, zeros on and off, groups 128 (a partial last one) and per channel, N and K off the atoms and tiles,
+    split-K; TOL as every path (fp16 4e-3, bf16 1.6e-2 of max |y|: the bf16 path is fp32 arithmetic
+    on bit-converted bf16, right in the interpreter too)."""
+    used = _gemv_kernels_used(tk, monkeypatch)
+    r, x, b = make_case(scheme, n, k, m, dtype, bias=(m == 1))
+    y, y_ref = run_both(tk.backend.TritonBackend(weight_layout=lay), r, x, b)
+    assert used == ["_wq_gemv_ps_kernel"]
+    check_close(y, y_ref, dtype)
+
+
+@interp
+@pytest.mark.parametrize("lay,tile", [("mma16x64", (64, 64)), ("mma16x64", (32, 128)), ("mfma16x128", (16, 128)),
+                                      ("mfma16x128", (64, 256))])
+def test_preshuffled_gemv_other_tiles_and_split_k(tk, monkeypatch, lay, tile):
+    """The GPU configs' tiles (one K atom a tile, two: a thread's K blocks chain in one partial),
+    explicit split-K with an empty split, M 1 and 2."""
+    bn, bk = tile
+    monkeypatch.setattr(tk.wq.configs, "interpreter_config", lambda family: {"BLOCK_N": bn, "BLOCK_K": bk})
+    scheme = S(4, -1 if bk > 128 else 128, False)
+    used = _gemv_kernels_used(tk, monkeypatch)
+    for m, split_k in ((1, 3), (2, 2)):
+        r, x, b = make_case(scheme, 88, 520, m, torch.float16)
+        p = tk.backend.TritonBackend(weight_layout=lay).prepare(r, torch.float16)
+        key = {"mma16x64": "qweight_mma", "mfma16x128": "qweight_mfma"}[lay]
+        y = tk.wq.wq_linear(x, p[key], p["scales"], p["zeros"], None, b, bits=4, group_size=scheme.group_size,
+                            split_k=split_k, layout=lay)
+        ref = ReferenceBackend()
+        check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, 88, 520, b), torch.float16)
+    assert used == ["_wq_gemv_ps_kernel"] * 2
+
+
+@interp
+def test_preshuffled_gemv_falls_back_to_the_dot_kernel(tk, monkeypatch):
+    """A pre-shuffled qweight at M <= 2 that the packed GEMV cannot take (fp32 x, x rows not
+    16-byte aligned) runs the tl.dot kernel, with the same results."""
+    used = _gemv_kernels_used(tk, monkeypatch)
+    backend = tk.backend.TritonBackend(weight_layout="mma16x64")
+    r, x, b = make_case(S(4, 128, True), 64, 256, 1, torch.float16)
+    p = backend.prepare(r, x.dtype)
+    wide = torch.zeros(1, 264, dtype=torch.float16)
+    wide[:, 1:257] = x
+    ref = ReferenceBackend()
+    check_close(backend.linear(wide[:, 1:257], p, r.scheme, 64, 256, b),
+                ref.linear(x, ref.prepare(r, x.dtype), r.scheme, 64, 256, b), torch.float16)
+    y, y_ref = run_both(backend, r, x.float(), b.float())
+    check_close(y, y_ref, torch.float32)
+    assert used == ["_wq_dot_kernel", "_wq_dot_kernel"]
 
 
 @interp
@@ -493,6 +572,30 @@ def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lay", ("mma16x64", "mfma16x128"))
+@pytest.mark.parametrize("asm", (False, True))
+@pytest.mark.parametrize("m", (1, 2))
+def test_gpu_preshuffled_gemv_every_config(lay, asm, m, monkeypatch):
+    """The pre-shuffled GEMV with every config of the target's gemv_preshuffled list that reads the
+    layout, its pair operations in plain Triton and as inline asm, fp16 and bf16 x, sym and asym."""
+    mods = _gpu()
+    from quantspec.kernels.triton import configs
+
+    monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", asm)
+    real = configs.configs_for
+    code = 1 if lay == "mma16x64" else 2
+    for cfg in [c for c in real("gemv_preshuffled", configs.current_target()) if mods.wq.preshuffled_fits(c, code)]:
+        monkeypatch.setattr(configs, "configs_for",
+                            lambda fam, tgt, c=cfg: [c] if fam == "gemv_preshuffled" else real(fam, tgt))
+        backend = mods.backend.TritonBackend(autotune=False, weight_layout=lay)
+        for scheme, dtype in ((S(4, 128, True), torch.float16), (S(4, 128, False), torch.bfloat16)):
+            for n, k in ((1000, 1000), (512, 1024)):
+                r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+                y, y_ref = run_both(backend, r, x, b)
+                check_close(y, y_ref, dtype, GPU_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", (1, 16, 128))
 def test_gpu_autotuned_w4g128(m):
     mods = _gpu()
@@ -520,7 +623,8 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
         family, S(4, 128, False))
     ms = {"gemv": (1, 2), "gemv_packed": (1, 2), "small_m": (9,), "large_m": (300,), "w8a8": (1, 40)}[family]
     dtypes = (torch.float16, torch.bfloat16) if family == "gemv_packed" else (torch.float16,)
-    # the GEMVs read the GPTQ layout only; a tl.dot config that cannot read a pre-shuffled qweight
+    # gemv / gemv_packed are the GPTQ layout's GEMVs (test_gpu_preshuffled_gemv_every_config: the
+    # pre-shuffled one); a tl.dot config that cannot read a pre-shuffled qweight
     # runs on the GPTQ layout (the launcher prunes it for pre-shuffled weights)
     fits = family in ("small_m", "large_m") and mods.wq.preshuffled_fits(cfgs[index])
     backend = mods.backend.TritonBackend(autotune=False, weight_layout="auto" if fits else "gptq")

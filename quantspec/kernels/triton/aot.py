@@ -124,11 +124,13 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
     c = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros, HAS_GIDX=gidx,
              HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
-    if family in ("gemv", "gemv_packed"):
+    if family in ("gemv", "gemv_packed", "gemv_preshuffled"):
         c["BLOCK_M"] = 1
         packed = wq_gemm.gemv_packed(dtype, fb, group, gidx, TARGETS[target_name][0].backend, asm)
         if packed:  # the packed GEMV (else the fp32 one)
             c["PACKED"] = packed
+        if family == "gemv_preshuffled":  # on a pre-shuffled qweight (True / None: mma16x64)
+            c["PRESHUFFLED"] = int(preshuffled) if preshuffled else 1
     else:
         c["DOT_F32"] = act == "fp32"
         c["MAGIC16"] = wq_gemm._magic16(dtype, fb)
@@ -161,11 +163,15 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
         preshuffled = False  # a config the launcher prunes for pre-shuffled weights: the GPTQ layout's code
     consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab,
                            preshuffled=preshuffled)
-    if family in ("gemv", "gemv_packed"):  # the GEMV the launcher runs for the variant (M <= 2)
+    if family in ("gemv", "gemv_packed", "gemv_preshuffled"):  # the GEMV the launcher runs for the variant (M <= 2)
         if "PACKED" not in consts:
-            if family == "gemv_packed":
+            if family != "gemv":
                 raise ValueError(f"{variant} does not run on the packed GEMV on {target_name}")
             kernel = wq_gemm._wq_gemv_kernel
+        elif family == "gemv_preshuffled":
+            if layout_reason(variant) is not None:
+                raise ValueError(f"{variant}: {layout_reason(variant)}")
+            kernel = wq_gemm._wq_gemv_ps_kernel
         else:
             kernel = wq_gemm._wq_gemv_f16x2_kernel
             if "ROWS" not in cfg.kwargs:
@@ -238,21 +244,26 @@ def _cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
-def sass_loop(sass: str) -> int:
-    """Instructions of the longest loop of a SASS listing (between a backward branch's target and
-    the branch, both included); 0 without a loop."""
-    addr, best = [], 0
+def sass_loop_body(sass: str) -> list[str]:
+    """The instructions of the longest loop of a SASS listing (between a backward branch's target
+    and the branch, both included); [] without a loop."""
+    lines, best = [], []
     for line in sass.splitlines():
         m = SASS_LINE.search(line)
         if not m:
             continue
         here = int(m.group(1), 16)
-        addr.append(here)
+        lines.append((here, m.group(2)))
         b = BRANCH.search(m.group(2))
         if b and int(b.group(1), 16) < here:
-            start = int(b.group(1), 16)
-            best = max(best, sum(1 for a in addr if start <= a <= here))
+            body = [ins for a, ins in lines if int(b.group(1), 16) <= a]
+            best = body if len(body) > len(best) else best
     return best
+
+
+def sass_loop(sass: str) -> int:
+    """Instructions of the longest loop of a SASS listing (``sass_loop_body``); 0 without a loop."""
+    return len(sass_loop_body(sass))
 
 
 def amdgcn_loop(asm: str) -> int:

@@ -6,10 +6,11 @@ initialise the GPU driver). Under ``TRITON_INTERPRET=1`` one small fixed config 
 is used and nothing is autotuned (the interpreter pays per program instance, not per element).
 
 Families: "gemv" (M <= 2, split-K, no tl.dot: the fp32 GEMV), "gemv_packed" (the same for fp16 /
-bf16 x and 4-bit fields: the packed GEMV), "small_m" (M <= 32, tl.dot, split-K), "large_m" (tiled
-tl.dot), "w8a8" (int8 tl.dot). Meta-parameters: BLOCK_M/BLOCK_N/BLOCK_K, GROUP_M (L2 swizzle of
-the tiled paths), ROWS (the packed GEMV's word rows per step); ROCm adds waves_per_eu,
-matrix_instr_nonkdim, kpack.
+bf16 x and 4-bit fields: the packed GEMV), "gemv_preshuffled" (the packed GEMV on a qweight in
+layout.py's pre-shuffled layouts; BLOCK_K <= 128, so that a tile sits in one group), "small_m"
+(M <= 32, tl.dot, split-K), "large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters:
+BLOCK_M/BLOCK_N/BLOCK_K, GROUP_M (L2 swizzle of the tiled paths), ROWS (the packed GEMV's word
+rows per step); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 import triton
 
-FAMILIES = ("gemv", "gemv_packed", "small_m", "large_m", "w8a8")
+FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8")
 
 
 def interpreting() -> bool:
@@ -69,6 +70,9 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
                 (128, 64, 4, deep), (512, 32, 4, deep),
             ]
         ]
+    if family == "gemv_preshuffled":  # BLOCK_K 64 configs are pruned for mfma16x128 (its K atom is 128)
+        return [_cfg(None, bn, bk, w, s) for bn, bk, w, s in [
+            (128, 128, 4, 3), (64, 128, 4, deep), (256, 128, 8, 3), (128, 64, 4, deep), (256, 64, 4, deep)]]
     if family == "small_m":
         return [
             _cfg(bm, bn, bk, w, s)
@@ -110,6 +114,9 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
                 (128, 64, 4, 0),
             ]
         ]
+    if family == "gemv_preshuffled":
+        return [_cfg(None, bn, bk, w, 2, waves_per_eu=wpe) for bn, bk, w, wpe in [
+            (128, 128, 4, 0), (256, 128, 4, 0), (128, 128, 2, 0), (128, 128, 4, 2), (256, 64, 4, 0)]]
     if family == "small_m":
         return [
             _cfg(bm, bn, bk, w, 2, waves_per_eu=wpe, **amd)
@@ -136,6 +143,8 @@ def interpreter_config(family: str) -> dict[str, int]:
         return {"BLOCK_N": 128, "BLOCK_K": 128}
     if family == "gemv_packed":
         return {"BLOCK_N": 128, "BLOCK_K": 128, "ROWS": 4}
+    if family == "gemv_preshuffled":
+        return {"BLOCK_N": 128, "BLOCK_K": 128}
     if family == "small_m":
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}
     if family in ("large_m", "w8a8"):

@@ -156,6 +156,34 @@ def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16
 
 
 @triton.jit
+def _load_words(qw_ptr, k0, pid_n, K, N, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                KA: tl.constexpr, KB_OUTER: tl.constexpr = False):
+    """uint32 words [BLOCK_N / 16, BLOCK_K / KA * 2 KA] of a pre-shuffled qweight with K atom KA (64:
+    mma16x64, 128: mfma16x128): atoms pid_n * BLOCK_N / 16 .. along N, k0 / KA .. along K, each
+    atom's 2 KA words in memory order; KB_OUTER: [BLOCK_K / KA, BLOCK_N / 16, 2 KA] (the K blocks
+    outermost: the compiler spreads warps over N, a thread's K blocks stay its own). Atoms past the
+    qweight read as 0 (EVEN: none are)."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // KA
+    rows = pid_n * NB + tl.arange(0, NB)
+    row_words = tl.cdiv(K, KA) * (2 * KA)
+    if KB_OUTER:
+        kbs = k0 // KA + tl.arange(0, KB)
+        cols = kbs[:, None, None] * (2 * KA) + tl.arange(0, 2 * KA)[None, None, :]
+        ptrs = qw_ptr + rows[None, :, None] * row_words + cols
+        mask = (rows[None, :, None] < tl.cdiv(N, 16)) & (kbs[:, None, None] < tl.cdiv(K, KA))
+    else:
+        cols = (k0 // KA) * (2 * KA) + tl.arange(0, BLOCK_K * 2)
+        ptrs = qw_ptr + rows[:, None] * row_words + cols[None, :]
+        mask = (rows[:, None] < tl.cdiv(N, 16)) & (cols[None, :] < row_words)
+    if EVEN:
+        words = tl.load(ptrs)
+    else:
+        words = tl.load(ptrs, mask=mask, other=0)
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
                  EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_ZEROS: tl.constexpr):
@@ -165,15 +193,8 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
     the end rename registers (no shared-memory step before the dot)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
-    rows = pid_n * NB + tl.arange(0, NB)
-    cols = (k0 // 64) * 128 + tl.arange(0, KB * 128)
-    row_words = tl.cdiv(K, 64) * 128
-    ptrs = qw_ptr + rows[:, None] * row_words + cols[None, :]
-    if EVEN:
-        words = tl.load(ptrs)
-    else:
-        words = tl.load(ptrs, mask=(rows[:, None] < tl.cdiv(N, 16)) & (cols[None, :] < row_words), other=0)
-    w = tl.reshape(words.to(tl.uint32, bitcast=True), (NB, KB, 8, 4, 4))  # nb, kb, g, c, s
+    words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN, BLOCK_N, BLOCK_K, 64)
+    w = tl.reshape(words, (NB, KB, 8, 4, 4))  # nb, kb, g, c, s
     ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32
     if ZERO_PAIRS:
         z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537
@@ -201,15 +222,8 @@ def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16:
     load. BLOCK_K a multiple of 128."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 128
-    rows = pid_n * NB + tl.arange(0, NB)
-    cols = (k0 // 128) * 256 + tl.arange(0, KB * 256)
-    row_words = tl.cdiv(K, 128) * 256
-    ptrs = qw_ptr + rows[:, None] * row_words + cols[None, :]
-    if EVEN:
-        words = tl.load(ptrs)
-    else:
-        words = tl.load(ptrs, mask=(rows[:, None] < tl.cdiv(N, 16)) & (cols[None, :] < row_words), other=0)
-    w = tl.reshape(words.to(tl.uint32, bitcast=True), (NB, KB, 4, 16, 4))  # nb, kb, q, r, i
+    words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN, BLOCK_N, BLOCK_K, 128)
+    w = tl.reshape(words, (NB, KB, 4, 16, 4))  # nb, kb, q, r, i
     ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32
     if ZERO_PAIRS:
         z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537

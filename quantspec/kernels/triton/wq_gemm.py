@@ -10,9 +10,11 @@ Layout (the Triton backend's ``prepare`` writes it):
   zero ``2**(bits-1)``), ``g_idx`` int32 [K] or None (then the group of row k is ``k // group``).
 
 Three paths, picked by M: a GEMV for M <= 2 (no tl.dot), a small-M tl.dot path for M <= 32 and
-a tiled tl.dot path above. The GEMV has two kernels: the packed GEMV (``_wq_gemv_f16x2_kernel``,
+a tiled tl.dot path above. The GEMV has three kernels: the packed GEMV (``_wq_gemv_f16x2_kernel``,
 fp16 / bf16 x and 4-bit fields: pairs of fp16 weights made by magic-number bit tricks, two
-weights an instruction) and the fp32 GEMV (``_wq_gemv_kernel``: every other case). The GEMVs
+weights an instruction), the same on a pre-shuffled qweight (``_wq_gemv_ps_kernel``,
+wq_gemv_preshuffled.py) and the fp32 GEMV (``_wq_gemv_kernel``: every other case of the GPTQ
+layout; a pre-shuffled qweight the packed GEMV cannot take runs the tl.dot kernel). The GEMVs
 and the small-M path split K over programs; partial sums go to an fp32 [SPLIT_K, M, N] buffer,
 summed (with bias and the cast) by a second small kernel: deterministic, no atomics.
 """
@@ -29,6 +31,7 @@ from .wq_dequant import (
     _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
 from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
+from .wq_gemv_preshuffled import _wq_gemv_ps_kernel
 
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
 SMALL_M_MAX = 32
@@ -244,9 +247,10 @@ def swap_ab(family: str, backend: str, fb: int) -> bool:
 # Backends whose TritonBackend pre-shuffles qweight by default (layout.py's mma16x64, where
 # ``layout.preshuffle_reason`` allows it; docs/decisions/preshuffled-layout.md). None yet: compiled
 # here, CUDA sm90 small-M goes from 4.89 to 3.33 instructions per weight (fp16 W4 g128 sym; bf16
-# asym 5.44 -> 3.88) with no STS / LDSM of the weight tile, but M <= 2 would then run the tl.dot
-# kernel instead of the packed GEMV (3.33 vs 2.77 per weight, fp16), the tiled path loses its
-# BLOCK_K 32 configs, and nothing of it has run on a GPU. Opt in with
+# asym 5.44 -> 3.88) with no STS / LDSM of the weight tile, and M <= 2 keeps a packed GEMV
+# (wq_gemv_preshuffled.py: sm90 fp16 2.86 / bf16 4.45 per weight against the GPTQ one's 2.77 / 4.55;
+# 2.22 / 4.05 against 2.28 / 4.23 with the pair operations as inline asm), but the tiled path loses
+# its BLOCK_K 32 configs, and nothing of it has run on a GPU. Opt in with
 # ``TritonBackend(weight_layout="mma16x64")``; the next GPU session decides by timing
 # (benchmarks/kernel_speed.py --weight-layout). ROCm: the CUDA fragment is not MFMA's; mfma16x128
 # is opt-in there too.
@@ -255,7 +259,8 @@ PRESHUFFLED_BACKENDS: frozenset[str] = frozenset()
 
 def preshuffled_default(family: str, backend: str, bits: int, group: int, has_gidx: bool) -> bool:
     """Whether a weight is pre-shuffled by default on ``backend`` (and so ``family`` runs
-    ``_wq_dot_kernel`` with PRESHUFFLED); the GEMV families never read that layout."""
+    ``_wq_dot_kernel`` with PRESHUFFLED); the GPTQ-layout GEMV families (gemv, gemv_packed) never
+    read that layout (a pre-shuffled weight runs its M <= 2 on gemv_preshuffled)."""
     return (family in ("small_m", "large_m") and backend in PRESHUFFLED_BACKENDS
             and preshuffle_reason(bits, group, has_gidx) is None)
 
@@ -336,7 +341,12 @@ def _prune_large_m(cfgs, named_args, **kwargs):
     return [c for c in cfgs if _fits("large_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
 
 
-_PRUNE = {"gemv": _prune_gemv, "gemv_packed": None, "small_m": _prune_small_m, "large_m": _prune_large_m}
+def _prune_gemv_ps(cfgs, named_args, **kwargs):
+    return [c for c in cfgs if preshuffled_fits(c, kwargs["PRESHUFFLED"])] or cfgs[:1]
+
+
+_PRUNE = {"gemv": _prune_gemv, "gemv_packed": None, "gemv_preshuffled": _prune_gemv_ps, "small_m": _prune_small_m,
+          "large_m": _prune_large_m}
 
 
 def _launch(family, kernel, grid, args, meta, m_key, autotune):
@@ -376,8 +386,8 @@ def wq_linear(
     x:        [M, K] fp16, bf16 or fp32 (rows contiguous).
     qweight:  int32 [ceil(K / PF), N], PF = 32 // field_bits(bits), packed along K; with
               ``layout`` "mma16x64" / "mfma16x128" the pre-shuffled int32 [ceil(N/16),
-              ceil(K/64), 128] / [ceil(N/16), ceil(K/128), 256] of ``layout.preshuffle`` (every M
-              then runs the tl.dot kernel).
+              ceil(K/64), 128] / [ceil(N/16), ceil(K/128), 256] of ``layout.preshuffle`` (M <= 2
+              with fp16 / bf16 x then runs the pre-shuffled GEMV, the rest the tl.dot kernel).
     scales:   [G, N] fp16, bf16 or fp32.
     zeros:    uint8 [G, N] integer zero points, or None (symmetric: 2**(bits-1)).
     g_idx:    int32 [K] group of each row of qweight, or None (``k // group_size``).
@@ -443,12 +453,15 @@ def wq_linear(
     m_key = min(_next_pow2(m), 256)
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
-    if m <= GEMV_MAX_M and not preshuffled:  # the GEMVs read the GPTQ layout only
+    backend = "interpreter" if configs.interpreting() else configs.current_target()[0]
+    packed = gemv_packed(x.dtype, fb, group, g_idx is not None, backend, ASM_PAIR_OPS) if _packed_x_ok(x) else 0
+    if m <= GEMV_MAX_M and (packed or not preshuffled):  # a pre-shuffled qweight: the packed GEMV only
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
-        backend = "interpreter" if configs.interpreting() else configs.current_target()[0]
-        packed = gemv_packed(x.dtype, fb, group, g_idx is not None, backend, ASM_PAIR_OPS) if _packed_x_ok(x) else 0
-        if packed:
+        if preshuffled:
+            _launch("gemv_preshuffled", _wq_gemv_ps_kernel, grid, args,
+                    {**meta, "PACKED": packed, "PRESHUFFLED": preshuffled}, m_key, autotune)
+        elif packed:
             _launch("gemv_packed", _wq_gemv_f16x2_kernel, grid, args, {**meta, "PACKED": packed}, m_key, autotune)
         else:
             _launch("gemv", _wq_gemv_kernel, grid, args, meta, m_key, autotune)
@@ -459,7 +472,7 @@ def wq_linear(
         interp_bf16 = configs.interpreting() and x.dtype == torch.bfloat16
         meta["DOT_F32"] = x.dtype == torch.float32 or interp_bf16
         meta["MAGIC16"] = _magic16(x.dtype, fb)
-        meta["SWAP_AB"] = swap_ab(family, "interpreter" if configs.interpreting() else configs.current_target()[0], fb)
+        meta["SWAP_AB"] = swap_ab(family, backend, fb)
         meta["PRESHUFFLED"] = preshuffled
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:

@@ -132,16 +132,23 @@ def _dequant_f16x2(w, m_lo, zc0, zc1, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _x_words(p, mask, EVEN_K: tl.constexpr):
-    """The 16 bytes of x at ``p`` (uint64 pointers [RS, 2]: 8 activations k .. k+7 of a word
-    row, k a multiple of 8, 16-byte aligned) as four uint32 [RS, 1]: (x0, x1) .. (x6, x7)."""
+def _x_halves(p, mask, EVEN_K: tl.constexpr):
+    """The 16 bytes of x at ``p`` (uint64 pointers [..., 2]: 8 activations k .. k+7, k a multiple
+    of 8, 16-byte aligned; ``mask`` [..., 1], unused with EVEN_K) as four uint32 [...]: (x0, x1)
+    .. (x6, x7)."""
     if EVEN_K:
         v = tl.load(p)
     else:
-        v = tl.load(p, mask=mask[:, None], other=0)
+        v = tl.load(p, mask=mask, other=0)
     a, b = tl.split(v)
-    return (a.to(tl.uint32)[:, None], (a >> 32).to(tl.uint32)[:, None],
-            b.to(tl.uint32)[:, None], (b >> 32).to(tl.uint32)[:, None])
+    return a.to(tl.uint32), (a >> 32).to(tl.uint32), b.to(tl.uint32), (b >> 32).to(tl.uint32)
+
+
+@triton.jit
+def _x_words(p, mask, EVEN_K: tl.constexpr):
+    """``_x_halves`` of a word row's x (``p`` [RS, 2], ``mask`` [RS]) as four uint32 [RS, 1]."""
+    x01, x23, x45, x67 = _x_halves(p, mask[:, None], EVEN_K)
+    return x01[:, None], x23[:, None], x45[:, None], x67[:, None]
 
 
 @triton.jit
