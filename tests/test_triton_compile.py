@@ -217,7 +217,7 @@ def test_small_m_preshuffled_budget_and_operands(target_name, variant, code):
 
 # The GEMV (M <= 2) on a pre-shuffled qweight (wq_gemv_preshuffled.py; 1: mma16x64 on sm90, 2:
 # mfma16x128 on gfx942), first config, pair operations in plain Triton (what runs) and as inline
-# asm, measured with Triton 3.9: sm90 fp16 2.859 / asm 2.219, bf16 4.445 / 4.047; gfx942 fp16 3.25
+# asm, measured with Triton 3.9: sm90 fp16 2.859 / asm 2.219, bf16 4.445 / 4.055; gfx942 fp16 3.25
 # / 2.422, bf16 4.875 / 3.984 (the GPTQ-layout packed GEMV: sm90 2.766 / 2.281, 4.547 / 4.227; gfx942
 # 3.188 / 2.391, 4.625 / 3.797; docs/decisions/preshuffled-layout.md).
 PRESHUFFLED_GEMV_BUDGETS = {  # (target, variant, layout code, asm): instructions per weight
@@ -237,6 +237,30 @@ def test_preshuffled_gemv_budget(target_name, variant, code, asm):
     assert code_["spills"] == 0, code_
     assert code_["instructions_per_weight"] <= PRESHUFFLED_GEMV_BUDGETS[target_name, variant, code, asm], code_
     assert code_["shared_bytes"] <= cfg.kwargs["BLOCK_N"] * 4 * 2, code_
-    if target_name == "sm90":
-        loop = aot.sass_loop_body(aot.cuobjdump(kernel.asm["cubin"]))
-        assert not [ins for ins in loop if re.match(r"(STS|LDS|STSM|LDSM|BAR)\b", ins)], "shared memory in the loop"
+    assert not aot.loop_shared_ops(kernel, target_name), "shared memory in the loop"
+
+
+# The same GEMV with zero points at 4 rows a thread (the lists' other configs: gfx942 mfma16x128
+# 256 x 128 x 4 warps and 128 x 128 x 2, sm90 mma16x64 256 x 64): a zero load with as many elements
+# as threads is a layout anchor, and loaded after the words it gave its layout to the dequantized
+# pairs, which went through shared memory (Triton 3.9, plain / asm: gfx942 7.922 / 5.297 with 160 / 64
+# LDS instructions in the loop, sm90 7.328 / 4.883 with 256 / 64). Loaded before the words (then 4.602
+# / 3.055 and 22 / 16; sm90 4.484 / 3.945 and 28 / 22), only the zero pairs and one partial sum are
+# converted. Budgets (instructions per weight, asm False / True) and the bound on shared-memory
+# instructions in the loop:
+ROWS4_ZERO_BUDGETS = {("gfx942", 256, 128, 4): (4.75, 3.2), ("gfx942", 128, 128, 2): (4.75, 3.2),
+                      ("sm90", 256, 64, 4): (4.6, 4.05)}
+ROWS4_SHARED_OPS = 32
+
+
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("target_name,bn,bk,warps", list(ROWS4_ZERO_BUDGETS))
+def test_preshuffled_gemv_zero_points_at_4_rows_a_thread(target_name, bn, bk, warps, asm):
+    code = 1 if target_name == "sm90" else 2
+    cfg = next(c for c in configs.configs_for("gemv_preshuffled", aot.target_key(target_name))
+               if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) == (bn, bk, warps))
+    kernel = aot.compile_path("gemv_preshuffled", target_name, "bf16-w4g128-asym", cfg, asm=asm, preshuffled=code)
+    code_ = aot.machine_code(kernel, target_name, cfg, bn, bk)
+    assert code_["spills"] == 0, code_
+    assert code_["instructions_per_weight"] <= ROWS4_ZERO_BUDGETS[target_name, bn, bk, warps][asm], code_
+    assert len(aot.loop_shared_ops(kernel, target_name)) <= ROWS4_SHARED_OPS, "dequantized pairs through shared memory"

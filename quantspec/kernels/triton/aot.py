@@ -266,10 +266,10 @@ def sass_loop(sass: str) -> int:
     return len(sass_loop_body(sass))
 
 
-def amdgcn_loop(asm: str) -> int:
-    """Instructions of the largest loop of an AMDGCN listing, by LLVM's own block annotations
+def amdgcn_loop_body(asm: str) -> list[str]:
+    """The instructions of the largest loop of an AMDGCN listing, by LLVM's own block annotations
     (``; =>This Inner Loop Header`` / ``in Loop: Header=BB0_8``): the blocks of one innermost loop."""
-    size: dict[str, int] = {}
+    body: dict[str, list[str]] = {}
     current = None
     for ln in (raw.strip() for raw in asm.splitlines()):
         label = re.match(r"^\.L(BB\d+_\d+):(.*)$", ln)
@@ -284,8 +284,27 @@ def amdgcn_loop(asm: str) -> int:
             current = None
             continue
         if current and ln and not ln.startswith((";", ".", "//")):
-            size[current] = size.get(current, 0) + 1
-    return max(size.values(), default=0)
+            body.setdefault(current, []).append(ln)
+    return max(body.values(), key=len, default=[])
+
+
+def amdgcn_loop(asm: str) -> int:
+    """Instructions of the largest loop of an AMDGCN listing (``amdgcn_loop_body``)."""
+    return len(amdgcn_loop_body(asm))
+
+
+SHARED_OPS = {"sm": re.compile(r"(STS|LDS|STSM|LDSM|BAR)\b"), "gfx": re.compile(r"(ds_\w+|s_barrier)\b")}
+
+
+def loop_shared_ops(kernel, target_name: str) -> list[str]:
+    """The main loop's instructions that touch shared memory (NVIDIA: STS / LDS / STSM / LDSM / BAR;
+    AMD: ds_* / s_barrier): a register layout change inside the loop shows here."""
+    if target_name.startswith("sm"):
+        loop = [re.sub(r"^@!?U?P\w+\s+", "", ins) for ins in sass_loop_body(cuobjdump(kernel.asm["cubin"]))]
+        pattern = SHARED_OPS["sm"]
+    else:
+        loop, pattern = amdgcn_loop_body(kernel.asm["amdgcn"]), SHARED_OPS["gfx"]
+    return [ins for ins in loop if pattern.match(ins)]
 
 
 def cuobjdump(cubin: bytes, flag: str = "-sass") -> str:

@@ -80,21 +80,31 @@ def _magic_f32(codes, zf):
 
 
 @triton.jit
+def _group_scale(s_ptr, g, offs_n, N, EVEN_N: tl.constexpr):
+    """fp32 scales [BLOCK_N] of group g."""
+    if EVEN_N:
+        return tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+    else:
+        return tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _group_zero(z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
+    """fp32 zero points [BLOCK_N] of group g (SYM_ZERO without zero points)."""
+    if not HAS_ZEROS:
+        return tl.full(offs_n.shape, SYM_ZERO, tl.float32)
+    elif EVEN_N:
+        return tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+    else:
+        return tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+
+
+@triton.jit
 def _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO: tl.constexpr,
                       HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr):
     """fp32 scales and zero points [BLOCK_N] of group g."""
-    if EVEN_N:
-        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-    else:
-        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        if EVEN_N:
-            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            z = tl.load(z_ptr + g * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-    else:
-        z = tl.zeros_like(s) + SYM_ZERO
-    return s, z
+    s = _group_scale(s_ptr, g, offs_n, N, EVEN_N)
+    return s, _group_zero(z_ptr, g, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 from .layout import _load_words
 from .tiles import EVEN as _EVEN
 from .tiles import store_result as _store_result
-from .wq_dequant import _group_scale_zero
+from .wq_dequant import _group_scale, _group_zero
 from .wq_gemv_packed import (
     _bf16_f32,
     _dequant_f16x2,
@@ -214,16 +214,24 @@ def _wq_gemv_ps_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, pa
     acc1 = tl.zeros_like(acc0)
     for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         k0 = t * BLOCK_K
-        words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN_K and EVEN_N, BLOCK_N, BLOCK_K, KA, True)
         g = k0 // GROUP
+        # zero points loaded before the words, scales after: Triton's layout propagation then gives
+        # the words' layout to the dequantized pairs (a zero load with as many elements as threads
+        # is a layout anchor; loaded after the words, its layout won and the pairs went through
+        # shared memory at 4 rows a thread: gfx942 7.92 instructions a weight against 4.48)
         if PRESHUFFLED == 1:  # each row's scale loaded where it is used (a [BLOCK_N] load split per row
             # pair went through shared memory on sm90, two barriers a tile)
-            s_a, z_a = _group_scale_zero(s_ptr, z_ptr, g, rows, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
-            s_b, z_b = _group_scale_zero(s_ptr, z_ptr, g, rows + 8, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z_a = _group_zero(z_ptr, g, rows, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z_b = _group_zero(z_ptr, g, rows + 8, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN_K and EVEN_N, BLOCK_N, BLOCK_K, KA, True)
+            s_a = _group_scale(s_ptr, g, rows, N, EVEN_N)
+            s_b = _group_scale(s_ptr, g, rows + 8, N, EVEN_N)
             f0, f1 = _mma_tile(words, x_ptr, k0, K, x_step, s_a, s_b, z_a, z_b, m_pair, XBF16, EVEN_K, PACKED,
                                BLOCK_M, NB, KB)
         else:  # one coalesced [BLOCK_N] load, reshaped (fewer instructions on gfx942, no LDS)
-            s, z = _group_scale_zero(s_ptr, z_ptr, g, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z = _group_zero(z_ptr, g, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN_K and EVEN_N, BLOCK_N, BLOCK_K, KA, True)
+            s = _group_scale(s_ptr, g, offs_n, N, EVEN_N)
             f0, f1 = _mfma_tile(words, x_ptr, k0, K, x_step, tl.reshape(s, (NB, 1, 16)), tl.reshape(z, (NB, 1, 16)),
                                 m_pair, XBF16, EVEN_K, PACKED, BLOCK_M, NB, KB)
         acc0 += f0
