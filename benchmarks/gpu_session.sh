@@ -3,13 +3,13 @@
 # under its own time limit, every output written to $OUT (default benchmarks/results/gpu-run).
 # Runs with whatever python3 holds torch + triton there (no install: the repo is on PYTHONPATH).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [others] [bf16]
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [asm] [others] [bf16]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-PHASES=${*:-tests main layouts others bf16}
+PHASES=${*:-tests main layouts asm others bf16}
 PY=${PY:-python3}
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -37,6 +37,14 @@ for phase in $PHASES; do
           --nk 4096x4096 14336x4096 --schemes w4g128 w4g128-asym --weight-layout $layout --no-reference \
           --out "$OUT" --tag=-layout-$layout 2>&1 | grep -v '^{'
       done ;;
+    asm)  # layouts' cases with the inline-asm pair operations (--asm): M <= 2 A/Bs wq_gemm.ASM_PAIR_OPS,
+          # M > 2 ASM_DOT_PAIR_OPS (fp16 sym only); the tests phase ran their gpu tests
+      stamp "benchmark: inline-asm pair operations"
+      for layout in gptq mma16x64; do
+        timeout 70 $PY benchmarks/kernel_speed.py --device cuda --asm --prewarm 16 --deadline 50 --m 1 2 4 16 32 \
+          --nk 4096x4096 14336x4096 --schemes w4g128 w4g128-asym --weight-layout $layout --no-reference \
+          --out "$OUT" --tag=-asm-$layout 2>&1 | grep -v '^{'
+      done ;;
     others)  # the other layouts, fewer shapes
       stamp "benchmark: other schemes"
       timeout 130 $PY benchmarks/kernel_speed.py --device cuda --prewarm 16 --deadline 95 --m 1 16 256 \
@@ -47,7 +55,7 @@ for phase in $PHASES; do
       stamp "benchmark: bf16"
       timeout 80 $PY benchmarks/kernel_speed.py --device cuda --dtype bf16 --prewarm 16 --deadline 55 --m 1 16 256 \
         --schemes w4g128 --no-reference --out "$OUT" --tag=-bf16 2>&1 | grep -v '^{' ;;
-    *) echo "unknown phase $phase (tests, main, layouts, others, bf16)" ;;
+    *) echo "unknown phase $phase (tests, main, layouts, asm, others, bf16)" ;;
   esac
 done
 stamp "done"

@@ -221,9 +221,18 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, tag: str) -> tupl
     return jpath, mpath
 
 
+def _set_asm(on: bool) -> None:
+    """--asm: the inline-asm pair operations the launcher keeps off until timed (the GEMV's
+    ``wq_gemm.ASM_PAIR_OPS``, M <= 2; the tl.dot kernel's ``ASM_DOT_PAIR_OPS``, M > 2)."""
+    from quantspec.kernels.triton import wq_gemm
+
+    wq_gemm.ASM_PAIR_OPS = wq_gemm.ASM_DOT_PAIR_OPS = on
+
+
 def _prewarm_worker(job) -> int:
     """Run each case's kernel once (autotuning: every config compiled into Triton's disk cache)."""
-    todo, dtype, triton_kw = job
+    todo, dtype, triton_kw, asm = job
+    _set_asm(asm)
     for name, m, n, k in todo:
         impls = layer_impls(name, m, n, k, "cuda", dtype, triton_kw, False, copies=1)
         impls["quant"][0][0]()
@@ -231,13 +240,13 @@ def _prewarm_worker(job) -> int:
     return len(todo)
 
 
-def prewarm(todo: list, workers: int, dtype, triton_kw) -> None:
+def prewarm(todo: list, workers: int, dtype, triton_kw, asm: bool = False) -> None:
     """Compile in ``workers`` processes first, so that the timed run's autotuning loads every
     kernel from the disk cache instead of compiling one config after another. The workers'
     own tuning choices are thrown away (they ran side by side on one GPU)."""
     import multiprocessing
 
-    jobs = [(todo[i::workers], dtype, triton_kw) for i in range(workers) if todo[i::workers]]
+    jobs = [(todo[i::workers], dtype, triton_kw, asm) for i in range(workers) if todo[i::workers]]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         pool.map(_prewarm_worker, jobs)
 
@@ -251,8 +260,10 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     todo = [c for c in todo if not args.nk or f"{c[2]}x{c[3]}" in args.nk]
     graph = device == "cuda" and not args.no_graph
     started = time.monotonic()
+    if device == "cuda" and args.asm:
+        _set_asm(True)
     if device == "cuda" and args.prewarm > 1:
-        prewarm(todo, args.prewarm, dtype, triton_kw)
+        prewarm(todo, args.prewarm, dtype, triton_kw, args.asm)
         print(f"prewarm: {len(todo)} cases compiled in {time.monotonic() - started:.0f} s", flush=True)
     rows = []
     for name, m, n, k in todo:
@@ -321,6 +332,8 @@ def parse_args(argv):
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference backend")
     p.add_argument("--weight-layout", default="auto", choices=("auto", "gptq", "mma16x64", "mfma16x128"),
                    help="the Triton backend's qweight layout (docs/decisions/preshuffled-layout.md)")
+    p.add_argument("--asm", action="store_true",
+                   help="the Triton kernels' inline-asm pair operations (GEMV and tl.dot; off by default)")
     p.add_argument("--out", help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--m", type=int, nargs="*", help="only these M")

@@ -215,6 +215,53 @@ def test_small_m_preshuffled_budget_and_operands(target_name, variant, code):
         assert sass.count("PRMT") <= 2, "pairs re-packed byte by byte"
 
 
+# The same path with its fp16 pairs of code - zero as inline PTX (ASM, ``wq_gemm.dot_asm``: CUDA, fp16
+# x, 4-bit fields, no zero points; off by default until run on a GPU), fp16 W4 g128 sym, first config,
+# measured with Triton 3.9 (loop instructions plain -> asm): sm90 mma16x64 213 -> 191 (3.328 -> 2.984
+# per weight), GPTQ 313 -> 240 (4.891 -> 3.75); sm80 mma16x64 267 -> 165 (4.172 -> 2.578), GPTQ
+# 431 -> 223 (6.734 -> 3.484). Layout code 0: GPTQ, 1: mma16x64.
+DOT_ASM_BUDGETS = {("sm90", 1): 3.05, ("sm90", 0): 3.85, ("sm80", 1): 2.7, ("sm80", 0): 3.6}
+
+
+@pytest.mark.parametrize("target_name,code", list(DOT_ASM_BUDGETS))
+def test_small_m_asm_pairs(target_name, code):
+    """With ASM: no spills, the budget, fewer instructions than the plain path and no more
+    shared-memory ones in the loop; no mask re-made per use (plain Triton: an IMAD.MOV per LOP3;
+    here at most 2 IMAD.MOV a loop, the magic number and 1/16) and, on mma16x64, no PRMT (the
+    GPTQ layout keeps the plain path's 32: its pairs are re-paired for the trip through shared
+    memory); the PTX holds the blocks."""
+    v = "fp16-w4g128-sym"
+    cfg = aot.first_config("small_m", target_name, v, preshuffled=code)
+    plain, asm = (aot.compile_path("small_m", target_name, v, cfg, swap_ab=True, preshuffled=code, asm=a)
+                  for a in (False, True))
+    bn, bk = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
+    m_plain, m_asm = aot.machine_code(plain, target_name, cfg, bn, bk), aot.machine_code(asm, target_name, cfg, bn, bk)
+    assert m_asm["spills"] == 0, m_asm
+    assert m_asm["instructions_per_weight"] <= DOT_ASM_BUDGETS[target_name, code], m_asm
+    assert m_asm["loop_instructions"] < m_plain["loop_instructions"], (m_plain, m_asm)
+    assert len(aot.loop_shared_ops(asm, target_name)) <= len(aot.loop_shared_ops(plain, target_name))
+    loop = [re.sub(r"^@!?U?P\w+\s+", "", ins) for ins in aot.sass_loop_body(aot.cuobjdump(asm.asm["cubin"]))]
+    assert sum(ins.startswith("IMAD.MOV") for ins in loop) <= 2, [ins for ins in loop if "MOV" in ins]
+    assert not any("MOV" in ins and re.search(r"0xf000f0?\b", ins) for ins in loop), "a mask re-made in the loop"
+    if code:
+        assert not any(ins.startswith("PRMT") for ins in loop), "pairs re-packed byte by byte"
+    ptx = asm.asm["ptx"]
+    assert "lop3.b32" in ptx and "add.rn.f16x2" in ptx and "fma.rn.f16x2" in ptx
+
+
+def test_dot_asm_only_where_asked():
+    """ASM is off by default on every target (``wq_gemm.ASM_DOT_PAIR_OPS``: what the launcher and
+    the AOT compiles read), and asked for it is set on CUDA only, for fp16 x, 4-bit fields and no
+    zero points (ROCm and every other variant keep the plain pair operations)."""
+    assert not aot.wq_gemm.ASM_DOT_PAIR_OPS
+    for target_name in TARGETS:
+        for variant in WQ_VARIANTS:
+            for family in ("small_m", "large_m"):
+                assert not aot.wq_constexprs(family, variant, target_name=target_name)["ASM"]
+                want = TARGETS[target_name][0].backend == "cuda" and variant == "fp16-w4g128-sym"
+                assert aot.wq_constexprs(family, variant, target_name=target_name, asm=True)["ASM"] == want
+
+
 # The GEMV (M <= 2) on a pre-shuffled qweight (wq_gemv_preshuffled.py; 1: mma16x64 on sm90, 2:
 # mfma16x128 on gfx942), first config, pair operations in plain Triton (what runs) and as inline
 # asm, measured with Triton 3.9: sm90 fp16 2.859 / asm 2.219, bf16 4.445 / 4.055; gfx942 fp16 3.25

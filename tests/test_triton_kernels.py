@@ -43,6 +43,7 @@ def _import_kernels() -> SimpleNamespace:
     return SimpleNamespace(
         backend=importlib.import_module("quantspec.kernels.triton_backend"),
         wq=importlib.import_module("quantspec.kernels.triton.wq_gemm"),
+        prune=importlib.import_module("quantspec.kernels.triton.prune"),
         w8a8=importlib.import_module("quantspec.kernels.triton.w8a8"),
     )
 
@@ -572,6 +573,25 @@ def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lay", ("gptq", "mma16x64", "mfma16x128"))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("m", (3, 16, 32, 300))
+def test_gpu_dot_inline_asm_matches_reference(lay, dtype, m, monkeypatch):
+    """The tl.dot kernel with its fp16 pairs of code - zero as inline PTX (what
+    ``wq_gemm.ASM_DOT_PAIR_OPS`` turns on once this passes on hardware; ROCm runs the plain path)
+    against the reference, on each layout: small-M and tiled, sym and asym, per channel (the asym
+    and bf16 pairs stay plain)."""
+    mods = _gpu()
+    monkeypatch.setattr(mods.wq, "ASM_DOT_PAIR_OPS", True)
+    backend = mods.backend.TritonBackend(autotune=False, weight_layout=lay)
+    for scheme in (S(4, 128, True), S(4, 128, False), S(4, -1, True)):
+        for n, k in ((1000, 1024), (512, 1024), (4096, 4096)):
+            r, x, b = make_case(scheme, n, k, m, dtype, device="cuda")
+            y, y_ref = run_both(backend, r, x, b)
+            check_close(y, y_ref, dtype, GPU_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lay", ("mma16x64", "mfma16x128"))
 @pytest.mark.parametrize("asm", (False, True))
 @pytest.mark.parametrize("m", (1, 2))
@@ -584,7 +604,7 @@ def test_gpu_preshuffled_gemv_every_config(lay, asm, m, monkeypatch):
     monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", asm)
     real = configs.configs_for
     code = 1 if lay == "mma16x64" else 2
-    for cfg in [c for c in real("gemv_preshuffled", configs.current_target()) if mods.wq.preshuffled_fits(c, code)]:
+    for cfg in [c for c in real("gemv_preshuffled", configs.current_target()) if mods.prune.preshuffled_fits(c, code)]:
         monkeypatch.setattr(configs, "configs_for",
                             lambda fam, tgt, c=cfg: [c] if fam == "gemv_preshuffled" else real(fam, tgt))
         backend = mods.backend.TritonBackend(autotune=False, weight_layout=lay)
@@ -626,7 +646,7 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
     # gemv / gemv_packed are the GPTQ layout's GEMVs (test_gpu_preshuffled_gemv_every_config: the
     # pre-shuffled one); a tl.dot config that cannot read a pre-shuffled qweight
     # runs on the GPTQ layout (the launcher prunes it for pre-shuffled weights)
-    fits = family in ("small_m", "large_m") and mods.wq.preshuffled_fits(cfgs[index])
+    fits = family in ("small_m", "large_m") and mods.prune.preshuffled_fits(cfgs[index])
     backend = mods.backend.TritonBackend(autotune=False, weight_layout="auto" if fits else "gptq")
     for dtype in dtypes:
         for m in ms:
@@ -1002,6 +1022,130 @@ def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     for i in (0, 4, 1, 5, 2, 6, 3, 7):
         fb_ref = (xb[:, i].double() * w16[:, i].double() + fb_ref.double()).float()
     assert torch.equal(fb, fb_ref)
+
+
+def _run_ptx(block: str, args: dict) -> int:
+    """The result ($0) of a PTX block of mov.b32 / lop3.b32 / add.rn.f16x2 / fma.rn.f16x2 on uint32
+    ``args`` ({"$1": .., "$2": ..}): lop3 bit by bit from its LUT (input bits a b c index bit 4a + 2b
+    + c), the f16x2 ops per fp16 lane exactly (fractions), then rounded once to fp16."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    regs = dict(args)
+
+    def val(t):
+        return int(t, 16) if t.startswith("0x") else regs[t]
+
+    def lanes(v):
+        return [Fraction(float(np.array([(v >> s) & 0xFFFF], np.uint16).view(np.float16)[0])) for s in (0, 16)]
+
+    def f16(q):  # round to nearest fp16, from an exact value that float64 holds
+        assert Fraction(float(q)) == q
+        return int(np.array([float(q)], np.float16).view(np.uint16)[0])
+
+    for stmt in block.strip().strip("{}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        a = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            r = val(a[1])
+        elif op == "lop3.b32":
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 16)
+            r = sum(((lut >> ((x >> b & 1) << 2 | (y >> b & 1) << 1 | (z >> b & 1))) & 1) << b for b in range(32))
+        elif op == "add.rn.f16x2":
+            r = sum(f16(p + q) << s for p, q, s in zip(lanes(val(a[1])), lanes(val(a[2])), (0, 16)))
+        elif op == "fma.rn.f16x2":
+            r = sum(f16(p * q + c) << s for p, q, c, s in zip(lanes(val(a[1])), lanes(val(a[2])), lanes(val(a[3])), (0, 16)))
+        else:
+            raise AssertionError(f"no emulation of {op}")
+        regs[a[0]] = r & 0xFFFFFFFF
+    return regs["$0"]
+
+
+@interp
+def test_f16_pair_ptx_matches_the_plain_pair_ops(tk):
+    """The tl.dot kernel's fp16 pairs of code - zero (``wq_dequant._f16_pair``; ASM: one PTX block,
+    what ``wq_gemm.ASM_DOT_PAIR_OPS`` runs on CUDA): the PTX blocks, emulated instruction by
+    instruction (``_run_ptx``), give the bits of the plain-Triton pair operations (what the
+    interpreter runs) for every code at both nibble positions of a lane pair (even: bits 0-3 /
+    16-19, odd: 4-7 / 20-23), lanes 0 and 1, every zero point 0..15: exact code - zero. And the
+    GPTQ-layout W.T they build (``_load_wt_f16_pairs``, plain pair operations) is bit for bit
+    ``_load_codes_t`` + ``_code_minus_zero`` (the field order of the joins), as is the
+    pre-shuffled fragment's asm call (``layout._fragment_register`` with ASM: the shifted word and
+    the negated pair) against its plain path."""
+    import triton
+    import triton.language as tl
+
+    wd = importlib.import_module("quantspec.kernels.triton.wq_dequant")
+    lay = importlib.import_module("quantspec.kernels.triton.layout")
+    globals().update(wd=wd, lay=lay)  # the jit function below resolves names in this module
+    nz_, nw = 16, 16
+    g = torch.Generator().manual_seed(0)
+    codes = torch.arange(16, dtype=torch.int64)
+    words = torch.randint(0, 2**32, (nz_, nw), generator=g, dtype=torch.int64)
+    words[:, :16] = (codes * 0x11111111)[None, :]  # every code in every nibble
+    words[:, 0] = 0x76543210
+    words[:, 1] = 0xFEDCBA98
+    words = words.to(torch.int32)  # [row (zero point), word]
+    zeros = torch.arange(nz_, dtype=torch.float32)
+
+    @triton.jit
+    def pairs(w_ptr, qw_ptr, z_ptr, p_ptr, t_ptr, r_ptr, f_ptr, NZ: tl.constexpr, NW: tl.constexpr):
+        rows = tl.arange(0, NZ)
+        w = tl.load(w_ptr + rows[:, None] * NW + tl.arange(0, NW)[None, :]).to(tl.uint32, bitcast=True)
+        z = tl.load(z_ptr + rows)
+        for i in tl.static_range(4):  # _f16_pair plain: (ODD, shift) = (i % 2, 8 (i // 2))
+            ws = w >> (8 * (i // 2))
+            nz = wd._f16_neg_pair(z + (64.0 if i % 2 else 1024.0))[:, None]
+            lo, hi = wd._f16_pair(ws, nz, i % 2 == 1, False)
+            tl.store(p_ptr + (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 8 + 2 * i, lo)
+            tl.store(p_ptr + (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 8 + 2 * i + 1, hi)
+        # the GPTQ W.T (qweight [NW, NZ]: column n = row n's words), plain pair operations against the codes' path
+        offs_n = tl.arange(0, NZ)
+        wt = wd._load_wt_f16_pairs(qw_ptr, 0, offs_n, 8 * NW, NZ, z, True, 8 * NW, False)
+        ref = wd._code_minus_zero(wd._load_codes_t(qw_ptr, 15, 0, offs_n, 8 * NW, NZ, 4, True, 8 * NW),
+                                  z[:, None], wt, False, 0x6400)
+        cols = tl.arange(0, 8 * NW)[None, :]
+        tl.store(t_ptr + rows[:, None] * 8 * NW + cols, wt)
+        tl.store(r_ptr + rows[:, None] * 8 * NW + cols, ref)
+        # the fragment register: the asm branch's call with the plain pair operations against the plain path
+        zr = z[:, None]
+        x = tl.zeros([NZ, NW], tl.float16)
+        for j in tl.static_range(4):
+            a, b = lay._fragment_register(w, j, zr, x, False, 0x6400, False)
+            nz = wd._f16_neg_pair(zr + (64.0 if j % 2 else 1024.0))
+            c, d = wd._f16_pair(w >> (4 * (j - 1)) if j % 2 else w >> (4 * j), nz, j % 2 == 1, False)
+            o = (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 16 + 4 * j
+            tl.store(f_ptr + o, a)
+            tl.store(f_ptr + o + 1, b)
+            tl.store(f_ptr + o + 2, c)
+            tl.store(f_ptr + o + 3, d)
+
+    p = torch.zeros(nz_, nw, 8, dtype=torch.float16)
+    t = torch.zeros(nz_, 8 * nw, dtype=torch.float16)
+    r = torch.ones(nz_, 8 * nw, dtype=torch.float16)
+    f = torch.zeros(nz_, nw, 4, 4, dtype=torch.float16)
+    pairs[(1,)](words, words.T.contiguous(), zeros, p, t, r, f, NZ=nz_, NW=nw)
+
+    w64 = _u32(words.to(torch.int64))
+    fields = (w64[..., None] >> (4 * torch.arange(8))) & 0xF  # [row, word, field]
+    want = (fields - zeros[:, None, None]).to(torch.float16)
+    for i in range(4):  # pair i: fields (i, i + 4); lane 0 bits 0-3 (+4 odd) of w >> 8 (i // 2)
+        assert torch.equal(p[..., 2 * i], want[..., i]) and torch.equal(p[..., 2 * i + 1], want[..., i + 4])
+        block = wd.PTX_PAIR_ODD.value if i % 2 else wd.PTX_PAIR_EVEN.value
+        h = (-(zeros + (64 if i % 2 else 1024))).half()
+        nz = _pack16(h, h)
+        for row in range(nz_):
+            for col in range(nw):
+                got = _run_ptx(block, {"$1": int(w64[row, col]) >> (8 * (i // 2)), "$2": int(nz[row])})
+                assert got == int(_pack16(p[row, col, 2 * i], p[row, col, 2 * i + 1])), (i, row, col)
+    assert torch.equal(t.view(torch.int16), r.view(torch.int16))
+    assert torch.equal(t.view(nz_, nw, 8), want)
+    assert torch.equal(f[..., 0].view(torch.int16), f[..., 2].view(torch.int16))
+    assert torch.equal(f[..., 1].view(torch.int16), f[..., 3].view(torch.int16))
 
 
 def _gemv_kernels_used(tk, monkeypatch) -> list[str]:

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import configs, wq_gemm
+from . import configs, prune, wq_gemm
 
 TARGETS = {  # name -> (GPUTarget, shared memory per block in bytes)
     "sm90": (GPUTarget("cuda", 90, 32), 232448),
@@ -71,7 +71,7 @@ def first_config(family: str, target_name: str, variant: str | None = None,
     if preshuffled is None:
         preshuffled = variant is not None and preshuffled_variant(family, variant, target_name)
     if preshuffled:
-        return next(c for c in cfgs if wq_gemm.preshuffled_fits(c, int(preshuffled)))
+        return next(c for c in cfgs if prune.preshuffled_fits(c, int(preshuffled)))
     return cfgs[0]
 
 
@@ -117,8 +117,11 @@ def wq_types(act: str) -> dict:
 
 
 def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str = "sm90",
-                  asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None,
+                  asm: bool | None = None, swap_ab: bool | None = None,
                   preshuffled: bool | int | None = None) -> dict:
+    """The constexprs the launcher gives ``family``'s kernel for a weight-only ``variant``
+    (``compile_path`` documents the overrides; ``asm`` None: the launcher's default,
+    ``wq_gemm.ASM_PAIR_OPS`` for the GEMVs, ``wq_gemm.ASM_DOT_PAIR_OPS`` for the tl.dot kernel)."""
     act, bits, group, zeros, gidx, even = WQ_VARIANTS[variant]
     fb = wq_gemm.field_bits(bits)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[act]
@@ -126,6 +129,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
              HAS_BIAS=True, SPLIT_K=split_k, EVEN_K=even, EVEN_N=even)
     if family in ("gemv", "gemv_packed", "gemv_preshuffled"):
         c["BLOCK_M"] = 1
+        asm = wq_gemm.ASM_PAIR_OPS if asm is None else asm
         packed = wq_gemm.gemv_packed(dtype, fb, group, gidx, TARGETS[target_name][0].backend, asm)
         if packed:  # the packed GEMV (else the fp32 one)
             c["PACKED"] = packed
@@ -140,18 +144,21 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
         if preshuffled is None:  # what the launcher runs by default on the target
             preshuffled = wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
         c["PRESHUFFLED"] = int(preshuffled)  # True: mma16x64 (1); 2: mfma16x128
+        asm = wq_gemm.ASM_DOT_PAIR_OPS if asm is None else asm
+        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, zeros, asm)
     return c
 
 
 def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config,
-                 asm: bool = wq_gemm.ASM_PAIR_OPS, swap_ab: bool | None = None,
+                 asm: bool | None = None, swap_ab: bool | None = None,
                  preshuffled: bool | int | None = None):
     """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
     variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
-    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``); ``swap_ab``: the
-    tl.dot kernel's transposed product (None: as the launcher picks it, ``wq_gemm.swap_ab``);
-    ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
+    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``), for small_m /
+    large_m the fp16 pairs of code - zero as inline PTX (``wq_gemm.dot_asm``: CUDA; None:
+    the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
+    launcher picks it, ``wq_gemm.swap_ab``); ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
     target, ``wq_gemm.preshuffled_default``; True or 1: mma16x64, 2: mfma16x128)."""
     if family == "w8a8":
         from . import w8a8
@@ -159,7 +166,7 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
         types = {"qx_ptr": "*i8", "sx_ptr": "*fp32", "qw_ptr": "*i8", "sw_ptr": "*fp32", "b_ptr": "*fp16",
                  "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "M_KEY": "i32"}
         return compile_kernel(w8a8._w8a8_kernel, types, {"HAS_BIAS": True}, cfg, target_name)
-    if preshuffled is None and family in ("small_m", "large_m") and not wq_gemm.preshuffled_fits(cfg, 1):
+    if preshuffled is None and family in ("small_m", "large_m") and not prune.preshuffled_fits(cfg, 1):
         preshuffled = False  # a config the launcher prunes for pre-shuffled weights: the GPTQ layout's code
     consts = wq_constexprs(family, variant, target_name=target_name, asm=asm, swap_ab=swap_ab,
                            preshuffled=preshuffled)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .wq_dequant import _code_minus_zero
+from .wq_dequant import _code_minus_zero, _f16_neg_pair, _f16_pair
 
 LAYOUT_GPTQ = "gptq"
 LAYOUT_MMA = "mma16x64"
@@ -120,7 +120,7 @@ def unshuffle(qweight_ps: torch.Tensor, k: int, n: int, layout: str = LAYOUT_MMA
 
 @triton.jit
 def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
-                       ZERO_PAIRS: tl.constexpr):
+                       ZERO_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
     """Lanes 0 and 1 (k0 = 0, 1) of fragment register J of each word, code - zero in x's dtype
     (fp32 with DOT_F32). ``zr`` (broadcast over the word's row): the fp32 zero, or with
     ZERO_PAIRS the uint32 pair ``(MAGIC16 + 16 - zero) * 0x10001`` (zero points < 16).
@@ -130,7 +130,8 @@ def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16
     LOP3, then one HADD2 a pair takes base + zero off); with zero points the pair is added as an
     integer instead (``+ zr``: base + 16 + code - zero, exact, one IADD more) and the constant
     base + 16 taken off. fp16 odd J keep the fields in place (no shift): ``w' & 0x00F000F0`` with
-    the magic is 1024 + 16 code, scaled by 1/16 in the HFMA2 that takes the rest off."""
+    the magic is 1024 + 16 code, scaled by 1/16 in the HFMA2 that takes the rest off. ASM (CUDA,
+    fp16 without zero pairs): each pair one PTX block (``wq_dequant._f16_pair``)."""
     if DOT_F32 or MAGIC16 == 0:
         t = (w >> (4 * J)) & 0x000F000F
         return _code_minus_zero(t & 0xF, zr, x, DOT_F32, 0), _code_minus_zero(t >> 16, zr, x, DOT_F32, 0)
@@ -146,6 +147,8 @@ def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16
     else:
         t = t | (MAGIC16 * 65537)
         zc = (zr + 64.0) if ODD else (zr + (1024.0 if MAGIC16 == 0x6400 else 128.0))
+    if ASM and not ZERO_PAIRS and MAGIC16 == 0x6400:
+        return _f16_pair(w >> (4 * (J - 1)) if ODD else w >> (4 * J), _f16_neg_pair(zc), ODD, True)
     lo = t.to(tl.uint16).to(x.dtype, bitcast=True)
     hi = (t >> 16).to(tl.uint16).to(x.dtype, bitcast=True)
     if ODD:  # an explicit fma: one HFMA2 whether or not the compiler contracts a * b - c
@@ -186,7 +189,7 @@ def _load_words(qw_ptr, k0, pid_n, K, N, EVEN: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
                  EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_ZEROS: tl.constexpr):
+                 HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = False):
     """W.T [BLOCK_N, BLOCK_K] minus zero (``z`` fp32 [BLOCK_N]) of rows pid_n * BLOCK_N .. and
     columns k0 .. of a pre-shuffled qweight, in x's dtype (fp32 with DOT_F32). BLOCK_N a multiple
     of 16, BLOCK_K of 64. Each thread's words are its fragment's, so the permute and reshape at
@@ -201,10 +204,10 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
     z0, z1 = tl.split(tl.permute(tl.reshape(z, (NB, 2, 8)), (0, 2, 1)))  # rows g and g + 8
     z0 = tl.reshape(z0, (NB, 1, 8, 1, 1))
     z1 = tl.reshape(z1, (NB, 1, 8, 1, 1))
-    a0, b0 = _fragment_register(w, 0, z0, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a1, b1 = _fragment_register(w, 1, z1, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a2, b2 = _fragment_register(w, 2, z0, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a3, b3 = _fragment_register(w, 3, z1, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    a0, b0 = _fragment_register(w, 0, z0, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a1, b1 = _fragment_register(w, 1, z1, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a2, b2 = _fragment_register(w, 2, z0, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a3, b3 = _fragment_register(w, 3, z1, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
     # each join appends a minor dim: [nb, kb, g, c, s, k0, r1, r2] (register j = r1 + 2 r2)
     v = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
     # -> [nb, r1, g | kb, s, r2, c, k0]: n = 16 nb + 8 r1 + g, k = 64 kb + 16 s + 8 r2 + 2 c + k0
@@ -215,7 +218,7 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
 @triton.jit
 def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
                   EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr):
+                  HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = False):
     """``_load_wt_mma`` for the mfma16x128 layout: word [nb, kb, 4 l + i] (lane l = 16 q + r) is
     row 16 nb + r, k = 128 kb + 32 i + 8 q + 2 j + k0 at nibble j + 4 k0: the 8 consecutive K of
     one row MFMA 16x16x16 with kpack 2 (kWidth 8) keeps in a lane, 4 K blocks of 32 a 16-byte
@@ -228,10 +231,10 @@ def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16:
     if ZERO_PAIRS:
         z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537
     zr = tl.reshape(z, (NB, 1, 1, 16, 1))
-    a0, b0 = _fragment_register(w, 0, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a1, b1 = _fragment_register(w, 1, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a2, b2 = _fragment_register(w, 2, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
-    a3, b3 = _fragment_register(w, 3, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS)
+    a0, b0 = _fragment_register(w, 0, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a1, b1 = _fragment_register(w, 1, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a2, b2 = _fragment_register(w, 2, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
+    a3, b3 = _fragment_register(w, 3, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
     v = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
     # [nb, kb, q, r, i, k0, r1, r2] -> [nb, r | kb, i, q, r2, r1, k0]
     v = tl.permute(v, (0, 3, 1, 4, 2, 7, 6, 5))

@@ -1,7 +1,8 @@
 """The weight-only tl.dot and GEMV kernels' building blocks (wq_gemm.py): packed codes read from
 ``qweight`` (K-major as ``_load_codes``, or transposed for the swapped product as
-``_load_codes_t``), code - zero without conversion instructions, per-element dequantization of
-tiles spanning several groups, and the tl.dot of either orientation (``_dot``)."""
+``_load_codes_t``), code - zero without conversion instructions (fp16 pairs of 4-bit fields as one
+PTX block each with ASM: ``_f16_pair``), per-element dequantization of tiles spanning several
+groups, and the tl.dot of either orientation (``_dot``)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,8 @@ def _load_codes(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.
 
 
 @triton.jit
-def _load_codes_t(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """uint32 codes of W.T [BLOCK_N, BLOCK_K] (rows k0 .. k0 + BLOCK_K along dim 1). 8- and 4-bit
-    fields are split by one shift and mask each and put back in order by tl.join (a new minor
-    dimension, in registers: a thread keeps its word's codes, K-contiguous, as the left tl.dot
-    operand wants them); a broadcast shift (``_load_codes``) makes the compiler spread one word's
-    fields over threads and pass the tile through shared memory one element at a time."""
+def _load_words_t(qw_ptr, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint32 words [BLOCK_N, BLOCK_K / PF] of rows k0 .. k0 + BLOCK_K, columns ``offs_n`` (0 past K or N)."""
     PF: tl.constexpr = 32 // FB
     KW: tl.constexpr = BLOCK_K // PF
     offs_w = k0 // PF + tl.arange(0, KW)
@@ -45,7 +41,19 @@ def _load_codes_t(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: t
         words = tl.load(ptrs)
     else:
         words = tl.load(ptrs, mask=(offs_w[None, :] < tl.cdiv(K, PF)) & (offs_n[:, None] < N), other=0)
-    w = words.to(tl.uint32, bitcast=True)
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_codes_t(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """uint32 codes of W.T [BLOCK_N, BLOCK_K] (rows k0 .. k0 + BLOCK_K along dim 1). 8- and 4-bit
+    fields are split by one shift and mask each and put back in order by tl.join (a new minor
+    dimension, in registers: a thread keeps its word's codes, K-contiguous, as the left tl.dot
+    operand wants them); a broadcast shift (``_load_codes``) makes the compiler spread one word's
+    fields over threads and pass the tile through shared memory one element at a time."""
+    PF: tl.constexpr = 32 // FB
+    w = _load_words_t(qw_ptr, k0, offs_n, K, N, FB, EVEN, BLOCK_K)
     if FB == 8:  # fields (a, b) of join(join(f0, f2), join(f1, f3)) hold field 2a + b
         c = tl.join(tl.join(w & code_mask, (w >> 16) & code_mask), tl.join((w >> 8) & code_mask, w >> 24))
     elif FB == 4:  # (a, b, c): field 4a + 2b + c
@@ -55,6 +63,66 @@ def _load_codes_t(qw_ptr, code_mask, k0, offs_n, K, N, FB: tl.constexpr, EVEN: t
                             tl.join((w >> 12) & code_mask, w >> 28)))
     else:
         c = (w[:, :, None] >> (tl.arange(0, PF) * FB).to(tl.uint32)[None, None, :]) & code_mask
+    return tl.reshape(c, (offs_n.shape[0], BLOCK_K))
+
+
+# fp16 code - zero of two 4-bit fields as one PTX block (``_f16_pair`` with ASM, CUDA): the
+# mask-and-or is one lop3 with both constants immediates (plain Triton's LOP3 takes the mask from a
+# register, re-made by an IMAD.MOV per use on sm90) and the fp16 pair op reads its result. $1: the
+# word, its fields at bits 0-3 / 16-19 (even) or 4-7 / 20-23 (odd); $2: the fp16 pair -(zero + 1024)
+# (odd: -(zero + 64)). lop3 LUT 0xEA = (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA); 0x2C00 = 1/16.
+PTX_PAIR_EVEN = tl.constexpr("{.reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; add.rn.f16x2 $0, t, $2;}")
+PTX_PAIR_ODD = tl.constexpr("{.reg .b32 t, m; mov.b32 m, 0x2C002C00; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA; "
+                            "fma.rn.f16x2 $0, t, m, $2;}")
+
+
+@triton.jit
+def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
+    """fp16 (lo, hi) = code - zero of the 4-bit fields at bits 0-3 and 16-19 of uint32 ``ws``
+    (ODD: 4-7 and 20-23, no shift), ``nz`` the uint32 fp16 pair (-(zero + 1024), same) (ODD:
+    -(zero + 64)): ``(ws & 0x000F000F) | 0x64006400`` is 1024 + code a lane (ODD: mask
+    0x00F000F0, 1024 + 16 code), plus nz (ODD: times 1/16 plus nz, one fma). Exact (integers below
+    2048, one rounding). ASM: one PTX block (``PTX_PAIR_EVEN`` / ``PTX_PAIR_ODD``; CUDA), else the
+    same IEEE operations lane by lane in plain Triton: the same bits."""
+    if ASM:
+        p = tl.inline_asm_elementwise(PTX_PAIR_ODD if ODD else PTX_PAIR_EVEN, "=r,r,r", [ws, nz],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        p = (ws & (0x00F000F0 if ODD else 0x000F000F)) | 0x64006400
+    lo = p.to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (p >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    if not ASM:
+        n = nz.to(tl.uint16).to(tl.float16, bitcast=True)
+        if ODD:
+            sixteenth = tl.full(lo.shape, 0.0625, tl.float16)
+            lo, hi = tl.fma(lo, sixteenth, n), tl.fma(hi, sixteenth, n)
+        else:
+            lo, hi = lo + n, hi + n
+    return lo, hi
+
+
+@triton.jit
+def _f16_neg_pair(v):
+    """-v (fp32, exact in fp16) as the uint32 fp16 pair (-v, -v)."""
+    b = (-v).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return b | (b << 16)
+
+
+@triton.jit
+def _load_wt_f16_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ASM: tl.constexpr):
+    """fp16 W.T [BLOCK_N, BLOCK_K] code - zero (``z`` fp32 [BLOCK_N]) of 4-bit GPTQ words, two
+    fields a ``_f16_pair``: fields (i, i + 4) of a word are the pair (w >> 8 (i // 2)), i odd in
+    place; the lanes joined back in ``_load_codes_t``'s order (field 4a + 2b + c at (a, b, c))."""
+    w = _load_words_t(qw_ptr, k0, offs_n, K, N, 4, EVEN, BLOCK_K)
+    w8 = w >> 8
+    ne = _f16_neg_pair(z + 1024.0)[:, None]
+    no = _f16_neg_pair(z + 64.0)[:, None]
+    l0, h0 = _f16_pair(w, ne, False, ASM)  # fields 0, 4
+    l1, h1 = _f16_pair(w, no, True, ASM)  # 1, 5
+    l2, h2 = _f16_pair(w8, ne, False, ASM)  # 2, 6
+    l3, h3 = _f16_pair(w8, no, True, ASM)  # 3, 7
+    c = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
     return tl.reshape(c, (offs_n.shape[0], BLOCK_K))
 
 

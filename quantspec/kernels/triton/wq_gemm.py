@@ -28,8 +28,10 @@ import triton.language as tl
 from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
 from .wq_dequant import (
-    _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _magic_f32)
+    _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _load_wt_f16_pairs,
+    _magic_f32)
 from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
+from .prune import PRUNE, fits
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 from .wq_gemv_preshuffled import _wq_gemv_ps_kernel
 
@@ -101,7 +103,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0):
+                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0, ASM: tl.constexpr = False):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -115,9 +117,11 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
     PRESHUFFLED: qweight in a ``layout.py`` layout, 1 mma16x64 (wgmma / mma.sync), 2 mfma16x128
     (MFMA kpack 2); 4-bit fields, the K tile in one group, no g_idx; unpacked as W.T with two
-    fields per 32-bit op and no shared-memory step.
+    fields per 32-bit op and no shared-memory step. ASM (CUDA; fp16, 4-bit fields, no zero points):
+    the pairs of code - zero as inline PTX (``wq_dequant._f16_pair``), on both layouts.
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
+    tl.static_assert(not ASM or (FB == 4 and MAGIC16 == 0x6400 and not HAS_ZEROS))
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -150,10 +154,10 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
             if PRESHUFFLED == 2:
                 wt = _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
-                                   BLOCK_N, BLOCK_K, HAS_ZEROS)
+                                   BLOCK_N, BLOCK_K, HAS_ZEROS, ASM)
             else:
                 wt = _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32, MAGIC16, EVEN_K and EVEN_N,
-                                  BLOCK_N, BLOCK_K, HAS_ZEROS)  # W.T [BLOCK_N, BLOCK_K], code - zero
+                                  BLOCK_N, BLOCK_K, HAS_ZEROS, ASM)  # W.T [BLOCK_N, BLOCK_K], code - zero
             if SWAP_AB and BLOCK_M <= 32:
                 acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
             elif SWAP_AB:
@@ -166,6 +170,13 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
             w = _dequant_gathered(qw_ptr, CODE_MASK, s_ptr, z_ptr, gidx_ptr, k0, offs_n, K, N, FB, GROUP,
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
             acc = _dot(x, tl.trans(w) if SWAP_AB else w, acc, SWAP_AB, DOT_F32)
+        elif SWAP_AB and ASM:
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            wt = _load_wt_f16_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN_K and EVEN_N, BLOCK_K, ASM)
+            if BLOCK_M <= 32:
+                acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
+            else:
+                acc = _dot(x, wt * s.to(wt.dtype)[:, None], acc, SWAP_AB, DOT_F32)
         elif SWAP_AB:
             codes = _load_codes_t(qw_ptr, CODE_MASK, k0, offs_n, K, N, FB, EVEN_K and EVEN_N, BLOCK_K)
             s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
@@ -227,6 +238,20 @@ def _magic16(dtype: torch.dtype, fb: int) -> int:
 # launcher runs the plain-Triton pair operations (PACKED 1, what the interpreter tests) on every
 # target; ``asm=True`` (the AOT compiles, the gpu test of the asm path) selects them.
 ASM_PAIR_OPS = False
+
+
+# The same for the tl.dot kernel (ASM: fp16 x, 4-bit fields, no zero points; each pair of code - zero
+# one PTX block, ``wq_dequant._f16_pair``): compiled here, the sm90 small-M main loop (fp16 W4 g128 sym)
+# goes from 3.328 to 2.984 instructions per weight on mma16x64 and from 4.891 to 3.75 on the GPTQ
+# layout (docs/decisions/preshuffled-layout.md). Off until the gpu-marked tests pass with it and a GPU
+# session times it (benchmarks/gpu_session.sh, phase asm).
+ASM_DOT_PAIR_OPS = False
+
+
+def dot_asm(backend: str, dtype: torch.dtype, fb: int, has_zeros: bool, asm: bool = ASM_DOT_PAIR_OPS) -> bool:
+    """ASM of ``_wq_dot_kernel``: with ``asm``, True on CUDA for fp16 x, 4-bit fields and no zero
+    points (the interpreter and ROCm keep the plain-Triton pair operations)."""
+    return asm and backend == "cuda" and dtype == torch.float16 and fb == 4 and not has_zeros
 
 
 # The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends: compiled
@@ -308,47 +333,6 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
     return split
 
 
-def _fits(family: str, cfg, m_key: int, block_m: int, preshuffled: int = 0) -> bool:
-    """Whether a config suits the launch: GEMV tiles [BLOCK_M, BLOCK_K, BLOCK_N] small enough
-    not to spill registers; small-M tiles no taller than M needs (16 covers M <= 16); a
-    pre-shuffled qweight (layout.py) takes BLOCK_N a multiple of 16 and BLOCK_K of its K atom."""
-    if preshuffled and not preshuffled_fits(cfg, preshuffled):
-        return False
-    if family == "gemv":
-        return block_m * cfg.kwargs["BLOCK_K"] * cfg.kwargs["BLOCK_N"] <= 32768
-    if family == "small_m":
-        return cfg.kwargs["BLOCK_M"] <= max(16, m_key)
-    return True
-
-
-def preshuffled_fits(cfg, code: int = 1) -> bool:
-    """Whether a tl.dot config reads a pre-shuffled qweight (PRESHUFFLED ``code``: 1 mma16x64, 2
-    mfma16x128): BLOCK_N a multiple of 16, BLOCK_K of the layout's K atom (64, 128)."""
-    return cfg.kwargs["BLOCK_N"] % 16 == 0 and cfg.kwargs["BLOCK_K"] % (64 * code) == 0
-
-
-def _prune_gemv(cfgs, named_args, **kwargs):
-    return [c for c in cfgs if _fits("gemv", c, named_args["M_KEY"], kwargs["BLOCK_M"])] or cfgs[:1]
-
-
-def _prune_small_m(cfgs, named_args, **kwargs):
-    ps = kwargs.get("PRESHUFFLED", 0)
-    return [c for c in cfgs if _fits("small_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
-
-
-def _prune_large_m(cfgs, named_args, **kwargs):
-    ps = kwargs.get("PRESHUFFLED", 0)
-    return [c for c in cfgs if _fits("large_m", c, named_args["M_KEY"], 0, ps)] or cfgs[:1]
-
-
-def _prune_gemv_ps(cfgs, named_args, **kwargs):
-    return [c for c in cfgs if preshuffled_fits(c, kwargs["PRESHUFFLED"])] or cfgs[:1]
-
-
-_PRUNE = {"gemv": _prune_gemv, "gemv_packed": None, "gemv_preshuffled": _prune_gemv_ps, "small_m": _prune_small_m,
-          "large_m": _prune_large_m}
-
-
 def _launch(family, kernel, grid, args, meta, m_key, autotune):
     """Run ``kernel`` with the interpreter's fixed config, autotuned for the GPU target, or
     (autotune=False) with the first config of the target's list that fits."""
@@ -358,11 +342,11 @@ def _launch(family, kernel, grid, args, meta, m_key, autotune):
     target = configs.current_target()
     if autotune:
         key = ("M_KEY", "N", "K", "SPLIT_K")
-        configs.autotuned(kernel, family, target, key, _PRUNE[family])[grid](*args, **meta)
+        configs.autotuned(kernel, family, target, key, PRUNE[family])[grid](*args, **meta)
         return
     cfgs = configs.configs_for(family, target)
     ps = meta.get("PRESHUFFLED", 0)
-    cfg = next((c for c in cfgs if _fits(family, c, m_key, meta.get("BLOCK_M", 0), ps)), None)
+    cfg = next((c for c in cfgs if fits(family, c, m_key, meta.get("BLOCK_M", 0), ps)), None)
     if cfg is None:
         raise ValueError(f"no {family} config of {target} takes a pre-shuffled qweight")
     kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -474,6 +458,7 @@ def wq_linear(
         meta["MAGIC16"] = _magic16(x.dtype, fb)
         meta["SWAP_AB"] = swap_ab(family, backend, fb)
         meta["PRESHUFFLED"] = preshuffled
+        meta["ASM"] = dot_asm(backend, x.dtype, fb, zeros is not None, ASM_DOT_PAIR_OPS)
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
