@@ -98,12 +98,34 @@ def test_rows_split_across_threads_and_experts(layout, monkeypatch):
         model, _ = quantized("qwen3_moe", torch.float32, layout, monkeypatch, scheme=scheme, hidden_size=512,
                              moe_intermediate_size=256, num_experts_per_tok=3, num_hidden_layers=1)
         (experts,) = experts_modules(model).values()
-        assert experts.token_runner is not None
+        calls = []
+        experts.token_runner = Counted(experts.token_runner, calls)
         for rows in (2, 5, 16):
             x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
             ids = torch.stack([torch.tensor([5, 0, 7]) if t % 2 else torch.tensor([2, 6, 0]) for t in range(rows)])
-            weights = torch.tensor([[0.5, 0.3, 0.2]]).expand(rows, 3)
+            weights = torch.rand(rows, 3, generator=torch.Generator().manual_seed(rows))
             close(*both(experts, x, ids, weights), torch.float32)
+        assert calls == [2, 5, 16]
+
+
+def test_each_token_sums_in_the_per_expert_paths_order(monkeypatch):
+    """The fp32 sum of a token's weighted expert outputs follows the per-expert path's order: one
+    token's in slot order (``_one_token``), several tokens' by ascending expert (its index_add_
+    per expert). A token naming expert 2 twice with weights 1 and -1 around expert 5's weight
+    2^-30: ascending experts cancel expert 2 first and keep 2^-30 * y5; slot order loses most of
+    2^-30 * y5 to y2's rounding, then cancels to (nearly) 0."""
+    model, _ = quantized("qwen3_moe", torch.float32, "auto", monkeypatch)
+    experts = next(iter(experts_modules(model).values()))
+    calls = []
+    experts.token_runner = Counted(experts.token_runner, calls)
+    x = torch.randn(2, experts[0].linears()[0].in_features, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[2, 5, 2], [1, 4, 6]])
+    weights = torch.tensor([[1.0, 2.0**-30, -1.0], [0.5, 0.3, 0.2]])
+    for rows in (1, 2):
+        fast, ref = both(experts, x[:rows], ids[:rows], weights[:rows])
+        close(fast[:1], ref[:1], torch.float32)  # token 0 alone: its tolerance
+        close(fast, ref, torch.float32)
+    assert calls == [1, 2]
 
 
 def _steps(prompts: list[torch.Tensor], seed: int) -> list[list[torch.Tensor]]:
@@ -160,7 +182,7 @@ def test_speculative_decoding_gives_the_target_greedy(monkeypatch):
     path (transformers' generate)."""
     from quantspec.specdec import DraftModel, speculative_generate
 
-    model, _ = quantized("qwen3_moe", torch.float32, "auto", monkeypatch)
+    model, _ = quantized("qwen3_moe", torch.float32, "auto", monkeypatch, initializer_range=0.1)
     blocks = experts_modules(model)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=g) for n in (7, 4)]
@@ -178,7 +200,8 @@ def test_speculative_decoding_gives_the_target_greedy(monkeypatch):
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
-    out, _ = speculative_generate(model, DraftModel(tiny_model("qwen3_moe")), ids, mask, max_new_tokens=8, k=3)
+    draft = DraftModel(tiny_model("qwen3_moe", initializer_range=0.1))
+    out, _ = speculative_generate(model, draft, ids, mask, max_new_tokens=8, k=3)
     assert 2 * (3 + 1) in calls  # a verification of both rows: k + 1 tokens each
     for b, ref in enumerate(refs):
         assert torch.equal(out[b, width: width + len(ref)], ref)
