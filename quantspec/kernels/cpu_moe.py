@@ -155,7 +155,7 @@ def _share(lin: QuantLinear, views: dict[str, torch.Tensor]) -> bool:
 class CpuTokenExperts:
     """Stacked extension layouts of one LinearExperts; called as the fused experts module is
     ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, for T up to
-    ``max_rows`` (the op takes any T; past it the per-expert path is as fast)."""
+    ``max_rows`` (the op takes any T; LinearExperts sends more rows per expert)."""
 
     max_rows = MAX_ROWS
 

@@ -189,7 +189,8 @@ class LinearExperts(nn.ModuleList):
         n, rows = len(self), hidden_states.shape[0]
         if self.calibration is None and self.routed_counts is None:
             runner = self.token_runner
-            if runner is not None and 0 < rows <= runner.max_rows and hidden_states.is_cpu:  # its layouts stay on CPU
+            # the token runner's layouts stay on CPU
+            if runner is not None and 0 < rows <= runner.max_rows and hidden_states.is_cpu:
                 return runner(hidden_states, top_k_index, top_k_weights)
             if rows == 1:
                 return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
