@@ -11,7 +11,13 @@ of ``--rounds`` interleaved rounds:
   loop over the bound ops (two qgemm calls and a silu_mul per expert), the 16 qgemm calls alone,
   and the one op.
 
+With ``--rows 1,4,8``: one block step of T tokens (T in the list; 8 of 64 experts each, bf16)
+only, the per-expert path (the path of T > 1 before the op took a few rows) against the one op:
+the median wall and process CPU time per step over interleaved rounds, and the dispatcher op
+calls of one step (counted by a TorchDispatchMode, outside the timing).
+
     python benchmarks/moe_token_split.py --layers 2 --rounds 5
+    python benchmarks/moe_token_split.py --layers 1 --rows 1,4,8 --rounds 7
 """
 
 from __future__ import annotations
@@ -77,11 +83,69 @@ def _block_modes(experts, runner):
             "the 16 qgemm calls alone": qgemm_only, "one op (moe_token)": runner}
 
 
+def _op_calls(fn, *args) -> int:
+    """Dispatcher op calls (aten and extension ops) of one ``fn(*args)``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn(*args)
+    return Count.n
+
+
+def _rows_steps(experts, runner, rows: list[int], rounds: int, reps: int = 20) -> None:
+    """Print, per T in ``rows``, one block step of T tokens: per-expert path against the op."""
+
+    def per_expert(x, ids, w):
+        experts.token_runner = None
+        try:
+            return experts(x, ids, w)
+        finally:
+            experts.token_runner = runner
+
+    modes = {"per-expert": per_expert, "one op": experts}
+    inputs = {}
+    for t in rows:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, runner.hidden, generator=g).to(torch.bfloat16)
+        ids = [torch.stack([torch.randperm(len(experts), generator=g)[:8] for _ in range(t)]) for _ in range(reps)]
+        inputs[t] = x, ids, torch.full((t, 8), 0.125, dtype=torch.bfloat16)
+    times = {(t, m): [] for t in rows for m in modes}
+    with torch.inference_mode():
+        calls = {(t, m): _op_calls(fn, inputs[t][0], inputs[t][1][0], inputs[t][2])
+                 for t in rows for m, fn in modes.items()}
+        for r in range(rounds + 1):
+            for t in rows:
+                x, ids, w = inputs[t]
+                for mode, fn in modes.items():
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    for i in range(reps):
+                        fn(x, ids[i], w)
+                    if r:  # round 0 warms up
+                        times[t, mode].append(((time.perf_counter() - w0) / reps * 1e3,
+                                               (time.process_time() - c0) / reps * 1e3))
+    print("| T | path | ms / block step (wall, median) | CPU ms / step (median) | op calls / step |")
+    print("|---|---|---|---|---|")
+    for t in rows:
+        for mode in modes:
+            v = times[t, mode]
+            print(f"| {t} | {mode} | {statistics.median(a for a, _ in v):.3f} | "
+                  f"{statistics.median(b for _, b in v):.3f} | {calls[t, mode]} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--rows", default="", help="comma-separated T: time one block step of T tokens only")
+    ap.add_argument("--max-rows", type=int, default=None, help="with --rows: the op's row bound for this run")
     args = ap.parse_args(argv)
 
     from moe_decode import build
@@ -102,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads", flush=True)
     if not all(runners.values()):
         return 1
+    if args.rows:
+        name, experts = next(iter(blocks.items()))
+        if args.max_rows is not None:
+            runners[name].max_rows = args.max_rows
+        _rows_steps(experts, runners[name], [int(t) for t in args.rows.split(",")], args.rounds)
+        return 0
     decoder = StaticDecoder(model)
     prompt = torch.randint(3, 32000, (16,), generator=torch.Generator().manual_seed(0))
     inside = [0.0]

@@ -17,44 +17,19 @@ import torch
 
 import quantspec
 from helpers import act_order_result, tiny_model
+from moe_cpu_helpers import LAYOUTS, LIMIT, Counted, both, close, gpt_oss_biases, quantized
 from quantspec.core.scheme import QuantScheme
 from quantspec.kernels import cpu as cpu_mod
 from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.cpu_moe import GLU_CLAMPED_SWIGLU, CpuTokenExperts, attach_cpu_token, cannot_attach
 from quantspec.kernels.quant_linear import QuantLinear
-from quantspec.models.experts import ClampedSwiGLU, experts_modules, is_fused_experts
+from quantspec.models.experts import ClampedSwiGLU, experts_modules
 from quantspec.quant.recipe import Recipe
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(load_cpu_ext() is None, reason="the cpu extension is not built here"),
 ]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
-LAYOUTS = ["auto", "rows"]  # auto: panels on AVX-512 VNNI CPUs
-LIMIT = 0.2  # the tiny GPT-OSS's swiglu_limit: low enough that both clamps bite on random tokens
-
-
-def _quantized(arch, dtype, layout, monkeypatch, scheme=QuantScheme(4, 32, True), fmt="gptq", edit=None,
-               **overrides):
-    """A tiny ``arch`` (``edit(model)`` applied in fp32 first) in ``dtype``, quantized with RTN
-    for the cpu backend: (model, report)."""
-    if layout == "rows":
-        monkeypatch.setattr(cpu_mod, "panels_supported", lambda: False)
-    model = tiny_model(arch, **overrides)
-    if edit is not None:
-        edit(model)
-    recipe = Recipe(name="t", method="rtn", scheme=scheme, format=fmt)
-    return quantspec.quantize_model(model.to(dtype), recipe, backend="cpu")
-
-
-def _gpt_oss_biases(model):
-    """Random biases on GPT-OSS's fused experts (transformers initializes them to zero), about
-    the size of the products they are added to."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for mod in filter(is_fused_experts, model.modules()):
-            mod.gate_up_proj_bias.copy_(0.2 * torch.randn(mod.gate_up_proj_bias.shape, generator=g))
-            mod.down_proj_bias.copy_(0.01 * torch.randn(mod.down_proj_bias.shape, generator=g))
 
 
 def _add_biases(experts, dtype, seed):
@@ -77,25 +52,6 @@ def _routing(n_experts, k, seed, dtype):
     return ids.view(1, k), weights.view(1, k)
 
 
-def _both(experts, x, ids, weights):
-    """(the one-op output, the per-expert path's output) of ``experts`` for one token."""
-    runner = experts.token_runner
-    with torch.no_grad():
-        fast = experts(x, ids, weights)
-        experts.token_runner = None
-        try:
-            ref = experts(x, ids, weights)
-        finally:
-            experts.token_runner = runner
-    return fast, ref
-
-
-def _close(fast, ref, dtype):
-    assert fast.dtype == ref.dtype == dtype and fast.shape == ref.shape
-    err = (fast.float() - ref.float()).abs().max()
-    assert err <= TOL[dtype] * ref.float().abs().max(), (float(err), float(ref.float().abs().max()))
-
-
 def _tokens(experts, dtype, seed, n=3):
     """n random (x [1, H], top-k ids holding a dropped index, weights) for ``experts``; the last
     routes to experts 0 and 1."""
@@ -111,7 +67,7 @@ def _tokens(experts, dtype, seed, n=3):
 def _same_tokens(experts, dtype, seed, n=3) -> torch.Tensor:
     """The one op equals the per-expert path on ``_tokens``; returns the last x."""
     for x, ids, weights in _tokens(experts, dtype, seed, n):
-        _close(*_both(experts, x, ids, weights), dtype)
+        close(*both(experts, x, ids, weights), dtype)
     return x
 
 
@@ -121,7 +77,7 @@ def _same_tokens(experts, dtype, seed, n=3) -> torch.Tensor:
 def test_one_op_equals_the_per_expert_path(arch, dtype, layout, monkeypatch):
     """Every MoE block of a W4 tiny Qwen3-MoE / Mixtral (experts without bias) gets the path, and
     its output for one token, a top-k holding a dropped index, equals the per-expert path's."""
-    model, report = _quantized(arch, dtype, layout, monkeypatch)
+    model, report = quantized(arch, dtype, layout, monkeypatch)
     blocks = experts_modules(model)
     assert report["cpu_token_experts"] == list(blocks) and len(blocks) == 2
     assert report["grouped_experts"] == []
@@ -133,7 +89,7 @@ def test_one_op_equals_the_per_expert_path(arch, dtype, layout, monkeypatch):
         assert runner.shared == 3 * len(experts)  # every expert Linear views the stacked copy
         x = _same_tokens(experts, dtype, 10 * i)
         none = torch.full((1, 2), -1)  # every slot dropped: zeros, as the per-expert path
-        fast, ref = _both(experts, x, none, torch.ones(1, 2, dtype=dtype))
+        fast, ref = both(experts, x, none, torch.ones(1, 2, dtype=dtype))
         assert torch.equal(fast, ref) and not fast.any()
 
 
@@ -143,8 +99,8 @@ def test_work_split_across_threads_and_experts(layout, monkeypatch):
     an expert; 8-bit weights and group 64 too): still the per-expert path's output."""
     torch.set_num_threads(2)
     for scheme in (QuantScheme(4, 128, True), QuantScheme(8, 64, False)):
-        model, report = _quantized("qwen3_moe", torch.float32, layout, monkeypatch, scheme=scheme,
-                                   hidden_size=512, moe_intermediate_size=256, num_experts_per_tok=3,
+        model, report = quantized("qwen3_moe", torch.float32, layout, monkeypatch, scheme=scheme,
+                                  hidden_size=512, moe_intermediate_size=256, num_experts_per_tok=3,
                                    num_hidden_layers=1)
         (experts,) = experts_modules(model).values()
         assert experts.token_runner is not None
@@ -152,7 +108,7 @@ def test_work_split_across_threads_and_experts(layout, monkeypatch):
             x = torch.randn(1, 512, generator=torch.Generator().manual_seed(seed))
             ids = torch.tensor([[5, 0, 7]]) if seed else torch.tensor([[2, 6, 1]])
             weights = torch.tensor([[0.5, 0.3, 0.2]])
-            _close(*_both(experts, x, ids, weights), torch.float32)
+            close(*both(experts, x, ids, weights), torch.float32)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -161,7 +117,7 @@ def test_gpt_oss_clamped_swiglu_and_biases(dtype, layout, monkeypatch):
     """GPT-OSS (clamped SwiGLU, biased gate/up/down Linears) gets the path on every block, with
     its alpha and limit, and its output for one token equals the per-expert path's, on tokens
     that drive gate above the limit and up past both ends of [-limit, limit]."""
-    model, report = _quantized("gpt_oss", dtype, layout, monkeypatch, edit=_gpt_oss_biases, swiglu_limit=LIMIT)
+    model, report = quantized("gpt_oss", dtype, layout, monkeypatch, edit=gpt_oss_biases, swiglu_limit=LIMIT)
     blocks = experts_modules(model)
     assert report["cpu_token_experts"] == list(blocks) and len(blocks) == 2
     clamped = set()
@@ -188,7 +144,7 @@ def test_gpt_oss_clamped_swiglu_and_biases(dtype, layout, monkeypatch):
 def test_biased_silu_experts(dtype, layout, monkeypatch):
     """SiLU experts whose gate/up/down Linears have biases (some Linears without) take the path,
     each bias added to the fp32 product before its rounding, as the per-expert path's kernel."""
-    model, _ = _quantized("qwen3_moe", dtype, layout, monkeypatch)
+    model, _ = quantized("qwen3_moe", dtype, layout, monkeypatch)
     for i, experts in enumerate(experts_modules(model).values()):
         _add_biases(experts, dtype, seed=i)
         runner = experts.token_runner
@@ -204,7 +160,7 @@ def test_attached_only_where_every_expert_qualifies(monkeypatch):
     model, report = quantspec.quantize_model(tiny_model("qwen3_moe"), recipe, backend="reference")
     assert report["cpu_token_experts"] == []
     # one block with one dense expert Linear, the other with a column-gathering layout
-    model, _ = _quantized("qwen3_moe", torch.float32, "auto", monkeypatch)
+    model, _ = quantized("qwen3_moe", torch.float32, "auto", monkeypatch)
     first, second = experts_modules(model).values()
     for experts in (first, second):
         experts.token_runner = None
@@ -241,8 +197,8 @@ def test_what_the_op_does_not_run_keeps_the_per_expert_path(case, reason, monkey
     attached, and ``cannot_attach`` names the reason; the per-expert path still runs."""
     schemes = {"w8a8": QuantScheme(8, -1, True, activations="int8-token-dynamic"),
                "fp8": QuantScheme(8, -1, True, weights="fp8")}
-    model, report = _quantized("qwen3_moe", torch.float32, "auto", monkeypatch,
-                               scheme=schemes.get(case, QuantScheme(4, 32, True)), fmt="compressed-tensors",
+    model, report = quantized("qwen3_moe", torch.float32, "auto", monkeypatch,
+                              scheme=schemes.get(case, QuantScheme(4, 32, True)), fmt="compressed-tensors",
                                **({"hidden_act": "gelu"} if case == "gelu" else {}))
     if case == "act_order":
         _act_order_experts(model)
@@ -254,17 +210,6 @@ def test_what_the_op_does_not_run_keeps_the_per_expert_path(case, reason, monkey
     x, ids, weights = next(_tokens(next(iter(blocks.values())), torch.float32, 0, n=1))
     with torch.no_grad():
         assert torch.isfinite(next(iter(blocks.values()))(x, ids, weights)).all()
-
-
-class _Counted:
-    """A token runner recording the rows of each call into ``calls``."""
-
-    def __init__(self, real, calls: list[int]):
-        self.real, self.calls, self.gate_up_layout = real, calls, real.gate_up_layout
-
-    def __call__(self, hidden, ids, weights):
-        self.calls.append(hidden.shape[0])
-        return self.real(hidden, ids, weights)
 
 
 def _greedy(dec, prompt, new=6):
@@ -281,33 +226,33 @@ def _greedy(dec, prompt, new=6):
     return tokens, torch.stack(steps)
 
 
-def _same_decoding(blocks, greedy, dtype, check_fast=None):
-    """``greedy()`` -> (tokens, logits) with the one-op path (called for single tokens only;
-    ``check_fast()`` then) equals it with the per-expert path: the tokens, and the logits within
-    the tolerance."""
+def _same_decoding(blocks, greedy, dtype, prefill, check_fast=None):
+    """``greedy()`` -> (tokens, logits) with the one-op path (called for the ``prefill`` rows of
+    the prompt, then single tokens; ``check_fast()`` then) equals it with the per-expert path: the
+    tokens, and the logits within the tolerance."""
     calls = []
     for experts in blocks.values():
-        experts.token_runner = _Counted(experts.token_runner, calls)
+        experts.token_runner = Counted(experts.token_runner, calls)
     fast_tokens, fast = greedy()
-    assert calls and set(calls) == {1}  # one token at a time, never the prefill
+    assert calls and set(calls) == {prefill, 1}  # the prompt, then one token at a time
     if check_fast is not None:
         check_fast()
     for experts in blocks.values():
         experts.token_runner = None
     ref_tokens, ref = greedy()
     assert fast_tokens == ref_tokens
-    _close(fast.to(dtype), ref.to(dtype), dtype)
+    close(fast.to(dtype), ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_decoder_decodes_the_same_tokens(dtype, biased, monkeypatch):
     """Greedy decoding through the static decoder with the one-op path equals the per-expert
-    path's (tokens, and logits within the tolerance); the prefill (rows > 1) goes per expert.
+    path's (tokens, and logits within the tolerance); the 5-token prefill goes through it too.
     Biased experts: the decoder's fused gate/up adds their biases, so does the op."""
     from quantspec.runtime.decoder import StaticDecoder
 
-    model, _ = _quantized("qwen3_moe", dtype, "auto", monkeypatch)
+    model, _ = quantized("qwen3_moe", dtype, "auto", monkeypatch)
     blocks = experts_modules(model)
     if biased:
         for i, experts in enumerate(blocks.values()):
@@ -322,19 +267,19 @@ def test_static_decoder_decodes_the_same_tokens(dtype, biased, monkeypatch):
                 assert mlp.gate_up.fused
                 assert mlp.gate_up._prepared["w"].data_ptr() == runners[name].gu["w"][e].data_ptr()
 
-    _same_decoding(blocks, lambda: _greedy(StaticDecoder(model), prompt), dtype, fused_views)
+    _same_decoding(blocks, lambda: _greedy(StaticDecoder(model), prompt), dtype, len(prompt), fused_views)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpt_oss_decodes_the_same_tokens(dtype, monkeypatch):
     """GPT-OSS greedy decoding through transformers with its KV cache (``KVDecoder``: the static
-    decoder has no GPT-OSS declaration): each decoded token's blocks run as the op, and the
-    tokens and logits are the per-expert path's."""
+    decoder has no GPT-OSS declaration): the prompt's and each decoded token's blocks run as the
+    op, and the tokens and logits are the per-expert path's."""
     from quantspec.runtime.kv import KVDecoder
 
-    model, _ = _quantized("gpt_oss", dtype, "auto", monkeypatch, edit=_gpt_oss_biases, swiglu_limit=LIMIT)
+    model, _ = quantized("gpt_oss", dtype, "auto", monkeypatch, edit=gpt_oss_biases, swiglu_limit=LIMIT)
     prompt = torch.randint(3, 300, (5,), generator=torch.Generator().manual_seed(4))
-    _same_decoding(experts_modules(model), lambda: _greedy(KVDecoder(model), prompt), dtype)
+    _same_decoding(experts_modules(model), lambda: _greedy(KVDecoder(model), prompt), dtype, len(prompt))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -352,4 +297,4 @@ def test_load_quantized_attaches_it(arch, tmp_path):
     for experts in blocks.values():
         x = torch.randn(1, experts[0].linears()[0].in_features, generator=torch.Generator().manual_seed(1))
         ids, weights = _routing(len(experts), 2, 0, torch.float32)
-        _close(*_both(experts, x, ids, weights), torch.float32)
+        close(*both(experts, x, ids, weights), torch.float32)

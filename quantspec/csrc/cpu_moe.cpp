@@ -1,26 +1,29 @@
-// One token through k routed experts of a quantized MoE block, as the dispatcher op
+// A few tokens through the routed experts of a quantized MoE block, as the dispatcher op
 // quantspec_cpu::moe_token (built with cpu_qgemm.cpp into one extension; see
 // quantspec/kernels/cpu_moe.py, which stacks the layouts and binds the op).
 //
-// moe_token(x [1, H], ids int64 [k], weights [k], gu_w, gu_scales, gu_zeros, down_w, down_scales,
-//           down_zeros, bits, gu_block, down_block, inter, panels, gu_bias, down_bias, glu, alpha,
-//           limit) -> [1, H] in x's dtype:
-//   sum over the slots j whose ids[j] is an expert e in [0, E) (others are dropped tokens) of
-//   weights[j] * (down_e(glu(gate_e(x) + gb_e, up_e(x) + ub_e)) + db_e), the sum in fp32 in slot
-//   order, where glu is SiLU(gate) * up (glu 0) or GPT-OSS's clamped SwiGLU (glu 1: gate clamped
-//   above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
+// moe_token(x [T, H], ids int64 [T, k], weights [T, k], gu_w, gu_scales, gu_zeros, down_w,
+//           down_scales, down_zeros, bits, gu_block, down_block, inter, panels, gu_bias, down_bias,
+//           glu, alpha, limit) -> [T, H] in x's dtype:
+//   row t the sum over the slots j whose ids[t, j] is an expert e in [0, E) (others are dropped
+//   tokens) of weights[t, j] * (down_e(glu(gate_e(x_t) + gb_e, up_e(x_t) + ub_e)) + db_e), in fp32,
+//   where glu is SiLU(gate) * up (glu 0) or GPT-OSS's clamped SwiGLU (glu 1: gate clamped above at
+//   limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
 // The layouts are qgemm's (rows) or qgemm_panel's (panels) of every expert stacked along a first
 // dimension E: gate and up as one product of 2 * inter rows (gate rows first, as
 // kernels.siblings stacks them), down of H rows; no column gather (src). The biases (optional,
 // fp32): gu_bias [E, 2 * inter] (gate's then up's, as kernels.siblings concatenates them),
 // down_bias [E, H].
-// The per-expert path of LinearExperts runs the same kernels once per product and rounds each
-// result to x's dtype; this op adds the biases and rounds where that path does (a bias is added
-// to the fp32 product before its rounding to x's dtype, as qgemm adds it; each elementwise op of
-// the GLU rounds to x's dtype as torch's does; the weighting and the sum in fp32), so the two
-// agree up to the exp of silu / sigmoid (std::exp here, torch's vectorized exp there). What it
-// saves is the calls: every chosen expert's gate/up panels run in one parallel region, and the
-// GLU, the down activations' quantization and every chosen expert's down panels in a second.
+// The per-expert path of LinearExperts runs the same kernels once per expert and product and
+// rounds each result to x's dtype; this op adds the biases and rounds where that path does (a
+// bias is added to the fp32 product before its rounding to x's dtype, as qgemm adds it; each
+// elementwise op of the GLU rounds to x's dtype as torch's does: cpu_moe_glu.h) and sums in that
+// path's order (one token: slot order, as its _one_token; several: ascending expert, as its
+// index_add_ per expert), so the two agree up to the exp of silu / sigmoid. What it saves is the
+// calls: a (token, expert) pair's rows are grouped by expert (each expert's weights read once for
+// all its tokens, as one M-row product of the same kernels), every group's gate/up runs in one
+// parallel region, and the GLU, the down activations' quantization and every group's down in a
+// second.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -29,21 +32,59 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "cpu_moe_glu.h"
 #include "cpu_qgemm.h"
 
 namespace {
 
 using qs_cpu::Acts;
 using qs_cpu::Geometry;
+using qs_moe::Glu;
+
+// t (any shape, any float dtype) -> floats in buf.
+void to_floats(const torch::Tensor& t, std::vector<float>& buf) {
+  const torch::Tensor f = t.contiguous().to(torch::kFloat);
+  buf.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
+
+Geometry with_rows(Geometry g, int64_t m) {
+  g.M = m;
+  return g;
+}
+
+// Quantized activation rows of one product (cpu_qgemm.h Acts): int8 codes [M, xld], block
+// scales [M, nblk], group sums [M, G].
+struct ActRows {
+  std::vector<int8_t> xq;
+  std::vector<float> sx, xg;
+
+  void resize(const Geometry& g, int64_t m) {
+    xq.resize(m * g.xld());
+    sx.resize(m * g.nblk());
+    xg.resize(m * g.G);
+  }
+  // the m rows of x (float [m, g.K]), as qgemm quantizes them
+  void quantize(const float* x, const Geometry& g, int64_t m, bool simd) {
+    resize(g, m);
+    qs_cpu::quantize_rows(x, nullptr, with_rows(g, m), simd, xq.data(), sx.data(), xg.data());
+  }
+  Acts at(const Geometry& g, int64_t row) const {
+    return Acts{xq.data() + row * g.xld(), sx.data() + row * g.nblk(), xg.data() + row * g.G};
+  }
+  void copy_row(const ActRows& from, int64_t src, int64_t dst, const Geometry& g) {
+    std::copy_n(from.xq.data() + src * g.xld(), g.xld(), xq.data() + dst * g.xld());
+    std::copy_n(from.sx.data() + src * g.nblk(), g.nblk(), sx.data() + dst * g.nblk());
+    std::copy_n(from.xg.data() + src * g.G, g.G, xg.data() + dst * g.G);
+  }
+};
 
 // Buffers of the calling thread, reused across calls (a decode step calls this once per block).
 struct MoeScratch {
-  std::vector<float> xf, gu, yd, sx, xg, w;
-  std::vector<int8_t> xq;
+  std::vector<float> xf, w, gu, yd, acc;
+  ActRows xa, ga;  // x's rows; group rows gathered from them
 };
 
 MoeScratch& moe_scratch() {
@@ -51,81 +92,36 @@ MoeScratch& moe_scratch() {
   return s;
 }
 
-// t (1-D or 2-D, any float dtype) -> floats in buf.
-void to_floats(const torch::Tensor& t, std::vector<float>& buf) {
-  const torch::Tensor f = t.contiguous().to(torch::kFloat);
-  buf.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-}
-
-template <typename T>
-inline float round_to(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
-
-// The experts' GLU (kernels/cpu_moe.py's GLU_SILU / GLU_CLAMPED_SWIGLU).
-enum GluKind : int64_t { kSilu = 0, kClampedSwiglu = 1 };
-
-struct Glu {
-  int64_t kind;
-  float alpha, limit;  // the clamped SwiGLU's
+// A call's chosen (token, expert) pairs, in the order the per-expert path sums each token's:
+// one token's in slot order (its _one_token), several tokens' by ascending expert (stable: each
+// expert's in token order, as its index_add_ per expert). A run of pairs of one expert is a group,
+// its rows one M-row product.
+struct Routing {
+  std::vector<int64_t> expert, token;  // [pairs]
+  std::vector<float> weight;           // [pairs]
+  std::vector<int64_t> start;          // [groups + 1]: group i is pairs [start[i], start[i + 1])
+  int64_t pairs() const { return static_cast<int64_t>(expert.size()); }
+  int64_t groups() const { return static_cast<int64_t>(start.size()) - 1; }
 };
 
-// silu(gate) * up for one expert, each rounded to T as LinearExperts' per-expert path rounds
-// (the product in T, then torch's silu in T, then the GLU product in T).
-template <typename T>
-void silu_row(const float* gu, int64_t inter, float* h) {
-  for (int64_t i = 0; i < inter; ++i) {
-    const float g = round_to<T>(gu[i]), u = round_to<T>(gu[inter + i]);
-    const float act = round_to<T>(g / (1.0f + std::exp(-g)));
-    h[i] = round_to<T>(act * u);
+Routing route(const torch::Tensor& ids, const std::vector<float>& weights, int64_t n_experts) {
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const int64_t tokens = ids.size(0), k = ids.size(1);
+  std::vector<int64_t> slots;  // flat (t, j) of the slots kept
+  for (int64_t i = 0; i < tokens * k; ++i)
+    if (id[i] >= 0 && id[i] < n_experts) slots.push_back(i);  // others: a dropped token's slot
+  if (tokens > 1)
+    std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+  Routing r;
+  for (const int64_t i : slots) {
+    if (r.expert.empty() || r.expert.back() != id[i]) r.start.push_back(r.pairs());
+    r.expert.push_back(id[i]);
+    r.token.push_back(i / k);
+    r.weight.push_back(weights[i]);
   }
-}
-
-// GPT-OSS's (up + 1) * (gate * sigmoid(gate * alpha)) with gate clamped above at limit and up to
-// [-limit, limit] (models/experts.py ClampedSwiGLU), each torch op's result rounded to T in the
-// same order (torch's clamp, mul, sigmoid and add of a T tensor and a scalar compute in fp32).
-template <typename T>
-void clamped_swiglu_row(const float* gu, int64_t inter, float alpha, float limit, float* h) {
-  for (int64_t i = 0; i < inter; ++i) {
-    const float g = round_to<T>(std::min(round_to<T>(gu[i]), limit));
-    const float u = round_to<T>(std::clamp(round_to<T>(gu[inter + i]), -limit, limit));
-    const float z = round_to<T>(g * alpha);
-    const float sig = round_to<T>(1.0f / (1.0f + std::exp(-z)));
-    h[i] = round_to<T>(round_to<T>(u + 1.0f) * round_to<T>(g * sig));
-  }
-}
-
-template <typename T>
-void glu_row(const Glu& glu, const float* gu, int64_t inter, float* h) {
-  if (glu.kind == kClampedSwiglu)
-    clamped_swiglu_row<T>(gu, inter, glu.alpha, glu.limit, h);
-  else
-    silu_row<T>(gu, inter, h);
-}
-
-// y[j, n] += bias[experts[j], n] for the kv chosen experts (bias [E, n] fp32; null: none), in
-// fp32 before any rounding, as qgemm adds a Linear's bias to its product.
-void add_bias(float* y, const float* bias, const int64_t* experts, int64_t kv, int64_t n) {
-  if (bias == nullptr) return;
-  for (int64_t j = 0; j < kv; ++j) {
-    const float* b = bias + experts[j] * n;
-    for (int64_t i = 0; i < n; ++i) y[j * n + i] += b[i];
-  }
-}
-
-// out[n] = sum_j round_T(y[j, n]) * w[j] in slot order, each product rounded to fp32 before the
-// add (no FMA contraction: torch multiplies and adds in two kernels).
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) void weighted_sum(const float* y, const float* w,
-                                                               int64_t kv, int64_t n, T* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = round_to<T>(y[i]) * w[0];
-    for (int64_t j = 1; j < kv; ++j) {
-      const float p = round_to<T>(y[j * n + i]) * w[j];
-      acc = acc + p;
-    }
-    out[i] = static_cast<T>(acc);
-  }
+  r.start.push_back(r.pairs());
+  return r;
 }
 
 // The layout of one stacked product: its geometry and per-expert strides.
@@ -177,35 +173,6 @@ Stacked stacked(const torch::Tensor& w, const torch::Tensor& scales, const torch
   return s;
 }
 
-// units [u0, u1) of expert e's product against one row of activations, into y (its outputs).
-void run_units(const Stacked& s, bool panels, int bits, bool simd, int64_t e, const Acts& a,
-               int64_t u0, int64_t u1, float* y) {
-  const uint8_t* w = s.w + e * s.w_expert;
-  const c10::Half* sc = s.scales + e * s.s_expert;
-  const uint8_t* z = s.zeros + e * s.s_expert;
-  if (panels)
-    qs_cpu::panels_range(w, s.unit_bytes, sc, z, bits, a, s.g, u0, u1, y);
-  else
-    qs_cpu::rows_range(w, s.unit_bytes, sc, reinterpret_cast<const int8_t*>(z), bits, a, s.g,
-                       simd, u0, u1, y);
-}
-
-// Every chosen expert's product of the same activations in one parallel region: work item i is
-// unit i % units of the (i / units)-th chosen expert.
-void all_experts(const Stacked& s, bool panels, int bits, bool simd, const int64_t* experts,
-                 int64_t kv, const Acts& a, float* y) {
-  const int64_t units = s.units, total = kv * units;
-  // at least 32 KB of weights per thread, as qgemm_panel: smaller shares cost more to wake
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.unit_bytes));
-  at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
-    while (i0 < i1) {
-      const int64_t j = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
-      run_units(s, panels, bits, simd, experts[j], a, u0, u1, y + j * s.g.N);
-      i0 += u1 - u0;
-    }
-  });
-}
-
 // One MoE block's stacked products, biases and GLU, with the call's kernel choices.
 struct Block {
   Stacked gu, down;
@@ -217,69 +184,105 @@ struct Block {
   int64_t inter, hidden;
 };
 
-// Every chosen expert's gate/up product (+ bias) of x, into s.gu [kv, 2 * inter]; x quantized
-// once for all of them (qgemm quantizes it the same way per call).
-void gate_up(const Block& b, const torch::Tensor& x, const std::vector<int64_t>& experts,
-             MoeScratch& s) {
-  const int64_t kv = static_cast<int64_t>(experts.size());
-  to_floats(x, s.xf);
-  const Geometry& g1 = b.gu.g;
-  s.xq.resize(g1.xld());
-  s.sx.resize(g1.nblk());
-  s.xg.resize(g1.G);
-  qs_cpu::quantize_rows(s.xf.data(), nullptr, g1, b.simd, s.xq.data(), s.sx.data(), s.xg.data());
-  const Acts ax{s.xq.data(), s.sx.data(), s.xg.data()};
-  s.gu.resize(kv * g1.N);
-  all_experts(b.gu, b.panels, b.bits, b.simd, experts.data(), kv, ax, s.gu.data());
-  add_bias(s.gu.data(), b.gu_bias, experts.data(), kv, g1.N);
+// units [u0, u1) of expert e's product s against m rows of activations, into y (its outputs,
+// rows s.g.N apart).
+void run_units(const Block& b, const Stacked& s, int64_t e, const Acts& a, int64_t m, int64_t u0,
+               int64_t u1, float* y) {
+  const uint8_t* w = s.w + e * s.w_expert;
+  const c10::Half* sc = s.scales + e * s.s_expert;
+  const uint8_t* z = s.zeros + e * s.s_expert;
+  const Geometry g = with_rows(s.g, m);
+  if (b.panels)
+    qs_cpu::panels_range(w, s.unit_bytes, sc, z, b.bits, a, g, u0, u1, y);
+  else
+    qs_cpu::rows_range(w, s.unit_bytes, sc, reinterpret_cast<const int8_t*>(z), b.bits, a, g,
+                       b.simd, u0, u1, y);
 }
 
-// Every chosen expert's down product (+ bias) of its GLU, into s.yd [kv, H]: each thread first
-// forms the GLU and its quantized activations for the experts its share touches (an expert split
-// between two threads has them formed by both, identically: one parallel region fewer than a
-// separate pass).
-template <typename T>
-void down_all(const Block& b, const std::vector<int64_t>& experts, MoeScratch& s) {
-  const int64_t kv = static_cast<int64_t>(experts.size());
-  const Geometry& g2 = b.down.g;
-  s.yd.resize(kv * b.hidden);
-  const int64_t units = b.down.units, total = kv * units, n_gu = b.gu.g.N;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, b.down.unit_bytes));
-  const float* gup = s.gu.data();
-  float* ydp = s.yd.data();
-  at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> h, sx, xg;
-    thread_local std::vector<int8_t> xq;
-    h.resize(b.inter);
-    xq.resize(g2.xld());
-    sx.resize(g2.nblk());
-    xg.resize(g2.G);
+// fn(group, u0, u1) over every (group, unit of s) item in one parallel region, item i being unit
+// i % units of group i / units; a share is at least 32 KB of weights, as qgemm_panel's (smaller
+// shares cost more to wake a thread for).
+template <typename F>
+void over_units(const Stacked& s, int64_t groups, const F& fn) {
+  const int64_t units = s.units;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.unit_bytes));
+  at::parallel_for(0, groups * units, grain, [&](int64_t i0, int64_t i1) {
     while (i0 < i1) {
-      const int64_t j = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
-      glu_row<T>(b.glu, gup + j * n_gu, b.inter, h.data());
-      qs_cpu::quantize_rows(h.data(), nullptr, g2, b.simd, xq.data(), sx.data(), xg.data());
-      run_units(b.down, b.panels, b.bits, b.simd, experts[j], Acts{xq.data(), sx.data(), xg.data()},
-                u0, u1, ydp + j * b.hidden);
+      const int64_t gi = i0 / units, u0 = i0 % units, u1 = std::min(units, u0 + (i1 - i0));
+      fn(gi, u0, u1);
       i0 += u1 - u0;
     }
   });
-  add_bias(ydp, b.down_bias, experts.data(), kv, b.hidden);
+}
+
+// Each group's gate/up activation rows: its tokens' rows of s.xa when they are consecutive (one
+// token, or a run of tokens), else copies of them in s.ga at the group's pair rows.
+std::vector<Acts> group_acts(const Routing& r, const Geometry& g, MoeScratch& s) {
+  std::vector<Acts> acts;
+  s.ga.resize(g, r.pairs());  // once: the Acts below point into it
+  for (int64_t gi = 0; gi < r.groups(); ++gi) {
+    const int64_t p0 = r.start[gi], p1 = r.start[gi + 1];
+    bool run = true;
+    for (int64_t p = p0 + 1; p < p1; ++p) run = run && r.token[p] == r.token[p0] + (p - p0);
+    if (run) {
+      acts.push_back(s.xa.at(g, r.token[p0]));
+      continue;
+    }
+    for (int64_t p = p0; p < p1; ++p) s.ga.copy_row(s.xa, r.token[p], p, g);
+    acts.push_back(s.ga.at(g, p0));
+  }
+  return acts;
+}
+
+// Every pair's gate/up product (+ bias), into s.gu [pairs, 2 * inter]; x's rows quantized once
+// for all experts (qgemm quantizes them the same way per call).
+void gate_up(const Block& b, const torch::Tensor& x, const Routing& r, MoeScratch& s) {
+  const Geometry& g1 = b.gu.g;
+  to_floats(x, s.xf);
+  s.xa.quantize(s.xf.data(), g1, x.size(0), b.simd);
+  const std::vector<Acts> acts = group_acts(r, g1, s);
+  s.gu.resize(r.pairs() * g1.N);
+  float* gup = s.gu.data();
+  over_units(b.gu, r.groups(), [&](int64_t gi, int64_t u0, int64_t u1) {
+    const int64_t p0 = r.start[gi];
+    run_units(b, b.gu, r.expert[p0], acts[gi], r.start[gi + 1] - p0, u0, u1, gup + p0 * g1.N);
+  });
+  qs_moe::add_bias(gup, b.gu_bias, r.expert, g1.N);
+}
+
+// Every pair's down product (+ bias) of its GLU, into s.yd [pairs, H]: each thread first forms
+// the GLU rows and their quantized activations for the groups its share touches (a group split
+// between two threads has them formed by both, identically: one parallel region fewer than a
+// separate pass).
+template <typename T>
+void down_all(const Block& b, const Routing& r, MoeScratch& s) {
+  const Geometry& g2 = b.down.g;
+  const int64_t n_gu = b.gu.g.N;
+  s.yd.resize(r.pairs() * b.hidden);
+  const float* gup = s.gu.data();
+  float* ydp = s.yd.data();
+  over_units(b.down, r.groups(), [&](int64_t gi, int64_t u0, int64_t u1) {
+    thread_local std::vector<float> h;
+    thread_local ActRows a;
+    const int64_t p0 = r.start[gi], m = r.start[gi + 1] - p0;
+    h.resize(m * b.inter);
+    qs_moe::glu_rows<T>(b.glu, gup + p0 * n_gu, m, b.inter, h.data());
+    a.quantize(h.data(), g2, m, b.simd);
+    run_units(b, b.down, r.expert[p0], a.at(g2, 0), m, u0, u1, ydp + p0 * b.hidden);
+  });
+  qs_moe::add_bias(ydp, b.down_bias, r.expert, b.hidden);
 }
 
 template <typename T>
-torch::Tensor moe_token_t(const torch::Tensor& x, const std::vector<int64_t>& experts,
-                          const std::vector<float>& wts, const Block& b) {
+torch::Tensor moe_rows_t(const torch::Tensor& x, const Routing& r, const Block& b) {
   MoeScratch& s = moe_scratch();
-  const int64_t kv = static_cast<int64_t>(experts.size());
-  torch::Tensor out = torch::empty({1, b.hidden}, x.options());
-  T* op = out.data_ptr<T>();
-  if (kv == 0) {
-    std::fill(op, op + b.hidden, static_cast<T>(0.f));
-    return out;
+  const int64_t tokens = x.size(0);
+  torch::Tensor out = torch::empty({tokens, b.hidden}, x.options());
+  if (r.pairs() > 0) {
+    gate_up(b, x, r, s);
+    down_all<T>(b, r, s);
   }
-  gate_up(b, x, experts, s);
-  down_all<T>(b, experts, s);
-  weighted_sum<T>(s.yd.data(), wts.data(), kv, b.hidden, op);
+  qs_moe::weighted_sum<T>(s.yd.data(), r.weight, r.token, tokens, b.hidden, s.acc, out.data_ptr<T>());
   return out;
 }
 
@@ -303,11 +306,13 @@ torch::Tensor moe_token(const torch::Tensor& x, const torch::Tensor& ids, const 
                         bool panels, const c10::optional<torch::Tensor>& gu_bias,
                         const c10::optional<torch::Tensor>& down_bias, int64_t glu, double alpha,
                         double limit) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, H]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be [T, H] with T >= 1");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids must be int64 [k]");
-  TORCH_CHECK(weights.numel() == ids.numel(), "weights must have one value per id");
-  TORCH_CHECK(glu == kSilu || glu == kClampedSwiglu, "glu must be 0 (SiLU) or 1 (clamped SwiGLU), got ", glu);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kLong,
+              "ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "weights must be [T, k], as ids");
+  TORCH_CHECK(glu == qs_moe::kSilu || glu == qs_moe::kClampedSwiglu,
+              "glu must be 0 (SiLU) or 1 (clamped SwiGLU), got ", glu);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "x must be fp32, bf16 or fp16");
@@ -323,19 +328,11 @@ torch::Tensor moe_token(const torch::Tensor& x, const torch::Tensor& ids, const 
                 Glu{glu, static_cast<float>(alpha), static_cast<float>(limit)}, panels, simd,
                 static_cast<int>(bits), inter, hidden};
   MoeScratch& s = moe_scratch();
-  to_floats(weights.reshape(-1), s.w);
-  const torch::Tensor idc = ids.contiguous();
-  const int64_t* idp = idc.data_ptr<int64_t>();
-  std::vector<int64_t> experts;
-  std::vector<float> wts;
-  for (int64_t j = 0; j < ids.numel(); ++j) {
-    if (idp[j] < 0 || idp[j] >= n_experts) continue;  // a dropped token's slot
-    experts.push_back(idp[j]);
-    wts.push_back(s.w[j]);
-  }
-  if (dtype == torch::kBFloat16) return moe_token_t<c10::BFloat16>(x, experts, wts, b);
-  if (dtype == torch::kHalf) return moe_token_t<c10::Half>(x, experts, wts, b);
-  return moe_token_t<float>(x, experts, wts, b);
+  to_floats(weights, s.w);
+  const Routing r = route(ids, s.w, n_experts);
+  if (dtype == torch::kBFloat16) return moe_rows_t<c10::BFloat16>(x, r, b);
+  if (dtype == torch::kHalf) return moe_rows_t<c10::Half>(x, r, b);
+  return moe_rows_t<float>(x, r, b);
 }
 
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {

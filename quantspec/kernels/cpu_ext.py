@@ -25,7 +25,7 @@ from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp")
-HEADERS = (_CSRC / "cpu_qgemm.h",)  # hashed with the sources: a change rebuilds
+HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h")  # hashed with the sources: a change rebuilds
 
 
 def _cpu_flags() -> str:
@@ -70,7 +70,7 @@ def load_cpu_ext() -> ModuleType | None:
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
     ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
     ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights; cpu_moe.cpp the op ``moe_token``
-    of one token through a MoE block's chosen experts), or None with one
+    of a few tokens through a MoE block's chosen experts), or None with one
     warning."""
     if not extension_enabled():
         return None

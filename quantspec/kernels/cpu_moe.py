@@ -1,20 +1,23 @@
-"""One decode token through a quantized MoE block on the cpu backend, in one op call.
+"""A few tokens through a quantized MoE block on the cpu backend, in one op call.
 
-The per-expert path of ``LinearExperts`` (``models/experts.py``) runs, for each of a token's k
-chosen experts, a gate/up product, the GLU, a down product and the weighting: 2k kernel calls
-and a few dozen small torch ops per block, each call a parallel region over a few hundred KB
-of weights, so that at batch 1 the fixed cost of the calls outweighs reading the weights.
+The per-expert path of ``LinearExperts`` (``models/experts.py``) runs, for each expert its tokens
+chose, a gate/up product, the GLU, a down product and the weighting: two kernel calls and a few
+dozen small torch ops per active expert, each call a parallel region over a few hundred KB of
+weights, so that for a few tokens (decode, a batch of decoding sequences, speculative
+verification) the fixed cost of the calls outweighs reading the weights.
 ``CpuTokenExperts`` stacks the experts' extension layouts (rows or AVX-512 VNNI panels, the
 layouts ``kernels.cpu`` prepares) once, at attach time, and runs the whole block as
-``quantspec_cpu::moe_token`` (csrc/cpu_moe.cpp): every chosen expert's gate/up rows in one
-parallel region, the GLU (SiLU(gate) * up, or GPT-OSS's clamped SwiGLU), every chosen expert's
-down rows in a second one, and the router-weighted sum in fp32; the same kernels and roundings as
-the per-expert path. Biased experts (GPT-OSS) pass their biases stacked in fp32, added to each
-fp32 product before its rounding, where the per-expert path's kernel adds them.
+``quantspec_cpu::moe_token`` (csrc/cpu_moe.cpp): the (token, expert) pairs grouped by expert, so
+that each expert's weights are read once for all its tokens (an M-row product of the same
+kernels), every group's gate/up rows in one parallel region, the GLU (SiLU(gate) * up, or
+GPT-OSS's clamped SwiGLU), every group's down rows in a second one, and the router-weighted sum
+in fp32; the same kernels, roundings and summation order as the per-expert path. Biased experts
+(GPT-OSS) pass their biases stacked in fp32, added to each fp32 product before its rounding,
+where the per-expert path's kernel adds them.
 
-``attach_cpu_token(model)`` binds it as ``LinearExperts.token_runner`` (used for one token, rows
-== 1, in inference; other shapes keep the per-expert path) to each LinearExperts whose experts
-all qualify (``cannot_attach`` says why one does not): every expert Linear a QuantLinear
+``attach_cpu_token(model)`` binds it as ``LinearExperts.token_runner`` (used for 1 to
+``MAX_ROWS`` rows in inference; more rows keep the per-expert path) to each LinearExperts whose
+experts all qualify (``cannot_attach`` says why one does not): every expert Linear a QuantLinear
 prepared for the cpu backend's extension with one integer weight-only scheme, no act-order
 column gather, and a GLU the op knows (``glu_args``); biases are optional, per Linear. The
 experts' own layouts become views of the stacked copy where they are the same bytes (memory
@@ -35,7 +38,8 @@ from .quant_linear import QuantLinear
 from .siblings import stack_results
 
 LAYOUT_KEYS = ("w", "scales", "zeros")
-GLU_SILU, GLU_CLAMPED_SWIGLU = 0, 1  # the op's ``glu`` (csrc/cpu_moe.cpp GluKind)
+GLU_SILU, GLU_CLAMPED_SWIGLU = 0, 1  # the op's ``glu`` (csrc/cpu_moe_glu.h GluKind)
+MAX_ROWS = 32  # the most rows one op call takes (docs/decisions/moe-rows-bound.md)
 
 
 def is_silu(act_fn) -> bool:
@@ -97,7 +101,7 @@ def _shape_problem(experts: LinearExperts) -> str | None:
 
 
 def cannot_attach(experts: LinearExperts) -> str | None:
-    """Why ``experts`` cannot run as one op per token (None: it can)."""
+    """Why ``experts`` cannot run as one op per call (None: it can)."""
     if len(experts) == 0:
         return "no experts"
     lins = [lin for mlp in experts for lin in mlp.linears()]
@@ -150,12 +154,15 @@ def _share(lin: QuantLinear, views: dict[str, torch.Tensor]) -> bool:
 
 class CpuTokenExperts:
     """Stacked extension layouts of one LinearExperts; called as the fused experts module is
-    ``(hidden [1, H], top_k_index [1, k], top_k_weights [1, k]) -> [1, H]``."""
+    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, for T up to
+    ``max_rows`` (the op takes any T; LinearExperts sends more rows per expert)."""
+
+    max_rows = MAX_ROWS
 
     def __init__(self, experts: LinearExperts):
         why = cannot_attach(experts)
         if why is not None:
-            raise ValueError(f"the cpu one-token path cannot run these experts: {why}")
+            raise ValueError(f"the cpu one-op experts path cannot run these experts: {why}")
         first = experts[0].linears()[0]
         self.n_experts = len(experts)
         self.inter, self.hidden = first.out_features, first.in_features
@@ -207,7 +214,7 @@ class CpuTokenExperts:
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         gu, down = self.gu, self.down
         return _moe_token()(
-            hidden, top_k_index[0], top_k_weights[0], gu["w"], gu["scales"], gu["zeros"],
+            hidden, top_k_index, top_k_weights, gu["w"], gu["scales"], gu["zeros"],
             down["w"], down["scales"], down["zeros"], self.bits, self.gu_block, self.down_block,
             self.inter, self.panels, self.gu_bias, self.down_bias, self.glu, self.alpha, self.limit)
 
@@ -219,7 +226,7 @@ def _moe_token():
 
 
 def attach_cpu_token(model: nn.Module) -> list[str]:
-    """Bind the one-token path to every qualifying LinearExperts of ``model`` that has no
+    """Bind the one-op path to every qualifying LinearExperts of ``model`` that has no
     grouped (Triton) runner; returns their names."""
     bound = []
     for name, experts in experts_modules(model).items():

@@ -27,8 +27,8 @@ Calibration modes (``LinearExperts.calibration``):
 ``routed_counts`` (when not None) accumulates how many tokens the router sent to each expert.
 ``runner`` (when set, in inference): a kernel path for the whole routed output (the grouped
 Triton GEMM, ``kernels.moe``), else each active expert's Linears run in turn.
-``token_runner`` (when set, in inference, no ``runner``): the same for one token (rows == 1)
-only (the cpu backend's one-op block, ``kernels.cpu_moe``); other shapes go per expert.
+``token_runner`` (when set, in inference, no ``runner``): the same for a few rows, 1 to its
+``max_rows`` (the cpu backend's one-op block, ``kernels.cpu_moe``); more rows go per expert.
 """
 
 from __future__ import annotations
@@ -179,17 +179,21 @@ class LinearExperts(nn.ModuleList):
         self.routed_counts: torch.Tensor | None = None
         # a kernel path computing the routed output in inference (kernels.moe.attach_grouped)
         self.runner = None
-        # one token's routed output in one kernel call (kernels.cpu_moe.attach_cpu_token)
+        # a few rows' routed output in one kernel call (kernels.cpu_moe.attach_cpu_token), up to
+        # its max_rows rows
         self.token_runner = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.runner is not None and self.calibration is None and self.routed_counts is None:
             return self.runner(hidden_states, top_k_index, top_k_weights)
         n, rows = len(self), hidden_states.shape[0]
-        if rows == 1 and self.calibration is None and self.routed_counts is None:
-            if self.token_runner is not None and hidden_states.is_cpu:  # its layouts stay on CPU
-                return self.token_runner(hidden_states, top_k_index, top_k_weights)
-            return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
+        if self.calibration is None and self.routed_counts is None:
+            runner = self.token_runner
+            # the token runner's layouts stay on CPU
+            if runner is not None and 0 < rows <= runner.max_rows and hidden_states.is_cpu:
+                return runner(hidden_states, top_k_index, top_k_weights)
+            if rows == 1:
+                return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
         tokens, slots, counts = routing_order(top_k_index, n)
         if self.routed_counts is not None:
             self.routed_counts += torch.tensor(counts, device=self.routed_counts.device)
