@@ -58,12 +58,7 @@ def _block_modes(experts, runner):
 
     h0 = torch.randn(1, r.inter).to(torch.bfloat16)
 
-    def per_expert(x, ids, w):
-        experts.token_runner = None
-        try:
-            return experts(x, ids, w)
-        finally:
-            experts.token_runner = runner
+    per_expert = _without_op(experts, runner)
 
     def python_loop(x, ids, w):
         out = None
@@ -81,6 +76,19 @@ def _block_modes(experts, runner):
 
     return {"per-expert module path": per_expert, "python loop over bound ops": python_loop,
             "the 16 qgemm calls alone": qgemm_only, "one op (moe_token)": runner}
+
+
+def _without_op(experts, runner):
+    """``experts``' call with its one-op runner unset: the per-expert path."""
+
+    def per_expert(x, ids, w):
+        experts.token_runner = None
+        try:
+            return experts(x, ids, w)
+        finally:
+            experts.token_runner = runner
+
+    return per_expert
 
 
 def _op_calls(fn, *args) -> int:
@@ -102,12 +110,7 @@ def _op_calls(fn, *args) -> int:
 def _rows_steps(experts, runner, rows: list[int], rounds: int, reps: int = 20) -> None:
     """Print, per T in ``rows``, one block step of T tokens: per-expert path against the op."""
 
-    def per_expert(x, ids, w):
-        experts.token_runner = None
-        try:
-            return experts(x, ids, w)
-        finally:
-            experts.token_runner = runner
+    per_expert = _without_op(experts, runner)
 
     modes = {"per-expert": per_expert, "one op": experts}
     inputs = {}

@@ -438,7 +438,9 @@ def wq_linear(
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
     backend = "interpreter" if configs.interpreting() else configs.current_target()[0]
-    packed = gemv_packed(x.dtype, fb, group, g_idx is not None, backend, ASM_PAIR_OPS) if _packed_x_ok(x) else 0
+    # the packed GEMV's variant (0: none); only asked where a GEMV can run
+    packed = (gemv_packed(x.dtype, fb, group, g_idx is not None, backend, ASM_PAIR_OPS)
+              if m <= GEMV_MAX_M and _packed_x_ok(x) else 0)
     if m <= GEMV_MAX_M and (packed or not preshuffled):  # a pre-shuffled qweight: the packed GEMV only
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), split_k)  # noqa: E731
         meta["BLOCK_M"] = _next_pow2(m)
