@@ -60,9 +60,10 @@ def _check_head_scheme(head: nn.Module, scheme: QuantScheme) -> None:
         )
 
 
-# The output head of a draft at 8 bits per channel: on SmolLM2-135M as lossless for agreement
-# with the target as the dense head (0.874 vs 0.871 of greedy tokens, W4 g32 body) at half the
-# bytes of bf16; at the body's 4 bits agreement drops (0.861; W4 g128 RTN: 0.745 vs 0.784).
+# The output head of a draft at 8 bits per channel, chosen on validation prompts
+# (benchmarks/specdec_prompts_validation.jsonl; benchmarks/results/specdec-draft-head.md): on
+# SmolLM2-135M it agrees with the target as often as the dense head (RTN W4 g128 body 0.744 vs
+# 0.744, AWQ+GPTQ W4 g32 body 0.894 vs 0.886) at half the bytes of bf16; a W4 g128 head drops to 0.689.
 DRAFT_HEAD = QuantScheme(bits=8, group_size=-1)
 
 
