@@ -109,9 +109,9 @@ def test_awq_options_validated():
 
 
 def test_clip_by_bit_width_unless_set():
-    w4, w3 = QuantScheme(4, 128, False), QuantScheme(3, 128, False)
-    assert not clip_wanted(None, w4) and clip_wanted(None, w3)
-    assert clip_wanted(True, w4) and not clip_wanted(False, w3)
+    w8, w4, w3 = QuantScheme(8, 128, False), QuantScheme(4, 128, False), QuantScheme(3, 128, False)
+    assert not clip_wanted(None, w8) and clip_wanted(None, w4) and clip_wanted(None, w3)
+    assert clip_wanted(True, w8) and not clip_wanted(False, w3)
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "phi3"])

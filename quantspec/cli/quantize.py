@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--save-scales", help="AWQ: save the searched scales to this file")
     p.add_argument("--load-scales", help="AWQ: reuse scales saved by --save-scales")
     p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
-                   help="AWQ: search per-group weight clipping (default: at 3 bits and below)")
+                   help="AWQ: search per-group weight clipping (default: at 4 bits and below)")
     p.add_argument("--clip-min-gain", type=float,
                    help="AWQ: clip a group only where it lowers the group's output error by more than this "
                         "fraction (default 0.3; 0 keeps every clip that helps at all)")
