@@ -23,6 +23,8 @@ softmax runs in bf16, ours in fp32), with greedy tokens equal to ``generate``'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import helpers
 import pytest
 import torch
@@ -36,6 +38,7 @@ from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.models.experts import LinearExperts
 from quantspec.quant.recipe import Recipe
 from quantspec.runtime.decoder import StaticDecoder, fast_decoder
+from quantspec.runtime.families import FAMILIES
 from quantspec.runtime.kv import KVDecoder
 
 WINDOW = 5
@@ -264,6 +267,9 @@ def test_trees_run_inside_the_window_and_are_refused_past_it():
 
 
 def test_what_does_not_fit_is_refused_and_falls_back():
+    """A block without its sinks or its MLP: ``family_of`` names what is missing and
+    ``fast_decoder`` falls back to transformers; a rotary embedding of another width than the
+    family declares is refused when the decoder is built."""
     model = gpt_oss()
     del model.model.layers[1].self_attn.sinks
     with pytest.raises(QuantspecError, match=r"layers\.1\.self_attn\.sinks"):
@@ -273,3 +279,6 @@ def test_what_does_not_fit_is_refused_and_falls_back():
     del model.model.layers[3].mlp
     with pytest.raises(QuantspecError, match=r"layers\.3\.mlp"):
         StaticDecoder(model)
+    full_width = replace(FAMILIES["gpt_oss"], rotary_half=False)  # a rotary narrower than the heads
+    with pytest.raises(QuantspecError, match="covers 8 of 16 head dimensions"):
+        StaticDecoder(gpt_oss(), family=full_width)
