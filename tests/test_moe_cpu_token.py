@@ -270,16 +270,20 @@ def test_static_decoder_decodes_the_same_tokens(dtype, biased, monkeypatch):
     _same_decoding(blocks, lambda: _greedy(StaticDecoder(model), prompt), dtype, len(prompt), fused_views)
 
 
+@pytest.mark.parametrize("decoder", ["KVDecoder", "StaticDecoder"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpt_oss_decodes_the_same_tokens(dtype, monkeypatch):
-    """GPT-OSS greedy decoding through transformers with its KV cache (``KVDecoder``: the static
-    decoder has no GPT-OSS declaration): the prompt's and each decoded token's blocks run as the
-    op, and the tokens and logits are the per-expert path's."""
+def test_gpt_oss_decodes_the_same_tokens(dtype, decoder, monkeypatch):
+    """GPT-OSS greedy decoding through transformers with its KV cache (``KVDecoder``) and
+    through the static decoder (its experts' gate/up fused, with their biases, as views of the
+    op's stack): the prompt's and each decoded token's blocks run as the op, and the tokens and
+    logits are the per-expert path's."""
+    from quantspec.runtime.decoder import StaticDecoder
     from quantspec.runtime.kv import KVDecoder
 
     model, _ = quantized("gpt_oss", dtype, "auto", monkeypatch, edit=gpt_oss_biases, swiglu_limit=LIMIT)
     prompt = torch.randint(3, 300, (5,), generator=torch.Generator().manual_seed(4))
-    _same_decoding(experts_modules(model), lambda: _greedy(KVDecoder(model), prompt), dtype, len(prompt))
+    make = {"KVDecoder": KVDecoder, "StaticDecoder": StaticDecoder}[decoder]
+    _same_decoding(experts_modules(model), lambda: _greedy(make(model), prompt), dtype, len(prompt))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

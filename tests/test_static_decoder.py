@@ -11,21 +11,20 @@ rounding of the output).
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 
+from quantspec.core.scheme import QuantScheme
 from quantspec.errors import QuantspecError
 from quantspec.kernels import dense, small_ops
 from quantspec.kernels.cpu_ext import load_cpu_ext
 from quantspec.kernels.quant_linear import QuantLinear
 from quantspec.kernels.siblings import Siblings
 from quantspec.quant.rtn import rtn
-from quantspec.core.scheme import QuantScheme
 from quantspec.runtime.decoder import StaticDecoder, fast_decoder
 from quantspec.runtime.kv import KVDecoder
 from quantspec.specdec.selfdraft import quantize_in_memory
-
-import helpers
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -306,9 +305,14 @@ needs_avx512 = pytest.mark.skipif(
     (2, 5, 4, 4, 32, 7),    # verification: 5 causal queries, no grouping
     (1, 3, 8, 1, 128, 0),   # prefill from an empty cache, multi-query
 ])
-def test_attend_op_matches_rope_cache_write_and_sdpa(dtype, tol, b, t, h, kv, d, lo):
-    """fp32: another summation order (1e-5); bf16: the output rounded once (2e-2 of max)."""
+@pytest.mark.parametrize("sinks,window", [(False, None), (True, None), (False, 4), (True, 4)])
+def test_attend_op_matches_rope_cache_write_and_sdpa(dtype, tol, b, t, h, kv, d, lo, sinks, window):
+    """fp32: another summation order (1e-5); bf16: the output rounded once (2e-2 of max). With
+    GPT-OSS's sinks (fp32 [H], N(0, 2^2) against logits of size ~1) and a sliding window of 4
+    (which cuts every case but the prefill's first queries) against the reference's masked
+    fp32 attention."""
     g = torch.Generator().manual_seed(b * 100 + t)
+    sink = 2 * torch.randn(h, generator=g) if sinks else None
     fused = torch.randn(b, t, (h + 2 * kv) * d, generator=g).to(dtype)
     q, k, v = (x.view(b, t, -1, d) for x in fused.split([h * d, kv * d, kv * d], dim=-1))
     cos = torch.randn(b, t, d, generator=g).to(dtype)
@@ -316,8 +320,8 @@ def test_attend_op_matches_rope_cache_write_and_sdpa(dtype, tol, b, t, h, kv, d,
     kc = torch.randn(b, kv, lo + t + 9, d, generator=g).to(dtype)
     vc = torch.randn(b, kv, lo + t + 9, d, generator=g).to(dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    got = small_ops.attend(q, k, v, cos, sin, kc, vc, lo)
-    want = small_ops.attend_reference(q, k, v, cos, sin, kc_ref, vc_ref, lo)
+    got = small_ops.attend(q, k, v, cos, sin, kc, vc, lo, sink, window)
+    want = small_ops.attend_reference(q, k, v, cos, sin, kc_ref, vc_ref, lo, sink, window)
     assert got.shape == (b, t, h * d) and got.dtype == dtype
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
     assert torch.equal(vc, vc_ref)  # values copied as they are, nothing else touched

@@ -17,11 +17,15 @@
 //   speculative tokens). Both: tiles of up to 8 rows of x by 3-8 rows of w, blocks of 48 rows of
 //   w read from memory once for every 8 rows of x.
 // attend(q [B, t, H, D], k [B, t, KV, D], v [B, t, KV, D], cos [B, t, D], sin [B, t, D], kc, vc
-//   [B, KV, cap, D], lo, scale) -> [B, t, H * D]: one decode step of a block's attention with
-//   no holes in the cache: rope (as rope() above) on q and k, k and v written into the caches at
-//   columns [lo, lo + t), and causal attention of query i over columns [0, lo + i] (softmax in
-//   fp32, one rounding of the output); grouped-query heads share their KV head. q, k, v may be
-//   strided views of one fused product. Five ops and two copies of transformers' path in one.
+//   [B, KV, cap, D], lo, scale, sinks, window) -> [B, t, H * D]: one decode step of a block's
+//   attention with no holes in the cache: rope (as rope() above) on q and k, k and v written
+//   into the caches at columns [lo, lo + t), and causal attention of query i over columns
+//   [0, lo + i] (softmax in fp32, one rounding of the output); grouped-query heads share their
+//   KV head. q, k, v may be strided views of one fused product. Five ops and two copies of
+//   transformers' path in one. sinks (optional, fp32 [H]): one more logit per head in the
+//   softmax's denominator, a column with no value (GPT-OSS's attention sinks). window > 0: query
+//   i sees only columns (lo + i - window, lo + i] (sliding-window attention; without holes a
+//   column is its position).
 // argmax_rows(x [R, V] fp32 or bf16) -> int64 [R]: torch.argmax(x, -1) (the first maximum; a
 //   NaN counts as the maximum, the first NaN wins), vectorised: torch's CPU argmax reads 49152
 //   logits at a few hundred MB/s, a large share of a draft step of a small model.
@@ -34,6 +38,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -326,7 +331,8 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
 template <typename T>
 __attribute__((target("avx512f"))) void attend_rows(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* cs,
-    const T* sn, torch::Tensor& kc, torch::Tensor& vc, int64_t lo, float scale, T* out) {
+    const T* sn, torch::Tensor& kc, torch::Tensor& vc, int64_t lo, float scale, const float* sinks,
+    int64_t window, T* out) {
   const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3), KV = k.size(2);
   const int64_t half = D / 2, group = H / KV, cap = kc.size(2);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
@@ -364,18 +370,19 @@ __attribute__((target("avx512f"))) void attend_rows(
       const T* kb = kcp + (b * KV + g) * cap * D;
       const T* vb = vcp + (b * KV + g) * cap * D;
       const int64_t L = lo + i + 1;
-      float top = -INFINITY;
-      for (int64_t col = 0; col < L; ++col) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      float top = sinks ? sinks[hh] : -INFINITY;
+      for (int64_t col = first; col < L; ++col) {
         __m512 dot = _mm512_setzero_ps();
         for (int64_t j = 0; j < D; j += 16)
           dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + j), load16(kb + col * D + j), dot);
         score[col] = _mm512_reduce_add_ps(dot) * scale;
         top = std::max(top, score[col]);
       }
-      float total = 0.f;
-      for (int64_t col = 0; col < L; ++col) total += (score[col] = std::exp(score[col] - top));
+      float total = sinks ? std::exp(sinks[hh] - top) : 0.f;
+      for (int64_t col = first; col < L; ++col) total += (score[col] = std::exp(score[col] - top));
       for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t col = 0; col < L; ++col) {
+      for (int64_t col = first; col < L; ++col) {
         const __m512 p = _mm512_set1_ps(score[col]);
         for (int64_t j = 0; j < D; j += 16)
           acc[j / 16] = _mm512_fmadd_ps(p, load16(vb + col * D + j), acc[j / 16]);
@@ -395,7 +402,8 @@ __attribute__((target("avx512f"))) void attend_rows(
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor kc,
-                     torch::Tensor vc, int64_t lo, double scale) {
+                     torch::Tensor vc, int64_t lo, double scale,
+                     const c10::optional<torch::Tensor>& sinks, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
                   q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "attend: q [B, t, H, D], k and v [B, t, KV, D] disagree");
@@ -412,22 +420,27 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(cos.sizes() == cshape && sin.sizes() == cshape, "attend: cos and sin must be [B, t, D]");
   for (const torch::Tensor& t : {k, v, cos, sin, kc, vc})
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "attend: all tensors must share a dtype");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat && sinks->dim() == 1 &&
+                                      sinks->size(0) == H && sinks->is_contiguous()),
+              "attend: sinks must be contiguous fp32 [H]");
+  TORCH_CHECK(window >= 0, "attend: window must be >= 0 (0: none)");
   TORCH_CHECK(cpu_has_avx512f(), "attend needs AVX-512F");
+  const float* sk = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const torch::Tensor c = cos.contiguous(), sn = sin.contiguous();
   torch::Tensor out = torch::empty({B, Tn, H * D}, q.options());
 #ifdef QS_X86
   AT_DISPATCH_SWITCH(q.scalar_type(), "attend",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
-                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+                            static_cast<float>(scale), sk, window, out.data_ptr<scalar_t>());
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
-                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+                            static_cast<float>(scale), sk, window, out.data_ptr<scalar_t>());
     })
     AT_DISPATCH_CASE(at::kHalf, [&] {
       attend_rows<scalar_t>(q, k, v, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), kc, vc, lo,
-                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+                            static_cast<float>(scale), sk, window, out.data_ptr<scalar_t>());
     }));
 #endif
   return out;
@@ -501,7 +514,7 @@ TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("has_avx512f() -> bool", &cpu_has_avx512f);
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, "
-        "int lo, float scale) -> Tensor");
+        "int lo, float scale, Tensor? sinks=None, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {

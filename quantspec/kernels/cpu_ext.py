@@ -162,5 +162,5 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("quantspec_cpu::attend")
-    def _attend_fake(q, k, v, cos, sin, kc, vc, lo, scale):
+    def _attend_fake(q, k, v, cos, sin, kc, vc, lo, scale, sinks=None, window=0):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))

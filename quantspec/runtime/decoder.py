@@ -19,6 +19,11 @@ the masked attention path: each node's mask row is the committed columns plus it
 columns, and ``keep_path`` copies the kept nodes' keys and values next to the committed ones.
 Blocks with a sliding window refuse trees once the window would cut the cache.
 
+GPT-OSS (``families``: attention sinks, half-width rotary, a norm rounded once, MoE-only
+blocks) runs the same way: its sinks go into the softmax of both attention paths (the
+extension's ``attend`` and the fp32 ``small_ops.attention``), and a block's sliding window is
+applied by ``attend`` too as long as the cache has no holes.
+
 A checkpoint with KV-cache scales (``runtime.kv_quant.kv_quantizer``) has every key (after
 RoPE) and value rounded to its grid as it is written, as ``QuantKVCache`` does on the
 transformers path, so both decoders compute attention on what a quantized cache holds.
@@ -26,17 +31,24 @@ transformers path, so both decoders compute attention on what a quantized cache 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QuantspecError
 from ..kernels.dense import fast_linear
-from ..kernels.small_ops import attend, rms_norm, rope, signed_sin, silu_mul
 from ..kernels.siblings import Siblings
+from ..kernels.small_ops import (
+    attend,
+    attention,
+    rms_norm,
+    rms_norm_rounded_once,
+    rope,
+    signed_sin,
+    silu_mul,
+)
 from .families import DecoderFamily, family_of, is_moe_block
 from .kv_quant import kv_quantizer
 from .protocol import Decoder, TreeRegion, kept_columns
@@ -62,6 +74,7 @@ class _Block:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     window: int | None  # sliding-window attention of this block, in positions
+    sinks: torch.Tensor | None  # fp32 [H]: each head's sink logit (GPT-OSS)
 
 
 class StaticDecoder(Decoder):
@@ -86,10 +99,30 @@ class StaticDecoder(Decoder):
         self.rotary = model.get_submodule(self.family.rotary)
         final = model.get_submodule(arch.final_norm)
         self.final_norm, self.eps = final.weight, _eps(final, eps)
+        self.norm = rms_norm_rounded_once if self.family.norm_rounds_once else rms_norm
         self.lm_head = fast_linear(model.get_submodule(arch.lm_head))
         self.blocks = [self._block(b, config) for b in arch.block_list(model)]
         self.kv = kv_quantizer(model)  # None: the cache stores keys and values as computed
+        self._check_rotary()
         self.reset()
+
+    def _check_rotary(self) -> None:
+        """Refuse a rotary embedding narrower than the heads (partial rotary) or of another
+        width than the family declares."""
+        with torch.no_grad():
+            cos, _ = self._rotary(self.embed.weight[:1].unsqueeze(0), torch.zeros(1, 1, dtype=torch.int64,
+                                                                                   device=self.device))
+        if cos.shape[-1] != self.head_dim:
+            raise QuantspecError(f"{self.model.config.model_type}'s rotary embedding covers {cos.shape[-1]} of "
+                                 f"{self.head_dim} head dimensions", "run it through transformers.")
+
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, t, D] of positions ``pos`` [B, t] from the model's own rotary module
+        (a half-width one's repeated: rotating the halves is rotate_half with cos, sin twice)."""
+        cos, sin = self.rotary(x, pos)
+        if self.family.rotary_half:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return cos, sin
 
     def _block(self, block: nn.Module, config) -> _Block:
         fam = self.family
@@ -99,6 +132,7 @@ class StaticDecoder(Decoder):
         if window is None and getattr(config, "model_type", "") in ("mistral", "mixtral"):
             window = getattr(config, "sliding_window", None)
         moe = get(fam.moe) if is_moe_block(block, fam) else None
+        dense = moe is None and fam.gate_up is not None and fam.down is not None
         if moe is not None and self.fuse:  # each expert's gate and up as one product
             from ..models.experts import experts_modules
 
@@ -113,12 +147,13 @@ class StaticDecoder(Decoder):
             qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),
             out=fast_linear(get(fam.out)),
             mlp_norm=get(fam.mlp_norm).weight,
-            gate_up=None if moe is not None else Siblings([get(n) for n in fam.gate_up], fuse=self.fuse),
-            down=None if moe is not None else fast_linear(get(fam.down)),
+            gate_up=Siblings([get(n) for n in fam.gate_up], fuse=self.fuse) if dense else None,
+            down=fast_linear(get(fam.down)) if dense else None,
             moe=moe,
             q_norm=qn,
             k_norm=kn,
             window=int(window) if window else None,
+            sinks=block.get_parameter(fam.sinks).detach().float() if fam.sinks else None,
         )
 
     @property
@@ -221,7 +256,7 @@ class StaticDecoder(Decoder):
         x = self._blocks(ids, pos, None)
         if keep:
             x = x[:, -keep:]
-        return rms_norm(x, self.final_norm, self.eps)
+        return self.norm(x, self.final_norm, self.eps)
 
     @torch.inference_mode()
     def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
@@ -261,7 +296,7 @@ class StaticDecoder(Decoder):
         committed = self.mask[:, :start].unsqueeze(1).expand(batch, t, start)
         allowed = torch.cat([committed, sees.to(dev)], dim=2).unsqueeze(1)  # [B, 1, t, width + t]
         self.mask = torch.cat([self.mask, real], dim=1)
-        return rms_norm(self._blocks(ids, pos, allowed), self.final_norm, self.eps)
+        return self.norm(self._blocks(ids, pos, allowed), self.final_norm, self.eps)
 
     @torch.inference_mode()
     def keep_path(self, paths) -> None:
@@ -290,21 +325,20 @@ class StaticDecoder(Decoder):
         attention of a tree forward (else the causal one over the row masks)."""
         t = ids.shape[1]
         x = self.embed(ids)
-        cos, sin = self.rotary(x, pos)
+        cos, sin = self._rotary(x, pos)
         sin = signed_sin(sin)
         b, h, kv, d = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         masks: dict[int | None, torch.Tensor | None] = {}
         lo, hi = self.width, self.width + t
         for i, blk in enumerate(self.blocks):
-            y = rms_norm(x, blk.attn_norm, self.eps)
+            y = self.norm(x, blk.attn_norm, self.eps)
             q, k, v = blk.qkv(y)
             q, k, v = q.view(b, t, h, d), k.view(b, t, kv, d), v.view(b, t, kv, d)
             if blk.q_norm is not None:
                 q, k = rms_norm(q, blk.q_norm, self.eps), rms_norm(k, blk.k_norm, self.eps)
             kc, vc = self._k[i], self._v[i]
-            if (self.kv is None and tree_mask is None and self.mask is None
-                    and (blk.window is None or hi <= blk.window)):
-                o = attend(q, k, v, cos, sin, kc, vc, lo)  # no holes: causal over the cache
+            if self.kv is None and tree_mask is None and self.mask is None:
+                o = attend(q, k, v, cos, sin, kc, vc, lo, blk.sinks, blk.window)  # no holes: causal
             else:
                 if blk.window not in masks:
                     masks[blk.window] = tree_mask if tree_mask is not None else self._attn_mask(t, pos, blk.window)
@@ -314,14 +348,13 @@ class StaticDecoder(Decoder):
                     k, v = self.kv(k, i, 0), self.kv(v, i, 1)
                 kc[:, :, lo:hi] = k
                 vc[:, :, lo:hi] = v
-                o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi],
-                    attn_mask=masks[blk.window], enable_gqa=h != kv,
-                ).transpose(1, 2).reshape(b, t, h * d)
+                o = attention(q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi], masks[blk.window], blk.sinks)
+                o = o.transpose(1, 2).reshape(b, t, h * d)
             x = x + blk.out(o)
-            y = rms_norm(x, blk.mlp_norm, self.eps)
+            y = self.norm(x, blk.mlp_norm, self.eps)
             if blk.moe is not None:
-                x = x + blk.moe(y)
+                out = blk.moe(y)
+                x = x + (out[0] if self.family.moe_returns_scores else out)
             else:
                 gate, up = blk.gate_up(y)
                 x = x + blk.down(silu_mul(gate, up))
