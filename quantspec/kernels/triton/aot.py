@@ -145,7 +145,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
             preshuffled = wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
         c["PRESHUFFLED"] = int(preshuffled)  # True: mma16x64 (1); 2: mfma16x128
         asm = wq_gemm.ASM_DOT_PAIR_OPS if asm is None else asm
-        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, zeros, asm)
+        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, asm)
     return c
 
 
