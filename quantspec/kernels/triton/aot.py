@@ -35,6 +35,7 @@ PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 WQ_VARIANTS = {
     "fp16-w4g128-sym": ("fp16", 4, 128, False, False, True),
     "bf16-w4g128-asym": ("bf16", 4, 128, True, False, True),
+    "fp16-w4g128-asym": ("fp16", 4, 128, True, False, True),
     "fp16-w4g128-gidx-masked": ("fp16", 4, 128, True, True, False),
     "bf16-w8pc": ("bf16", 8, wq_gemm.PER_CHANNEL_GROUP, False, False, True),
     "fp32-w3g32-masked": ("fp32", 3, 32, True, False, False),
