@@ -561,8 +561,9 @@ def test_gpu_fp8_w8a8_matches_reference(preset, dtype, m):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("m", (1, 2))
 def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypatch):
-    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN: what
-    ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the reference."""
+    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN, v_fma_mix_f32 for bf16
+    x on ROCm: what ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the
+    reference."""
     mods = _gpu()
     monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", True)
     backend = mods.backend.TritonBackend(autotune=False)
@@ -577,10 +578,10 @@ def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypa
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("m", (3, 16, 32, 300))
 def test_gpu_dot_inline_asm_matches_reference(lay, dtype, m, monkeypatch):
-    """The tl.dot kernel with its fp16 pairs of code - zero as inline PTX (what
-    ``wq_gemm.ASM_DOT_PAIR_OPS`` turns on once this passes on hardware; ROCm runs the plain path)
-    against the reference, on each layout: small-M and tiled, sym and asym, per channel (the asym
-    and bf16 pairs stay plain)."""
+    """The tl.dot kernel with its pairs of code - zero as inline asm (what
+    ``wq_gemm.ASM_DOT_PAIR_OPS`` turns on once this passes on hardware: PTX on CUDA, AMDGCN on ROCm,
+    fp16 and bf16, the zero pairs built from the integer) against the reference, on each layout:
+    small-M and tiled, sym and asym, per channel."""
     mods = _gpu()
     monkeypatch.setattr(mods.wq, "ASM_DOT_PAIR_OPS", True)
     backend = mods.backend.TritonBackend(autotune=False, weight_layout=lay)

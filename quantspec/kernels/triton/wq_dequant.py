@@ -115,13 +115,6 @@ def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _f16_neg_pair(v):
-    """-v (fp32, exact in fp16) as the uint32 fp16 pair (-v, -v)."""
-    b = (-v).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return b | (b << 16)
-
-
-@triton.jit
 def _load_wt_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN: tl.constexpr, BLOCK_K: tl.constexpr,
                    ASM: tl.constexpr, BF16: tl.constexpr):
     """W.T [BLOCK_N, BLOCK_K] code - zero of 4-bit GPTQ words, fp16 (BF16: bf16), two fields a

@@ -24,9 +24,11 @@ GEMV_CHAIN = tl.constexpr(4)  # packed fp16 GEMV: words per fp16 partial sum (4 
 # -- the packed GEMV's building blocks ---------------------------------------------------------
 # A uint32 holds a pair of fp16 lanes (lane 0: bits 0-15). Each pair operation is one
 # instruction through inline asm on the GPUs: PACKED = 2 PTX (fma.rn.f16x2, prmt.b32, LOP3 from
-# plain Triton), PACKED = 3 AMDGCN (v_pk_fma_f16, v_perm_b32, v_and_or_b32). PACKED = 1 runs the
-# same operations in plain Triton, lane by lane (the interpreter): IEEE fmas rounded once per
-# lane and byte moves, the same bits (test_packed_gemv_bit_tricks_match_their_emulation).
+# plain Triton), PACKED = 3 AMDGCN (v_pk_fma_f16, v_perm_b32, v_and_or_b32, v_fma_mix_f32 for bf16
+# x; a chain of them one asm statement, pair_ops.py). PACKED = 1 runs the same operations in plain
+# Triton, lane by lane (the interpreter): IEEE fmas rounded once per lane and byte moves, the same
+# bits (test_packed_gemv_bit_tricks_match_their_emulation). Zero pairs come from the integer zero
+# point (pair_ops._gemv_zero_pairs).
 
 
 @triton.jit
