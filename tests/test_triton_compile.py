@@ -333,15 +333,16 @@ def test_small_m_asm_pairs(target_name, variant, code):
 
 def test_dot_asm_only_where_asked():
     """ASM is off by default on every target (``wq_gemm.ASM_DOT_PAIR_OPS``: what the launcher and
-    the AOT compiles read), and asked for it is set for fp16 and bf16 x with 4-bit fields: 2 (PTX)
-    on CUDA, 3 (AMDGCN) on ROCm; fp32 x and other field widths keep the plain pair operations."""
+    the AOT compiles read), and asked for it is set for fp16 and bf16 x with 4-bit fields and no
+    g_idx: 2 (PTX) on CUDA, 3 (AMDGCN) on ROCm; fp32 x, other field widths and g_idx keep the plain
+    path."""
     assert not aot.wq_gemm.ASM_DOT_PAIR_OPS
     for target_name in TARGETS:
         for variant in WQ_VARIANTS:
-            act, bits = WQ_VARIANTS[variant][:2]
+            act, bits, _, _, gidx, _ = WQ_VARIANTS[variant]
             for family in ("small_m", "large_m"):
                 assert not aot.wq_constexprs(family, variant, target_name=target_name)["ASM"]
-                want = {"cuda": 2, "hip": 3}[TARGETS[target_name][0].backend] if act != "fp32" and bits == 4 else 0
+                want = {"cuda": 2, "hip": 3}[TARGETS[target_name][0].backend] if act != "fp32" and bits == 4 and not gidx else 0
                 assert aot.wq_constexprs(family, variant, target_name=target_name, asm=True)["ASM"] == want
 
 

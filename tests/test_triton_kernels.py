@@ -1033,7 +1033,7 @@ def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     fbits = _u32(fb.view(torch.int32).to(torch.int64))
     for r in range(0, n, 5):
         for i in range(4):
-            regs = {"$1": int(wu[r]) >> (8 * (i // 2)), "$2": 0x000F000F << (4 * (i % 2)), "$3": 0x64006400,
+            regs = {"$1": int(wu[r]) >> (8 * (i // 2)), "$2": 0x000F000F << (4 * (i % 2)), "$3": po.MAGIC_F16.value,
                     "$4": 0x1C001C00 if i % 2 else 0x2C002C00, "$5": int(zc[i % 2][r])}
             assert _run_amdgcn(po.AMD_DEQUANT_PAIR.value, regs) == int(d_ref[i][r])
         regs = {"$1": 0, **{f"${2 + i}": int(_u32(q[r, i])) for i in range(4)}, **{f"${6 + i}": int(d_ref[i][r]) for i in range(4)}}
@@ -1275,10 +1275,11 @@ def test_dot_pair_blocks_match_the_plain_pair_ops(tk):
                 f16 = int(_pack16(p[row, col, 2 * i], p[row, col, 2 * i + 1]))
                 bf = int(_pack16(*(v.view(torch.float16) for v in (pb[row, col, 2 * i], pb[row, col, 2 * i + 1]))))
                 assert _run_ptx(ptx, {"$1": ws, "$2": nz}) == f16, (i, row, col)
-                mask = 0x00F000F0 if i % 2 else 0x000F000F
-                assert _run_amdgcn(amd, {"$1": ws, "$2": nz, "$3": mask, "$4": 0x64006400, "$5": 0x2C002C00}) == f16
-                assert _run_amdgcn(amd_b, {"$2": ws, "$3": nz, "$4": mask, "$5": 0x64006400, "$6": 0x07060302,
-                                           "$7": 0x2C002C00}) == bf
+                mask = (po.MASK_HI if i % 2 else po.MASK_LO).value  # the blocks' register operands
+                magic, sixteenth = po.MAGIC_F16.value, po.SIXTEENTH_F16.value
+                assert _run_amdgcn(amd, {"$1": ws, "$2": nz, "$3": mask, "$4": magic, "$5": sixteenth}) == f16
+                assert _run_amdgcn(amd_b, {"$2": ws, "$3": nz, "$4": mask, "$5": magic, "$6": po.PERM_HIGH_HALVES.value,
+                                           "$7": sixteenth}) == bf
                 assert _run_ptx(po.PTX_BF16_PAIR.value, {"$1": int(w64[row, col]) >> (4 * i), "$2": nb}) == bf
     assert torch.equal(t.view(torch.int16), r.view(torch.int16))
     assert torch.equal(t.view(nz_, nw, 8), want.to(torch.float16))

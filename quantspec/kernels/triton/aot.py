@@ -146,7 +146,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
             preshuffled = wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
         c["PRESHUFFLED"] = int(preshuffled)  # True: mma16x64 (1); 2: mfma16x128
         asm = wq_gemm.ASM_DOT_PAIR_OPS if asm is None else asm
-        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, asm)
+        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, gidx, asm)
     return c
 
 
@@ -157,8 +157,8 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
     variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
     the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``), for small_m /
-    large_m the fp16 pairs of code - zero as inline PTX (``wq_gemm.dot_asm``: CUDA; None:
-    the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
+    large_m the pairs of code - zero as inline asm (``wq_gemm.dot_asm``: PTX on CUDA, AMDGCN on
+    ROCm; None: the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
     launcher picks it, ``wq_gemm.swap_ab``); ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
     target, ``wq_gemm.preshuffled_default``; True or 1: mma16x64, 2: mfma16x128)."""
     if family == "w8a8":

@@ -104,6 +104,12 @@ def _bf16_pair(ws, nz, ASM: tl.constexpr):
 
 
 # -- AMDGCN fp16 code - zero pairs (``wq_dequant._f16_pair`` with ASM 3) ---------------------------
+# the register operands of the AMDGCN blocks (the tests' emulation reads these same constants)
+MASK_LO = tl.constexpr(0x000F000F)  # the fields at bits 0-3 and 16-19
+MASK_HI = tl.constexpr(0x00F000F0)  # bits 4-7 and 20-23 (odd fields in place)
+MAGIC_F16 = tl.constexpr(0x64006400)  # (1024, 1024)
+SIXTEENTH_F16 = tl.constexpr(0x2C002C00)  # (1/16, 1/16)
+PERM_HIGH_HALVES = tl.constexpr(0x07060302)  # v_perm_b32: the high halves of the two sources
 # v_and_or_b32 (plain Triton's and + or, which LLVM keeps as two instructions) then v_pk_add_f16 with
 # the zero pair (odd fields: v_pk_fma_f16 times 1/16). $0 early-clobbered (written before $2 is
 # read); gfx9's VOP3 takes no literal, so the mask, the magic and 1/16 come in registers ($3-$5).
@@ -126,13 +132,13 @@ def _bf16_pair_f16(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
     ``nz``, the fp16 pair of ``_dot_zero_pair``). ASM 3: one AMDGCN block (``AMD_BF16_PAIR_*``);
     else plain Triton: the same fp16 operations, the lanes converted to bf16 (exact)."""
     if ASM == 3:
-        mask = tl.full(ws.shape, 0x00F000F0 if ODD else 0x000F000F, tl.uint32)
-        magic = tl.full(ws.shape, 0x64006400, tl.uint32)
-        sel = tl.full(ws.shape, 0x07060302, tl.uint32)
+        mask = tl.full(ws.shape, MASK_HI if ODD else MASK_LO, tl.uint32)
+        magic = tl.full(ws.shape, MAGIC_F16, tl.uint32)
+        sel = tl.full(ws.shape, PERM_HIGH_HALVES, tl.uint32)
         if ODD:
             p, _ = tl.inline_asm_elementwise(
                 AMD_BF16_PAIR_ODD, "=&v,=&v,v,v,v,v,v,v",
-                [ws, nz, mask, magic, sel, tl.full(ws.shape, 0x2C002C00, tl.uint32)],
+                [ws, nz, mask, magic, sel, tl.full(ws.shape, SIXTEENTH_F16, tl.uint32)],
                 dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
         else:
             p, _ = tl.inline_asm_elementwise(AMD_BF16_PAIR_EVEN, "=&v,=&v,v,v,v,v,v", [ws, nz, mask, magic, sel],
@@ -173,7 +179,7 @@ AMD_MIX2 = tl.constexpr(_MIX_LO.format(x=1, d=3, c=4) + "\n" + _MIX_HI.format(x=
 def _amd_dequant_pair(w, m, c, zc):
     """((w & m) | 0x64006400) * c + zc per fp16 lane, rounded once (``wq_gemv_packed._dequant_pair``):
     v_and_or_b32 and v_pk_fma_f16 in one block."""
-    magic = tl.full(w.shape, 0x64006400, tl.uint32)
+    magic = tl.full(w.shape, MAGIC_F16, tl.uint32)
     return tl.inline_asm_elementwise(AMD_DEQUANT_PAIR, "=&v,v,v,v,v,v", [w, m, magic, c, zc], dtype=tl.uint32,
                                      is_pure=True, pack=1)
 

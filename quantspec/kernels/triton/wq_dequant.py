@@ -1,15 +1,27 @@
 """The weight-only tl.dot and GEMV kernels' building blocks (wq_gemm.py): packed codes read from
 ``qweight`` (K-major as ``_load_codes``, or transposed for the swapped product as
-``_load_codes_t``), code - zero without conversion instructions (fp16 pairs of 4-bit fields as one
-PTX block each with ASM: ``_f16_pair``), per-element dequantization of tiles spanning several
-groups, and the tl.dot of either orientation (``_dot``)."""
+``_load_codes_t``), code - zero without conversion instructions (pairs of 4-bit fields as one asm
+block each with ASM: ``_f16_pair``, PTX or AMDGCN; bf16 pairs and the zero pairs in pair_ops.py),
+per-element dequantization of tiles spanning several groups, and the tl.dot of either orientation
+(``_dot``)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .pair_ops import AMD_PAIR_EVEN, AMD_PAIR_ODD, _bf16_pair, _bf16_pair_f16, _bf16_zero_pair, _dot_zero_pair
+from .pair_ops import (
+    AMD_PAIR_EVEN,
+    AMD_PAIR_ODD,
+    MAGIC_F16,
+    MASK_HI,
+    MASK_LO,
+    SIXTEENTH_F16,
+    _bf16_pair,
+    _bf16_pair_f16,
+    _bf16_zero_pair,
+    _dot_zero_pair,
+)
 
 
 @triton.jit
@@ -88,11 +100,11 @@ def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
     AMDGCN block (``pair_ops.AMD_PAIR_EVEN`` / ``AMD_PAIR_ODD``: v_and_or_b32, v_pk_add_f16 /
     v_pk_fma_f16), else the same IEEE operations lane by lane in plain Triton: the same bits."""
     if ASM == 3:
-        mask = tl.full(ws.shape, 0x00F000F0 if ODD else 0x000F000F, tl.uint32)
-        magic = tl.full(ws.shape, 0x64006400, tl.uint32)
+        mask = tl.full(ws.shape, MASK_HI if ODD else MASK_LO, tl.uint32)
+        magic = tl.full(ws.shape, MAGIC_F16, tl.uint32)
         if ODD:
             p = tl.inline_asm_elementwise(AMD_PAIR_ODD, "=&v,v,v,v,v,v",
-                                          [ws, nz, mask, magic, tl.full(ws.shape, 0x2C002C00, tl.uint32)],
+                                          [ws, nz, mask, magic, tl.full(ws.shape, SIXTEENTH_F16, tl.uint32)],
                                           dtype=tl.uint32, is_pure=True, pack=1)
         else:
             p = tl.inline_asm_elementwise(AMD_PAIR_EVEN, "=&v,v,v,v,v", [ws, nz, mask, magic],

@@ -252,10 +252,11 @@ ASM_PAIR_OPS = False
 ASM_DOT_PAIR_OPS = False
 
 
-def dot_asm(backend: str, dtype: torch.dtype, fb: int, asm: bool = ASM_DOT_PAIR_OPS) -> int:
-    """ASM of ``_wq_dot_kernel``: with ``asm``, fp16 or bf16 x and 4-bit fields, 2 (PTX) on CUDA, 3
-    (AMDGCN) on ROCm; else 0, the plain-Triton pair operations (the interpreter, fp32 x)."""
-    if not asm or fb != 4 or dtype not in (torch.float16, torch.bfloat16):
+def dot_asm(backend: str, dtype: torch.dtype, fb: int, has_gidx: bool, asm: bool = ASM_DOT_PAIR_OPS) -> int:
+    """ASM of ``_wq_dot_kernel``: with ``asm``, fp16 or bf16 x, 4-bit fields and no g_idx, 2 (PTX) on
+    CUDA, 3 (AMDGCN) on ROCm; else 0, the plain-Triton pair operations (the interpreter, fp32 x; a
+    g_idx tile is dequantized per element, with no pairs)."""
+    if not asm or fb != 4 or has_gidx or dtype not in (torch.float16, torch.bfloat16):
         return 0
     return {"cuda": 2, "hip": 3}.get(backend, 0)
 
@@ -466,7 +467,7 @@ def wq_linear(
         meta["MAGIC16"] = _magic16(x.dtype, fb)
         meta["SWAP_AB"] = swap_ab(family, backend, fb)
         meta["PRESHUFFLED"] = preshuffled
-        meta["ASM"] = dot_asm(backend, x.dtype, fb, ASM_DOT_PAIR_OPS)
+        meta["ASM"] = dot_asm(backend, x.dtype, fb, g_idx is not None, ASM_DOT_PAIR_OPS)
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024
