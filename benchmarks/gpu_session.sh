@@ -42,7 +42,7 @@ for phase in $PHASES; do
           --out "$OUT" --tag=-layout-$layout 2>&1 | grep -v '^{'
       done ;;
     asm)  # layouts' cases with the inline-asm pair operations (--asm): M <= 2 A/Bs wq_gemm.ASM_PAIR_OPS,
-          # M > 2 ASM_DOT_PAIR_OPS (fp16 sym only); the tests phase ran their gpu tests
+          # M > 2 ASM_DOT_PAIR_OPS (sym and asym; fp16 here); the tests phase ran their gpu tests
       stamp "benchmark: inline-asm pair operations"
       for layout in gptq mma16x64; do
         timeout 70 $PY benchmarks/kernel_speed.py --device cuda --asm --prewarm 16 --deadline 50 --m 1 2 4 16 32 \

@@ -13,8 +13,9 @@ layout.py's pre-shuffled mma16x64 (wgmma / mma.sync fragments) or mfma16x128 (MF
 forced, for the variants those layouts hold. gemv_mma / gemv_mfma: the GEMV (M <= 2) on those
 layouts (``wq_gemv_preshuffled.py``, first config of gemv_preshuffled that reads the layout), what
 the launcher runs for a pre-shuffled qweight; ``_asm``: its pair operations as inline asm (as gemv_asm).
-small_m_asm / small_m_mma_asm: the small-M path (the launcher's layout / mma16x64) with the fp16
-pairs of code - zero as inline PTX (``wq_gemm.dot_asm``: CUDA, fp16 x, 4-bit fields, no zero points).
+small_m_asm / small_m_mma_asm / small_m_mfma_asm: the small-M path (the launcher's layout /
+mma16x64 / mfma16x128) with the pairs of code - zero as inline asm (``wq_gemm.dot_asm``: fp16 and bf16
+x, 4-bit fields, PTX on CUDA, AMDGCN on ROCm).
 
     python benchmarks/kernel_isa.py                 # writes benchmarks/results/kernel-isa.{md,json}
     python benchmarks/kernel_isa.py --targets sm90 --families gemv,small_m
@@ -42,10 +43,11 @@ def cases(targets: list[str], families: list[str]):
                     cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
-            elif family in ("small_m_asm", "small_m_mma_asm"):  # fp16 pairs as inline PTX (CUDA, dot_asm)
-                code = 1 if family == "small_m_mma_asm" else None
+            elif family in ("small_m_asm", "small_m_mma_asm", "small_m_mfma_asm"):  # pairs as inline asm (dot_asm)
+                code = {"small_m_asm": None, "small_m_mma_asm": 1, "small_m_mfma_asm": 2}[family]
                 for variant in aot.WQ_VARIANTS:
-                    if aot.wq_constexprs("small_m", variant, target_name=target, asm=True, preshuffled=code)["ASM"]:
+                    if (aot.wq_constexprs("small_m", variant, target_name=target, asm=True, preshuffled=code)["ASM"]
+                            and (code is None or aot.layout_reason(variant) is None)):
                         cfg = aot.first_config("small_m", target, variant, preshuffled=code)
                         yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
                                aot.compile_path("small_m", t, v, c, asm=True, preshuffled=p))
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
     p.add_argument("--families", default="gemv,gemv_asm,gemv_mma,gemv_mfma,gemv_mma_asm,gemv_mfma_asm,small_m,"
-                   "small_m_asm,small_m_gptq,small_m_mma,small_m_mma_asm,small_m_mfma,large_m,w8a8,moe,fp,fp8")
+                   "small_m_asm,small_m_gptq,small_m_mma,small_m_mma_asm,small_m_mfma,small_m_mfma_asm,large_m,w8a8,"
+                   "moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")
     args = p.parse_args(argv)

@@ -561,8 +561,9 @@ def test_gpu_fp8_w8a8_matches_reference(preset, dtype, m):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("m", (1, 2))
 def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypatch):
-    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN: what
-    ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the reference."""
+    """The packed GEMV with its pair operations as inline asm (PTX / AMDGCN, v_fma_mix_f32 for bf16
+    x on ROCm: what ``wq_gemm.ASM_PAIR_OPS`` turns on once this passes on hardware) against the
+    reference."""
     mods = _gpu()
     monkeypatch.setattr(mods.wq, "ASM_PAIR_OPS", True)
     backend = mods.backend.TritonBackend(autotune=False)
@@ -577,10 +578,10 @@ def test_gpu_packed_gemv_inline_asm_matches_reference(scheme, dtype, m, monkeypa
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("m", (3, 16, 32, 300))
 def test_gpu_dot_inline_asm_matches_reference(lay, dtype, m, monkeypatch):
-    """The tl.dot kernel with its fp16 pairs of code - zero as inline PTX (what
-    ``wq_gemm.ASM_DOT_PAIR_OPS`` turns on once this passes on hardware; ROCm runs the plain path)
-    against the reference, on each layout: small-M and tiled, sym and asym, per channel (the asym
-    and bf16 pairs stay plain)."""
+    """The tl.dot kernel with its pairs of code - zero as inline asm (what
+    ``wq_gemm.ASM_DOT_PAIR_OPS`` turns on once this passes on hardware: PTX on CUDA, AMDGCN on ROCm,
+    fp16 and bf16, the zero pairs built from the integer) against the reference, on each layout:
+    small-M and tiled, sym and asym, per channel."""
     mods = _gpu()
     monkeypatch.setattr(mods.wq, "ASM_DOT_PAIR_OPS", True)
     backend = mods.backend.TritonBackend(autotune=False, weight_layout=lay)
@@ -941,16 +942,19 @@ def _emulate_dequant(w, z):
 def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     """The packed GEMV's building blocks (PACKED = 1: plain Triton, what the interpreter runs)
     give the bits of a torch emulation: nibbles to exact fp16 pairs (code - zero) / 16 with the
-    0x6400 magic (every code, every zero point 0..15), x paired (x[i], x[i+4]) by byte permutes,
+    0x6400 magic (every code, every zero point 0..15; the zero pairs built from the integer as the
+    kernels do, the emulation converting -(64 + z / 16)), x paired (x[i], x[i+4]) by byte permutes,
     the packed fp16 fma chain and its fp32 sum, and the bf16 path's fp32 products. The GPU
     paths run the same code with each pair operation one instruction (PTX fma.rn.f16x2 /
-    prmt.b32, AMD v_pk_fma_f16 / v_perm_b32 / v_and_or_b32): IEEE per-lane fmas and byte
-    permutes, which ``_byte_perm`` checks against the plain formulas for the selectors used."""
+    prmt.b32, AMD v_pk_fma_f16 / v_perm_b32 / v_and_or_b32 / v_fma_mix_f32): IEEE per-lane fmas and
+    byte permutes, which ``_byte_perm`` checks against the plain formulas for the selectors used;
+    the AMDGCN chains (``pair_ops.AMD_*``, one asm statement each) emulated give the same bits."""
     import triton
     import triton.language as tl
 
     wq = importlib.import_module("quantspec.kernels.triton.wq_gemv_packed")  # the building blocks
-    globals()["wq"] = wq  # the jit function below resolves names in this module
+    po = importlib.import_module("quantspec.kernels.triton.pair_ops")
+    globals().update(wq=wq, po=po)  # the jit function below resolves names in this module
     n = 256
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -963,10 +967,10 @@ def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     def blocks(w_ptr, z_ptr, x_ptr, xb_ptr, d_ptr, q_ptr, h_ptr, f_ptr, fb_ptr, N: tl.constexpr):
         offs = tl.arange(0, N)
         w = tl.load(w_ptr + offs).to(tl.uint32, bitcast=True)[:, None]
-        z = tl.load(z_ptr + offs).to(tl.float32)[:, None]
+        zi = tl.load(z_ptr + offs).to(tl.uint32)[:, None]
+        z = zi.to(tl.float32)
         m_lo = (tl.zeros_like(w) + 15) * 0x10001
-        zc0 = wq._neg_pair_f16(64.0 + z * 0.0625)
-        zc1 = wq._neg_pair_f16(4.0 + z * 0.0625)
+        zc0, zc1 = po._gemv_zero_pairs(zi)  # what the kernels build (the emulation: -(64 + z/16) converted)
         d0, d1, d2, d3 = wq._dequant_f16x2(w, m_lo, zc0, zc1, 1)
         xp = (x_ptr + offs * 8).to(tl.pointer_type(tl.uint64), bitcast=True)[:, None] + tl.arange(0, 2)[None, :]
         x0, x1, x2, x3 = wq._x_pairs(xp, offs >= 0, True, 1)
@@ -1022,12 +1026,107 @@ def test_packed_gemv_bit_tricks_match_their_emulation(tk):
     for i in (0, 4, 1, 5, 2, 6, 3, 7):
         fb_ref = (xb[:, i].double() * w16[:, i].double() + fb_ref.double()).float()
     assert torch.equal(fb, fb_ref)
+    # the same chains as the AMDGCN blocks of PACKED 3 (pair_ops), emulated instruction by instruction:
+    # the same bits (v_and_or_b32 + v_pk_fma_f16 a pair, 4 v_pk_fma_f16, 8 and 2 v_fma_mix_f32)
+    wu, yb = _u32(words.to(torch.int64)), _u32(xb.view(torch.int16).to(torch.int64)) << 16  # bf16 x as fp32 bits
+    zc = [_pack16(*(2 * [(-(64.0 + zeros * 0.0625)).half()])), _pack16(*(2 * [(-(4.0 + zeros * 0.0625)).half()]))]
+    fbits = _u32(fb.view(torch.int32).to(torch.int64))
+    for r in range(0, n, 5):
+        for i in range(4):
+            regs = {"$1": int(wu[r]) >> (8 * (i // 2)), "$2": 0x000F000F << (4 * (i % 2)), "$3": po.MAGIC_F16.value,
+                    "$4": 0x1C001C00 if i % 2 else 0x2C002C00, "$5": int(zc[i % 2][r])}
+            assert _run_amdgcn(po.AMD_DEQUANT_PAIR.value, regs) == int(d_ref[i][r])
+        regs = {"$1": 0, **{f"${2 + i}": int(_u32(q[r, i])) for i in range(4)}, **{f"${6 + i}": int(d_ref[i][r]) for i in range(4)}}
+        assert _run_amdgcn(po.AMD_FMA4_F16X2.value, regs) == int(h_ref[r])
+        regs = {"$1": 0, **{f"${2 + i}": int(yb[r, i]) for i in range(8)}, **{f"${10 + i}": int(d_ref[i][r]) for i in range(4)}}
+        assert _run_amdgcn(po.AMD_MIX8.value, regs) == int(fbits[r])
+        two = _run_amdgcn(po.AMD_MIX2.value, {"$1": int(yb[r, 0]), "$2": int(yb[r, 4]), "$3": int(d_ref[0][r]), "$4": 0})
+        want2 = (xb[r, 4].double() * w16[r, 4].double() + (xb[r, 0].double() * w16[r, 0].double()).float().double()).float()
+        assert two == int(_u32(want2.view(torch.int32).to(torch.int64)))
+
+
+def _bf16_lanes(v: int):
+    """bf16 lanes 0 and 1 of a uint32, exactly (a bf16 is an fp32's high half)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    return [Fraction(float(np.array([((v >> s) & 0xFFFF) << 16], np.uint32).view(np.float32)[0])) for s in (0, 16)]
+
+
+def _round_bf16(q) -> int:
+    """bf16 bits of the fraction ``q`` rounded to nearest even (q exact in float64, normal range)."""
+    import math
+    from fractions import Fraction
+
+    if q == 0:
+        return 0
+    assert Fraction(float(q)) == q
+    m, e = math.frexp(float(q))  # |m| in [0.5, 1): 8 significant bits are m * 256 rounded
+    r = math.ldexp(round(m * 256) / 256, e)  # round() is half-even
+    return int(torch.tensor([r], dtype=torch.float32).view(torch.int32).item() >> 16) & 0xFFFF
+
+
+def _run_amdgcn(block: str, args: dict) -> int:
+    """The result ($0) of an AMDGCN block (pair_ops' templates) on uint32 ``args``: v_and_or_b32,
+    v_perm_b32 d, s0, s1, sel (``_byte_perm`` of lo = s1, hi = s0), v_pk_add_f16 / v_pk_fma_f16 per
+    fp16 lane, v_cvt_f32_f16 (sdwa src0_sel:WORD_1: the high half), v_fma_mix_f32 (source i is the
+    fp16 half op_sel[i] of its register where op_sel_hi[i] is 1, else fp32: the modifiers LLVM itself
+    emits, test_triton_compile.py::test_amdgcn_templates_read_halves_as_llvm_does); each result rounded
+    once from its exact value (fractions)."""
+    import re
+    from fractions import Fraction
+
+    import numpy as np
+
+    regs = dict(args)
+
+    def f16(v, hi):
+        return Fraction(float(np.array([(v >> (16 * hi)) & 0xFFFF], np.uint16).view(np.float16)[0]))
+
+    def f32(v):
+        return Fraction(float(np.array([v & 0xFFFFFFFF], np.uint32).view(np.float32)[0]))
+
+    def r16(q):
+        assert Fraction(float(q)) == q
+        return int(np.array([float(q)], np.float16).view(np.uint16)[0])
+
+    def r32(q):
+        assert Fraction(float(q)) == q
+        return int(np.array([float(q)], np.float32).view(np.uint32)[0])
+
+    def mods(name, rest):
+        m = re.search(name + r":\[([01,]+)\]", rest)
+        return [int(b) for b in m.group(1).split(",")] if m else [0, 0, 0]
+
+    for line in block.strip().splitlines():
+        op, rest = line.split(None, 1)
+        d, *names = re.findall(r"\$\d+", rest)
+        src = [regs[t] for t in names]
+        if op == "v_and_or_b32":
+            r = (src[0] & src[1]) | src[2]
+        elif op == "v_perm_b32":
+            r = int(_byte_perm(torch.tensor([src[1]]), torch.tensor([src[0]]), src[2])[0])
+        elif op == "v_pk_add_f16":
+            r = r16(f16(src[0], 0) + f16(src[1], 0)) | r16(f16(src[0], 1) + f16(src[1], 1)) << 16
+        elif op == "v_pk_fma_f16":
+            r = sum(r16(f16(src[0], h) * f16(src[1], h) + f16(src[2], h)) << (16 * h) for h in (0, 1))
+        elif op in ("v_cvt_f32_f16_e32", "v_cvt_f32_f16_sdwa"):
+            r = r32(f16(src[0], 1 if "src0_sel:WORD_1" in rest else 0))
+        elif op == "v_fma_mix_f32":
+            sel, hi16 = mods("op_sel", rest), mods("op_sel_hi", rest)
+            a, b, c = (f16(v, sel[i]) if hi16[i] else f32(v) for i, v in enumerate(src))
+            r = r32(a * b + c)
+        else:
+            raise AssertionError(f"no emulation of {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs["$0"]
 
 
 def _run_ptx(block: str, args: dict) -> int:
-    """The result ($0) of a PTX block of mov.b32 / lop3.b32 / add.rn.f16x2 / fma.rn.f16x2 on uint32
-    ``args`` ({"$1": .., "$2": ..}): lop3 bit by bit from its LUT (input bits a b c index bit 4a + 2b
-    + c), the f16x2 ops per fp16 lane exactly (fractions), then rounded once to fp16."""
+    """The result ($0) of a PTX block of mov.b32 / lop3.b32 / add.rn.f16x2 / fma.rn.f16x2 /
+    fma.rn.bf16x2 on uint32 ``args`` ({"$1": .., "$2": ..}): lop3 bit by bit from its LUT (input bits
+    a b c index bit 4a + 2b + c), the x2 ops per 16-bit lane exactly (fractions), then rounded once."""
     from fractions import Fraction
 
     import numpy as np
@@ -1059,6 +1158,9 @@ def _run_ptx(block: str, args: dict) -> int:
             r = sum(f16(p + q) << s for p, q, s in zip(lanes(val(a[1])), lanes(val(a[2])), (0, 16)))
         elif op == "fma.rn.f16x2":
             r = sum(f16(p * q + c) << s for p, q, c, s in zip(lanes(val(a[1])), lanes(val(a[2])), lanes(val(a[3])), (0, 16)))
+        elif op == "fma.rn.bf16x2":
+            r = sum(_round_bf16(p * q + c) << s
+                    for p, q, c, s in zip(_bf16_lanes(val(a[1])), _bf16_lanes(val(a[2])), _bf16_lanes(val(a[3])), (0, 16)))
         else:
             raise AssertionError(f"no emulation of {op}")
         regs[a[0]] = r & 0xFFFFFFFF
@@ -1066,22 +1168,26 @@ def _run_ptx(block: str, args: dict) -> int:
 
 
 @interp
-def test_f16_pair_ptx_matches_the_plain_pair_ops(tk):
-    """The tl.dot kernel's fp16 pairs of code - zero (``wq_dequant._f16_pair``; ASM: one PTX block,
-    what ``wq_gemm.ASM_DOT_PAIR_OPS`` runs on CUDA): the PTX blocks, emulated instruction by
-    instruction (``_run_ptx``), give the bits of the plain-Triton pair operations (what the
-    interpreter runs) for every code at both nibble positions of a lane pair (even: bits 0-3 /
-    16-19, odd: 4-7 / 20-23), lanes 0 and 1, every zero point 0..15: exact code - zero. And the
-    GPTQ-layout W.T they build (``_load_wt_f16_pairs``, plain pair operations) is bit for bit
-    ``_load_codes_t`` + ``_code_minus_zero`` (the field order of the joins), as is the
-    pre-shuffled fragment's asm call (``layout._fragment_register`` with ASM: the shifted word and
-    the negated pair) against its plain path."""
+def test_dot_pair_blocks_match_the_plain_pair_ops(tk):
+    """The tl.dot kernel's pairs of code - zero (ASM: one asm block each, what
+    ``wq_gemm.ASM_DOT_PAIR_OPS`` runs; the zero pairs built from the integer zero point,
+    ``pair_ops``): fp16 (``wq_dequant._f16_pair``: PTX lop3 + add/fma.rn.f16x2, AMDGCN v_and_or_b32 +
+    v_pk_add/fma_f16) and bf16 (``pair_ops._bf16_pair``: PTX lop3 0x43004300 + fma.rn.bf16x2;
+    ``_bf16_pair_f16`` on AMD: the fp16 pair, v_cvt_f32_f16 and v_perm_b32), each block emulated
+    instruction by instruction (``_run_ptx``, ``_run_amdgcn``), give the bits of the plain-Triton
+    pair operations (what the interpreter runs), which are exact code - zero, for every code at
+    each nibble position of a lane pair, lanes 0 and 1, every zero point 0..15. The integer-built
+    zero pairs are the converted values, the GPTQ-layout W.T the pairs build (``_load_wt_pairs``)
+    is ``_load_codes_t`` + ``_code_minus_zero`` bit for bit (fp16) and code - zero (bf16), and the
+    pre-shuffled fragment's asm branch (``layout._fragment_register``: the shifted word, the pair)
+    matches its plain path (fp16; bf16: code - zero)."""
     import triton
     import triton.language as tl
 
     wd = importlib.import_module("quantspec.kernels.triton.wq_dequant")
     lay = importlib.import_module("quantspec.kernels.triton.layout")
-    globals().update(wd=wd, lay=lay)  # the jit function below resolves names in this module
+    po = importlib.import_module("quantspec.kernels.triton.pair_ops")
+    globals().update(wd=wd, lay=lay, po=po)  # the jit function below resolves names in this module
     nz_, nw = 16, 16
     g = torch.Generator().manual_seed(0)
     codes = torch.arange(16, dtype=torch.int64)
@@ -1090,34 +1196,47 @@ def test_f16_pair_ptx_matches_the_plain_pair_ops(tk):
     words[:, 0] = 0x76543210
     words[:, 1] = 0xFEDCBA98
     words = words.to(torch.int32)  # [row (zero point), word]
-    zeros = torch.arange(nz_, dtype=torch.float32)
+    zeros = torch.arange(nz_, dtype=torch.int32)
 
     @triton.jit
-    def pairs(w_ptr, qw_ptr, z_ptr, p_ptr, t_ptr, r_ptr, f_ptr, NZ: tl.constexpr, NW: tl.constexpr):
+    def pairs(w_ptr, qw_ptr, z_ptr, p_ptr, pb_ptr, pa_ptr, zp_ptr, t_ptr, r_ptr, tb_ptr, f_ptr,
+              NZ: tl.constexpr, NW: tl.constexpr):
         rows = tl.arange(0, NZ)
         w = tl.load(w_ptr + rows[:, None] * NW + tl.arange(0, NW)[None, :]).to(tl.uint32, bitcast=True)
-        z = tl.load(z_ptr + rows)
-        for i in tl.static_range(4):  # _f16_pair plain: (ODD, shift) = (i % 2, 8 (i // 2))
+        zi = tl.load(z_ptr + rows).to(tl.uint32)
+        z = zi.to(tl.float32)
+        o8 = (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 8
+        for i in tl.static_range(4):  # fp16 / AMD bf16: (ODD, shift) = (i % 2, 8 (i // 2)); bf16: shift 4i
             ws = w >> (8 * (i // 2))
-            nz = wd._f16_neg_pair(z + (64.0 if i % 2 else 1024.0))[:, None]
-            lo, hi = wd._f16_pair(ws, nz, i % 2 == 1, False)
-            tl.store(p_ptr + (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 8 + 2 * i, lo)
-            tl.store(p_ptr + (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 8 + 2 * i + 1, hi)
-        # the GPTQ W.T (qweight [NW, NZ]: column n = row n's words), plain pair operations against the codes' path
+            nz = po._dot_zero_pair(zi, i % 2 == 1)[:, None]
+            lo, hi = wd._f16_pair(ws, nz, i % 2 == 1, 0)
+            tl.store(p_ptr + o8 + 2 * i, lo)
+            tl.store(p_ptr + o8 + 2 * i + 1, hi)
+            lo, hi = po._bf16_pair(w >> (4 * i), po._bf16_zero_pair(zi)[:, None], 0)
+            tl.store(pb_ptr + o8 + 2 * i, lo)
+            tl.store(pb_ptr + o8 + 2 * i + 1, hi)
+            lo, hi = po._bf16_pair_f16(ws, nz, i % 2 == 1, 0)
+            tl.store(pa_ptr + o8 + 2 * i, lo)
+            tl.store(pa_ptr + o8 + 2 * i + 1, hi)
+        tl.store(zp_ptr + rows * 3, po._dot_zero_pair(zi, False))
+        tl.store(zp_ptr + rows * 3 + 1, po._dot_zero_pair(zi, True))
+        tl.store(zp_ptr + rows * 3 + 2, po._bf16_zero_pair(zi))
+        # the GPTQ W.T (qweight [NW, NZ]: column n = row n's words) from the pairs against the codes' path
         offs_n = tl.arange(0, NZ)
-        wt = wd._load_wt_f16_pairs(qw_ptr, 0, offs_n, 8 * NW, NZ, z, True, 8 * NW, False)
+        wt = wd._load_wt_pairs(qw_ptr, 0, offs_n, 8 * NW, NZ, zi, True, 8 * NW, 0, False)
         ref = wd._code_minus_zero(wd._load_codes_t(qw_ptr, 15, 0, offs_n, 8 * NW, NZ, 4, True, 8 * NW),
                                   z[:, None], wt, False, 0x6400)
         cols = tl.arange(0, 8 * NW)[None, :]
         tl.store(t_ptr + rows[:, None] * 8 * NW + cols, wt)
         tl.store(r_ptr + rows[:, None] * 8 * NW + cols, ref)
-        # the fragment register: the asm branch's call with the plain pair operations against the plain path
-        zr = z[:, None]
+        tl.store(tb_ptr + rows[:, None] * 8 * NW + cols, wd._load_wt_pairs(qw_ptr, 0, offs_n, 8 * NW, NZ, zi, True,
+                                                                          8 * NW, 0, True))
+        # the fragment register: the asm branch's call, with the plain pair operations, against the plain path
         x = tl.zeros([NZ, NW], tl.float16)
         for j in tl.static_range(4):
-            a, b = lay._fragment_register(w, j, zr, x, False, 0x6400, False)
-            nz = wd._f16_neg_pair(zr + (64.0 if j % 2 else 1024.0))
-            c, d = wd._f16_pair(w >> (4 * (j - 1)) if j % 2 else w >> (4 * j), nz, j % 2 == 1, False)
+            a, b = lay._fragment_register(w, j, z[:, None], x, False, 0x6400, False)
+            c, d = wd._f16_pair(w >> (4 * (j - 1)) if j % 2 else w >> (4 * j), po._dot_zero_pair(zi[:, None], j % 2 == 1),
+                                j % 2 == 1, 0)
             o = (rows[:, None] * NW + tl.arange(0, NW)[None, :]) * 16 + 4 * j
             tl.store(f_ptr + o, a)
             tl.store(f_ptr + o + 1, b)
@@ -1125,25 +1244,46 @@ def test_f16_pair_ptx_matches_the_plain_pair_ops(tk):
             tl.store(f_ptr + o + 3, d)
 
     p = torch.zeros(nz_, nw, 8, dtype=torch.float16)
+    pb = torch.zeros(nz_, nw, 8, dtype=torch.bfloat16)
+    pa = torch.zeros(nz_, nw, 8, dtype=torch.bfloat16)
+    zp = torch.zeros(nz_, 3, dtype=torch.int32)
     t = torch.zeros(nz_, 8 * nw, dtype=torch.float16)
     r = torch.ones(nz_, 8 * nw, dtype=torch.float16)
+    tb = torch.zeros(nz_, 8 * nw, dtype=torch.bfloat16)
     f = torch.zeros(nz_, nw, 4, 4, dtype=torch.float16)
-    pairs[(1,)](words, words.T.contiguous(), zeros, p, t, r, f, NZ=nz_, NW=nw)
+    pairs[(1,)](words, words.T.contiguous(), zeros, p, pb, pa, zp, t, r, tb, f, NZ=nz_, NW=nw)
 
+    zf = zeros.float()
     w64 = _u32(words.to(torch.int64))
     fields = (w64[..., None] >> (4 * torch.arange(8))) & 0xF  # [row, word, field]
-    want = (fields - zeros[:, None, None]).to(torch.float16)
-    for i in range(4):  # pair i: fields (i, i + 4); lane 0 bits 0-3 (+4 odd) of w >> 8 (i // 2)
-        assert torch.equal(p[..., 2 * i], want[..., i]) and torch.equal(p[..., 2 * i + 1], want[..., i + 4])
-        block = wd.PTX_PAIR_ODD.value if i % 2 else wd.PTX_PAIR_EVEN.value
-        h = (-(zeros + (64 if i % 2 else 1024))).half()
-        nz = _pack16(h, h)
+    want = fields - zeros[:, None, None]
+    # the integer-built zero pairs are the converted values
+    for col, v, dt in ((0, -(zf + 1024), torch.float16), (1, -(zf + 64), torch.float16), (2, -(zf + 128), torch.bfloat16)):
+        h = v.to(dt)
+        assert torch.equal(_u32(zp[:, col].to(torch.int64)), _pack16(h.view(torch.float16), h.view(torch.float16)))
+    for i in range(4):  # pair i: fields (i, i + 4)
+        for out in (p, pb, pa):
+            assert torch.equal(out[..., 2 * i].float(), want[..., i].float())
+            assert torch.equal(out[..., 2 * i + 1].float(), want[..., i + 4].float())
+        ptx = wd.PTX_PAIR_ODD.value if i % 2 else wd.PTX_PAIR_EVEN.value
+        amd = po.AMD_PAIR_ODD.value if i % 2 else po.AMD_PAIR_EVEN.value
+        amd_b = po.AMD_BF16_PAIR_ODD.value if i % 2 else po.AMD_BF16_PAIR_EVEN.value
         for row in range(nz_):
+            nz, nb = int(_u32(zp[row, i % 2].to(torch.int64))), int(_u32(zp[row, 2].to(torch.int64)))
             for col in range(nw):
-                got = _run_ptx(block, {"$1": int(w64[row, col]) >> (8 * (i // 2)), "$2": int(nz[row])})
-                assert got == int(_pack16(p[row, col, 2 * i], p[row, col, 2 * i + 1])), (i, row, col)
+                ws = int(w64[row, col]) >> (8 * (i // 2))
+                f16 = int(_pack16(p[row, col, 2 * i], p[row, col, 2 * i + 1]))
+                bf = int(_pack16(*(v.view(torch.float16) for v in (pb[row, col, 2 * i], pb[row, col, 2 * i + 1]))))
+                assert _run_ptx(ptx, {"$1": ws, "$2": nz}) == f16, (i, row, col)
+                mask = (po.MASK_HI if i % 2 else po.MASK_LO).value  # the blocks' register operands
+                magic, sixteenth = po.MAGIC_F16.value, po.SIXTEENTH_F16.value
+                assert _run_amdgcn(amd, {"$1": ws, "$2": nz, "$3": mask, "$4": magic, "$5": sixteenth}) == f16
+                assert _run_amdgcn(amd_b, {"$2": ws, "$3": nz, "$4": mask, "$5": magic, "$6": po.PERM_HIGH_HALVES.value,
+                                           "$7": sixteenth}) == bf
+                assert _run_ptx(po.PTX_BF16_PAIR.value, {"$1": int(w64[row, col]) >> (4 * i), "$2": nb}) == bf
     assert torch.equal(t.view(torch.int16), r.view(torch.int16))
-    assert torch.equal(t.view(nz_, nw, 8), want)
+    assert torch.equal(t.view(nz_, nw, 8), want.to(torch.float16))
+    assert torch.equal(tb.view(nz_, nw, 8), want.to(torch.bfloat16))
     assert torch.equal(f[..., 0].view(torch.int16), f[..., 2].view(torch.int16))
     assert torch.equal(f[..., 1].view(torch.int16), f[..., 3].view(torch.int16))
 

@@ -35,6 +35,7 @@ PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 WQ_VARIANTS = {
     "fp16-w4g128-sym": ("fp16", 4, 128, False, False, True),
     "bf16-w4g128-asym": ("bf16", 4, 128, True, False, True),
+    "fp16-w4g128-asym": ("fp16", 4, 128, True, False, True),
     "fp16-w4g128-gidx-masked": ("fp16", 4, 128, True, True, False),
     "bf16-w8pc": ("bf16", 8, wq_gemm.PER_CHANNEL_GROUP, False, False, True),
     "fp32-w3g32-masked": ("fp32", 3, 32, True, False, False),
@@ -145,7 +146,7 @@ def wq_constexprs(family: str, variant: str, split_k: int = 2, target_name: str 
             preshuffled = wq_gemm.preshuffled_default(family, TARGETS[target_name][0].backend, bits, group, gidx)
         c["PRESHUFFLED"] = int(preshuffled)  # True: mma16x64 (1); 2: mfma16x128
         asm = wq_gemm.ASM_DOT_PAIR_OPS if asm is None else asm
-        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, zeros, asm)
+        c["ASM"] = wq_gemm.dot_asm(TARGETS[target_name][0].backend, dtype, fb, gidx, asm)
     return c
 
 
@@ -156,8 +157,8 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
     of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
     variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
     the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``), for small_m /
-    large_m the fp16 pairs of code - zero as inline PTX (``wq_gemm.dot_asm``: CUDA; None:
-    the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
+    large_m the pairs of code - zero as inline asm (``wq_gemm.dot_asm``: PTX on CUDA, AMDGCN on
+    ROCm; None: the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
     launcher picks it, ``wq_gemm.swap_ab``); ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
     target, ``wq_gemm.preshuffled_default``; True or 1: mma16x64, 2: mfma16x128)."""
     if family == "w8a8":

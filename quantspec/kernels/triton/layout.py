@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .wq_dequant import _code_minus_zero, _f16_neg_pair, _f16_pair
+from .pair_ops import _bf16_pair, _bf16_pair_f16, _bf16_zero_pair, _dot_zero_pair
+from .wq_dequant import _code_minus_zero, _f16_pair
 
 LAYOUT_GPTQ = "gptq"
 LAYOUT_MMA = "mma16x64"
@@ -120,18 +121,31 @@ def unshuffle(qweight_ps: torch.Tensor, k: int, n: int, layout: str = LAYOUT_MMA
 
 @triton.jit
 def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
-                       ZERO_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
+                       ZERO_PAIRS: tl.constexpr, ASM: tl.constexpr = 0):
     """Lanes 0 and 1 (k0 = 0, 1) of fragment register J of each word, code - zero in x's dtype
-    (fp32 with DOT_F32). ``zr`` (broadcast over the word's row): the fp32 zero, or with
-    ZERO_PAIRS the uint32 pair ``(MAGIC16 + 16 - zero) * 0x10001`` (zero points < 16).
+    (fp32 with DOT_F32). ``zr`` (broadcast over the word's row): the fp32 zero, with ZERO_PAIRS
+    the uint32 pair ``(MAGIC16 + 16 - zero) * 0x10001`` (zero points < 16), with ASM the
+    integer zero point (uint32).
 
     With a magic number (fp16 0x6400 = 1024, bf16 0x4300 = 128) both lanes come from 32-bit
     ops on the whole word: ``((w >> 4J) & 0x000F000F) | magic`` is base + code (one shift, one
     LOP3, then one HADD2 a pair takes base + zero off); with zero points the pair is added as an
     integer instead (``+ zr``: base + 16 + code - zero, exact, one IADD more) and the constant
     base + 16 taken off. fp16 odd J keep the fields in place (no shift): ``w' & 0x00F000F0`` with
-    the magic is 1024 + 16 code, scaled by 1/16 in the HFMA2 that takes the rest off. ASM (CUDA,
-    fp16 without zero pairs): each pair one PTX block (``wq_dequant._f16_pair``)."""
+    the magic is 1024 + 16 code, scaled by 1/16 in the HFMA2 that takes the rest off. ASM (2:
+    PTX, 3: AMDGCN; never with ZERO_PAIRS): each pair one asm block with the pair -(base + zero)
+    built from the integer (``wq_dequant._f16_pair``, ``pair_ops._bf16_pair`` / ``_bf16_pair_f16``)."""
+    if ASM:
+        tl.static_assert(not ZERO_PAIRS and not DOT_F32 and MAGIC16 != 0)
+        if MAGIC16 == 0x6400 or ASM == 3:  # fp16 pairs (bf16 on AMD: converted, pair_ops._bf16_pair_f16)
+            ODD_: tl.constexpr = J % 2 == 1
+            ws = w >> (4 * (J - 1)) if ODD_ else w >> (4 * J)
+            if MAGIC16 == 0x6400:
+                return _f16_pair(ws, _dot_zero_pair(zr, ODD_), ODD_, ASM)
+            else:
+                return _bf16_pair_f16(ws, _dot_zero_pair(zr, ODD_), ODD_, ASM)
+        else:
+            return _bf16_pair(w >> (4 * J), _bf16_zero_pair(zr), ASM)
     if DOT_F32 or MAGIC16 == 0:
         t = (w >> (4 * J)) & 0x000F000F
         return _code_minus_zero(t & 0xF, zr, x, DOT_F32, 0), _code_minus_zero(t >> 16, zr, x, DOT_F32, 0)
@@ -147,8 +161,6 @@ def _fragment_register(w, J: tl.constexpr, zr, x, DOT_F32: tl.constexpr, MAGIC16
     else:
         t = t | (MAGIC16 * 65537)
         zc = (zr + 64.0) if ODD else (zr + (1024.0 if MAGIC16 == 0x6400 else 128.0))
-    if ASM and not ZERO_PAIRS and MAGIC16 == 0x6400:
-        return _f16_pair(w >> (4 * (J - 1)) if ODD else w >> (4 * J), _f16_neg_pair(zc), ODD, True)
     lo = t.to(tl.uint16).to(x.dtype, bitcast=True)
     hi = (t >> 16).to(tl.uint16).to(x.dtype, bitcast=True)
     if ODD:  # an explicit fma: one HFMA2 whether or not the compiler contracts a * b - c
@@ -189,7 +201,7 @@ def _load_words(qw_ptr, k0, pid_n, K, N, EVEN: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
                  EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = False):
+                 HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = 0):
     """W.T [BLOCK_N, BLOCK_K] minus zero (``z`` fp32 [BLOCK_N]) of rows pid_n * BLOCK_N .. and
     columns k0 .. of a pre-shuffled qweight, in x's dtype (fp32 with DOT_F32). BLOCK_N a multiple
     of 16, BLOCK_K of 64. Each thread's words are its fragment's, so the permute and reshape at
@@ -198,9 +210,11 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
     KB: tl.constexpr = BLOCK_K // 64
     words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN, BLOCK_N, BLOCK_K, 64)
     w = tl.reshape(words, (NB, KB, 8, 4, 4))  # nb, kb, g, c, s
-    ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32
+    ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32 and not ASM
     if ZERO_PAIRS:
         z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537
+    elif ASM:
+        z = z.to(tl.uint32)  # the asm pairs' zero pairs are built from the integer
     z0, z1 = tl.split(tl.permute(tl.reshape(z, (NB, 2, 8)), (0, 2, 1)))  # rows g and g + 8
     z0 = tl.reshape(z0, (NB, 1, 8, 1, 1))
     z1 = tl.reshape(z1, (NB, 1, 8, 1, 1))
@@ -218,7 +232,7 @@ def _load_wt_mma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: 
 @triton.jit
 def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16: tl.constexpr,
                   EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = False):
+                  HAS_ZEROS: tl.constexpr, ASM: tl.constexpr = 0):
     """``_load_wt_mma`` for the mfma16x128 layout: word [nb, kb, 4 l + i] (lane l = 16 q + r) is
     row 16 nb + r, k = 128 kb + 32 i + 8 q + 2 j + k0 at nibble j + 4 k0: the 8 consecutive K of
     one row MFMA 16x16x16 with kpack 2 (kWidth 8) keeps in a lane, 4 K blocks of 32 a 16-byte
@@ -227,9 +241,11 @@ def _load_wt_mfma(qw_ptr, z, x, k0, pid_n, K, N, DOT_F32: tl.constexpr, MAGIC16:
     KB: tl.constexpr = BLOCK_K // 128
     words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN, BLOCK_N, BLOCK_K, 128)
     w = tl.reshape(words, (NB, KB, 4, 16, 4))  # nb, kb, q, r, i
-    ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32
+    ZERO_PAIRS: tl.constexpr = HAS_ZEROS and MAGIC16 != 0 and not DOT_F32 and not ASM
     if ZERO_PAIRS:
         z = ((MAGIC16 + 16) - z.to(tl.int32)).to(tl.uint32) * 65537
+    elif ASM:
+        z = z.to(tl.uint32)  # the asm pairs' zero pairs are built from the integer
     zr = tl.reshape(z, (NB, 1, 1, 16, 1))
     a0, b0 = _fragment_register(w, 0, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)
     a1, b1 = _fragment_register(w, 1, zr, x, DOT_F32, MAGIC16, ZERO_PAIRS, ASM)

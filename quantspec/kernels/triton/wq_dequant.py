@@ -1,13 +1,27 @@
 """The weight-only tl.dot and GEMV kernels' building blocks (wq_gemm.py): packed codes read from
 ``qweight`` (K-major as ``_load_codes``, or transposed for the swapped product as
-``_load_codes_t``), code - zero without conversion instructions (fp16 pairs of 4-bit fields as one
-PTX block each with ASM: ``_f16_pair``), per-element dequantization of tiles spanning several
-groups, and the tl.dot of either orientation (``_dot``)."""
+``_load_codes_t``), code - zero without conversion instructions (pairs of 4-bit fields as one asm
+block each with ASM: ``_f16_pair``, PTX or AMDGCN; bf16 pairs and the zero pairs in pair_ops.py),
+per-element dequantization of tiles spanning several groups, and the tl.dot of either orientation
+(``_dot``)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .pair_ops import (
+    AMD_PAIR_EVEN,
+    AMD_PAIR_ODD,
+    MAGIC_F16,
+    MASK_HI,
+    MASK_LO,
+    SIXTEENTH_F16,
+    _bf16_pair,
+    _bf16_pair_f16,
+    _bf16_zero_pair,
+    _dot_zero_pair,
+)
 
 
 @triton.jit
@@ -82,9 +96,20 @@ def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
     (ODD: 4-7 and 20-23, no shift), ``nz`` the uint32 fp16 pair (-(zero + 1024), same) (ODD:
     -(zero + 64)): ``(ws & 0x000F000F) | 0x64006400`` is 1024 + code a lane (ODD: mask
     0x00F000F0, 1024 + 16 code), plus nz (ODD: times 1/16 plus nz, one fma). Exact (integers below
-    2048, one rounding). ASM: one PTX block (``PTX_PAIR_EVEN`` / ``PTX_PAIR_ODD``; CUDA), else the
-    same IEEE operations lane by lane in plain Triton: the same bits."""
-    if ASM:
+    2048, one rounding). ASM 2: one PTX block (``PTX_PAIR_EVEN`` / ``PTX_PAIR_ODD``; CUDA), 3: one
+    AMDGCN block (``pair_ops.AMD_PAIR_EVEN`` / ``AMD_PAIR_ODD``: v_and_or_b32, v_pk_add_f16 /
+    v_pk_fma_f16), else the same IEEE operations lane by lane in plain Triton: the same bits."""
+    if ASM == 3:
+        mask = tl.full(ws.shape, MASK_HI if ODD else MASK_LO, tl.uint32)
+        magic = tl.full(ws.shape, MAGIC_F16, tl.uint32)
+        if ODD:
+            p = tl.inline_asm_elementwise(AMD_PAIR_ODD, "=&v,v,v,v,v,v",
+                                          [ws, nz, mask, magic, tl.full(ws.shape, SIXTEENTH_F16, tl.uint32)],
+                                          dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            p = tl.inline_asm_elementwise(AMD_PAIR_EVEN, "=&v,v,v,v,v", [ws, nz, mask, magic],
+                                          dtype=tl.uint32, is_pure=True, pack=1)
+    elif ASM:
         p = tl.inline_asm_elementwise(PTX_PAIR_ODD if ODD else PTX_PAIR_EVEN, "=r,r,r", [ws, nz],
                                       dtype=tl.uint32, is_pure=True, pack=1)
     else:
@@ -102,26 +127,34 @@ def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _f16_neg_pair(v):
-    """-v (fp32, exact in fp16) as the uint32 fp16 pair (-v, -v)."""
-    b = (-v).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return b | (b << 16)
-
-
-@triton.jit
-def _load_wt_f16_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ASM: tl.constexpr):
-    """fp16 W.T [BLOCK_N, BLOCK_K] code - zero (``z`` fp32 [BLOCK_N]) of 4-bit GPTQ words, two
-    fields a ``_f16_pair``: fields (i, i + 4) of a word are the pair (w >> 8 (i // 2)), i odd in
-    place; the lanes joined back in ``_load_codes_t``'s order (field 4a + 2b + c at (a, b, c))."""
+def _load_wt_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr, BF16: tl.constexpr):
+    """W.T [BLOCK_N, BLOCK_K] code - zero of 4-bit GPTQ words, fp16 (BF16: bf16), two fields a
+    pair op; ``z`` the integer zero points (uint32 [BLOCK_N]). fp16: fields (i, i + 4) are the
+    ``_f16_pair`` of w >> 8 (i // 2), i odd in place; bf16: the ``pair_ops._bf16_pair`` of w >> 4i
+    (ASM 3: the fp16 pairs converted, ``pair_ops._bf16_pair_f16``).
+    The lanes joined back in ``_load_codes_t``'s order (field 4a + 2b + c at (a, b, c))."""
     w = _load_words_t(qw_ptr, k0, offs_n, K, N, 4, EVEN, BLOCK_K)
-    w8 = w >> 8
-    ne = _f16_neg_pair(z + 1024.0)[:, None]
-    no = _f16_neg_pair(z + 64.0)[:, None]
-    l0, h0 = _f16_pair(w, ne, False, ASM)  # fields 0, 4
-    l1, h1 = _f16_pair(w, no, True, ASM)  # 1, 5
-    l2, h2 = _f16_pair(w8, ne, False, ASM)  # 2, 6
-    l3, h3 = _f16_pair(w8, no, True, ASM)  # 3, 7
+    if BF16 and ASM != 3:
+        nb = _bf16_zero_pair(z)[:, None]
+        l0, h0 = _bf16_pair(w, nb, ASM)  # fields 0, 4
+        l1, h1 = _bf16_pair(w >> 4, nb, ASM)  # 1, 5
+        l2, h2 = _bf16_pair(w >> 8, nb, ASM)  # 2, 6
+        l3, h3 = _bf16_pair(w >> 12, nb, ASM)  # 3, 7
+    else:
+        w8 = w >> 8
+        ne = _dot_zero_pair(z, False)[:, None]
+        no = _dot_zero_pair(z, True)[:, None]
+        if BF16:  # AMD: fp16 pairs converted (pair_ops._bf16_pair_f16)
+            l0, h0 = _bf16_pair_f16(w, ne, False, ASM)  # fields 0, 4
+            l1, h1 = _bf16_pair_f16(w, no, True, ASM)  # 1, 5
+            l2, h2 = _bf16_pair_f16(w8, ne, False, ASM)  # 2, 6
+            l3, h3 = _bf16_pair_f16(w8, no, True, ASM)  # 3, 7
+        else:
+            l0, h0 = _f16_pair(w, ne, False, ASM)  # fields 0, 4
+            l1, h1 = _f16_pair(w, no, True, ASM)  # 1, 5
+            l2, h2 = _f16_pair(w8, ne, False, ASM)  # 2, 6
+            l3, h3 = _f16_pair(w8, no, True, ASM)  # 3, 7
     c = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
     return tl.reshape(c, (offs_n.shape[0], BLOCK_K))
 

@@ -27,9 +27,10 @@ import triton.language as tl
 
 from . import configs
 from .tiles import EVEN as _EVEN, store_result as _store_result, swizzled_tile
+from .pair_ops import _group_zero_u32
 from .wq_dequant import (
-    _code_minus_zero, _dequant_gathered, _dot, _group_scale_zero, _load_codes, _load_codes_t, _load_wt_f16_pairs,
-    _magic_f32)
+    _code_minus_zero, _dequant_gathered, _dot, _group_scale, _group_scale_zero, _load_codes, _load_codes_t,
+    _load_wt_pairs, _magic_f32)
 from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
 from .prune import PRUNE, fits
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
@@ -103,7 +104,7 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    MAGIC16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0, ASM: tl.constexpr = False):
+                   SWAP_AB: tl.constexpr = False, PRESHUFFLED: tl.constexpr = 0, ASM: tl.constexpr = 0):
     """Tiled tl.dot: grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M swizzle.
 
     Inside one group the weight operand is code - zero, built in x's dtype with no conversion
@@ -117,11 +118,12 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
     ``code_mask`` is unused: the constant mask compiles better here (one signature for both).
     PRESHUFFLED: qweight in a ``layout.py`` layout, 1 mma16x64 (wgmma / mma.sync), 2 mfma16x128
     (MFMA kpack 2); 4-bit fields, the K tile in one group, no g_idx; unpacked as W.T with two
-    fields per 32-bit op and no shared-memory step. ASM (CUDA; fp16, 4-bit fields, no zero points):
-    the pairs of code - zero as inline PTX (``wq_dequant._f16_pair``), on both layouts.
+    fields per 32-bit op and no shared-memory step. ASM (``dot_asm``: 2 PTX, 3 AMDGCN; fp16 / bf16
+    x, 4-bit fields): the pairs of code - zero as inline asm, the zero pair built
+    from the integer zero point (``wq_dequant._f16_pair``, ``pair_ops._bf16_pair``), on every layout.
     """
     CODE_MASK: tl.constexpr = (1 << FB) - 1
-    tl.static_assert(not ASM or (FB == 4 and MAGIC16 == 0x6400 and not HAS_ZEROS))
+    tl.static_assert(not ASM or (FB == 4 and not DOT_F32 and MAGIC16 != 0))
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -171,8 +173,9 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
                                   SYM_ZERO, HAS_ZEROS, HAS_GIDX, EVEN_K and EVEN_N, BLOCK_K, BLOCK_N)
             acc = _dot(x, tl.trans(w) if SWAP_AB else w, acc, SWAP_AB, DOT_F32)
         elif SWAP_AB and ASM:
-            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
-            wt = _load_wt_f16_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN_K and EVEN_N, BLOCK_K, ASM)
+            s = _group_scale(s_ptr, k0 // GROUP, offs_n, N, EVEN_N)
+            z = _group_zero_u32(z_ptr, k0 // GROUP, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            wt = _load_wt_pairs(qw_ptr, k0, offs_n, K, N, z, EVEN_K and EVEN_N, BLOCK_K, ASM, MAGIC16 != 0x6400)
             if BLOCK_M <= 32:
                 acc += _dot(x, wt, None, SWAP_AB, DOT_F32) * s[:, None]
             else:
@@ -240,18 +243,22 @@ def _magic16(dtype: torch.dtype, fb: int) -> int:
 ASM_PAIR_OPS = False
 
 
-# The same for the tl.dot kernel (ASM: fp16 x, 4-bit fields, no zero points; each pair of code - zero
-# one PTX block, ``wq_dequant._f16_pair``): compiled here, the sm90 small-M main loop (fp16 W4 g128 sym)
-# goes from 3.328 to 2.984 instructions per weight on mma16x64 and from 4.891 to 3.75 on the GPTQ
-# layout (docs/decisions/preshuffled-layout.md). Off until the gpu-marked tests pass with it and a GPU
-# session times it (benchmarks/gpu_session.sh, phase asm).
+# The same for the tl.dot kernel (ASM, ``dot_asm``: 4-bit fields, fp16 and bf16 x, CUDA and ROCm,
+# with and without zero points; each pair of code - zero one asm block). Compiled here, sm90 small-M
+# fp16 W4 g128 sym goes from 3.328 to 2.984 instructions per weight on mma16x64 and from 4.891 to 3.75
+# on the GPTQ layout (docs/decisions/preshuffled-layout.md; bf16 asym and gfx942 in
+# benchmarks/results/kernel-isa.md). Off until the gpu-marked tests pass with it and a GPU session
+# times it (benchmarks/gpu_session.sh, phase asm).
 ASM_DOT_PAIR_OPS = False
 
 
-def dot_asm(backend: str, dtype: torch.dtype, fb: int, has_zeros: bool, asm: bool = ASM_DOT_PAIR_OPS) -> bool:
-    """ASM of ``_wq_dot_kernel``: with ``asm``, True on CUDA for fp16 x, 4-bit fields and no zero
-    points (the interpreter and ROCm keep the plain-Triton pair operations)."""
-    return asm and backend == "cuda" and dtype == torch.float16 and fb == 4 and not has_zeros
+def dot_asm(backend: str, dtype: torch.dtype, fb: int, has_gidx: bool, asm: bool = ASM_DOT_PAIR_OPS) -> int:
+    """ASM of ``_wq_dot_kernel``: with ``asm``, fp16 or bf16 x, 4-bit fields and no g_idx, 2 (PTX) on
+    CUDA, 3 (AMDGCN) on ROCm; else 0, the plain-Triton pair operations (the interpreter, fp32 x; a
+    g_idx tile is dequantized per element, with no pairs)."""
+    if not asm or fb != 4 or has_gidx or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return {"cuda": 2, "hip": 3}.get(backend, 0)
 
 
 # The small-M tl.dot path computes the transposed product (``SWAP_AB``) on these backends: compiled
@@ -460,7 +467,7 @@ def wq_linear(
         meta["MAGIC16"] = _magic16(x.dtype, fb)
         meta["SWAP_AB"] = swap_ab(family, backend, fb)
         meta["PRESHUFFLED"] = preshuffled
-        meta["ASM"] = dot_asm(backend, x.dtype, fb, zeros is not None, ASM_DOT_PAIR_OPS)
+        meta["ASM"] = dot_asm(backend, x.dtype, fb, g_idx is not None, ASM_DOT_PAIR_OPS)
         _launch(family, _wq_dot_kernel, grid, args, meta, m_key, autotune)
     if split_k > 1:
         block = 1024

@@ -8,7 +8,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import EVEN as _EVEN, store_result as _store_result
+from .pair_ops import (
+    _amd_dequant_pair,
+    _amd_fma4_f16x2,
+    _amd_mix8,
+    _fma_pair_f32,
+    _gemv_zero_pairs,
+)
+from .tiles import EVEN as _EVEN
+from .tiles import store_result as _store_result
 
 GEMV_CHAIN = tl.constexpr(4)  # packed fp16 GEMV: words per fp16 partial sum (4 * GEMV_CHAIN terms per lane)
 
@@ -16,9 +24,11 @@ GEMV_CHAIN = tl.constexpr(4)  # packed fp16 GEMV: words per fp16 partial sum (4 
 # -- the packed GEMV's building blocks ---------------------------------------------------------
 # A uint32 holds a pair of fp16 lanes (lane 0: bits 0-15). Each pair operation is one
 # instruction through inline asm on the GPUs: PACKED = 2 PTX (fma.rn.f16x2, prmt.b32, LOP3 from
-# plain Triton), PACKED = 3 AMDGCN (v_pk_fma_f16, v_perm_b32, v_and_or_b32). PACKED = 1 runs the
-# same operations in plain Triton, lane by lane (the interpreter): IEEE fmas rounded once per
-# lane and byte moves, the same bits (test_packed_gemv_bit_tricks_match_their_emulation).
+# plain Triton), PACKED = 3 AMDGCN (v_pk_fma_f16, v_perm_b32, v_and_or_b32, v_fma_mix_f32 for bf16
+# x; a chain of them one asm statement, pair_ops.py). PACKED = 1 runs the same operations in plain
+# Triton, lane by lane (the interpreter): IEEE fmas rounded once per lane and byte moves, the same
+# bits (test_packed_gemv_bit_tricks_match_their_emulation). Zero pairs come from the integer zero
+# point (pair_ops._gemv_zero_pairs).
 
 
 @triton.jit
@@ -124,11 +134,21 @@ def _dequant_f16x2(w, m_lo, zc0, zc1, PACKED: tl.constexpr):
     w8 = w >> 8
     c16 = tl.full(w.shape, 0x2C002C00, tl.uint32)  # (1/16, 1/16)
     c256 = tl.full(w.shape, 0x1C001C00, tl.uint32)  # (1/256, 1/256)
-    d0 = _fma_f16x2(_and_or(w, m_lo, PACKED), c16, zc0, PACKED)
-    d1 = _fma_f16x2(_and_or(w, m_hi, PACKED), c256, zc1, PACKED)
-    d2 = _fma_f16x2(_and_or(w8, m_lo, PACKED), c16, zc0, PACKED)
-    d3 = _fma_f16x2(_and_or(w8, m_hi, PACKED), c256, zc1, PACKED)
+    d0 = _dequant_pair(w, m_lo, c16, zc0, PACKED)
+    d1 = _dequant_pair(w, m_hi, c256, zc1, PACKED)
+    d2 = _dequant_pair(w8, m_lo, c16, zc0, PACKED)
+    d3 = _dequant_pair(w8, m_hi, c256, zc1, PACKED)
     return d0, d1, d2, d3
+
+
+@triton.jit
+def _dequant_pair(w, m, c, zc, PACKED: tl.constexpr):
+    """((w & m) | 0x64006400) * c + zc per fp16 lane, rounded once (``_and_or`` then ``_fma_f16x2``;
+    PACKED 3: both in one AMDGCN block, ``pair_ops._amd_dequant_pair``)."""
+    if PACKED == 3:
+        return _amd_dequant_pair(w, m, c, zc)
+    else:
+        return _fma_f16x2(_and_or(w, m, PACKED), c, zc, PACKED)
 
 
 @triton.jit
@@ -178,7 +198,10 @@ def _x_bf16_f32(p, mask, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _dot8_f16x2(h, x0, x1, x2, x3, d0, d1, d2, d3, PACKED: tl.constexpr):
-    """h + x . d over one word's 8 rows in fp16 pairs: 4 fmas, 4 more terms in each lane."""
+    """h + x . d over one word's 8 rows in fp16 pairs: 4 fmas, 4 more terms in each lane (PACKED 3:
+    one AMDGCN block, ``pair_ops._amd_fma4_f16x2``)."""
+    if PACKED == 3:
+        return _amd_fma4_f16x2(h, x0, x1, x2, x3, d0, d1, d2, d3)
     h = _fma_f16x2(x0, d0, h, PACKED)
     h = _fma_f16x2(x1, d1, h, PACKED)
     h = _fma_f16x2(x2, d2, h, PACKED)
@@ -186,21 +209,27 @@ def _dot8_f16x2(h, x0, x1, x2, x3, d0, d1, d2, d3, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _pair_fma_f32(acc, xa, xb, d, PACKED: tl.constexpr):
+    """acc + xa * lane 0 + xb * lane 1 of the fp16 pairs ``d``, in fp32 (fp32 ``xa``, ``xb``): the
+    lanes converted exactly, two fmas in this order. PACKED 3: each one ``v_fma_mix_f32`` reading
+    the lane in place (``pair_ops._fma_pair_f32``), no conversion instruction."""
+    if PACKED == 2:
+        lo, hi = _lanes_f32(d, PACKED)
+        return tl.fma(xb, hi, tl.fma(xa, lo, acc))
+    else:
+        return _fma_pair_f32(xa, xb, d, acc, PACKED)
+
+
+@triton.jit
 def _dot8_f32(acc, x0, x1, x2, x3, x4, x5, x6, x7, d0, d1, d2, d3, PACKED: tl.constexpr):
     """acc + x . d over one word's 8 rows in fp32 (bf16 x): the fp16 weights converted (exact),
     8 fmas of exact products (8 x 5 significant bits)."""
-    lo, hi = _lanes_f32(d0, PACKED)
-    acc = tl.fma(x0, lo, acc)
-    acc = tl.fma(x4, hi, acc)
-    lo, hi = _lanes_f32(d1, PACKED)
-    acc = tl.fma(x1, lo, acc)
-    acc = tl.fma(x5, hi, acc)
-    lo, hi = _lanes_f32(d2, PACKED)
-    acc = tl.fma(x2, lo, acc)
-    acc = tl.fma(x6, hi, acc)
-    lo, hi = _lanes_f32(d3, PACKED)
-    acc = tl.fma(x3, lo, acc)
-    return tl.fma(x7, hi, acc)
+    if PACKED == 3:
+        return _amd_mix8(acc, x0, x1, x2, x3, x4, x5, x6, x7, d0, d1, d2, d3)
+    acc = _pair_fma_f32(acc, x0, x4, d0, PACKED)
+    acc = _pair_fma_f32(acc, x1, x5, d1, PACKED)
+    acc = _pair_fma_f32(acc, x2, x6, d2, PACKED)
+    return _pair_fma_f32(acc, x3, x7, d3, PACKED)
 
 
 @_EVEN
@@ -268,16 +297,14 @@ def _wq_gemv_f16x2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr,
             else:
                 smask = (krow < K)[:, None] & (offs_n[None, :] < N)
                 s = tl.load(s_ptr + s_ptrs, mask=smask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
+            if HAS_ZEROS:  # the zero pairs built from the integer (pair_ops._gemv_zero_pairs)
                 if EVEN_K and EVEN_N:
-                    z = tl.load(z_ptr + s_ptrs).to(tl.float32)
+                    z = tl.load(z_ptr + s_ptrs)
                 else:
-                    z = tl.load(z_ptr + s_ptrs, mask=smask, other=0).to(tl.float32)
-                zc0 = _neg_pair_f16(64.0 + z * 0.0625)
-                zc1 = _neg_pair_f16(4.0 + z * 0.0625)
+                    z = tl.load(z_ptr + s_ptrs, mask=smask, other=0)
+                zc0, zc1 = _gemv_zero_pairs(z.to(tl.uint32))
             else:
-                zc0 = _neg_pair_f16(tl.full([RS, BLOCK_N], 64.0 + SYM_ZERO * 0.0625, tl.float32))
-                zc1 = _neg_pair_f16(tl.full([RS, BLOCK_N], 4.0 + SYM_ZERO * 0.0625, tl.float32))
+                zc0, zc1 = _gemv_zero_pairs(tl.full([RS, BLOCK_N], SYM_ZERO, tl.float32).to(tl.uint32))
             if XBF16:  # fp32 partial sums
                 h0 = tl.zeros([RS, BLOCK_N], dtype=tl.float32)
                 h1 = tl.zeros([RS, BLOCK_N], dtype=tl.float32)

@@ -21,15 +21,17 @@ import triton
 import triton.language as tl
 
 from .layout import _load_words
+from .pair_ops import _gemv_zero_pairs, _group_zero_u32
 from .tiles import EVEN as _EVEN
 from .tiles import store_result as _store_result
-from .wq_dequant import _group_scale, _group_zero
+from .wq_dequant import _group_scale
 from .wq_gemv_packed import (
     _bf16_f32,
     _dequant_f16x2,
+    _dot8_f16x2,
+    _dot8_f32,
     _fma_f16x2,
-    _lanes_f32,
-    _neg_pair_f16,
+    _pair_fma_f32,
     _pair_sum_f32,
     _x_halves,
 )
@@ -60,8 +62,7 @@ def _pair_dot(h, xw, d, XBF16: tl.constexpr, PACKED: tl.constexpr):
     """h + x . d over one pair: fp16 x (``xw`` x's fp16 pair matching d's lanes) one packed fma
     into the fp16 partial ``h``; bf16 x (``xw`` the bf16 pair) two fp32 fmas of exact products."""
     if XBF16:
-        lo, hi = _lanes_f32(d, PACKED)
-        return tl.fma(_bf16_f32(xw, True), hi, tl.fma(_bf16_f32(xw, False), lo, h))
+        return _pair_fma_f32(h, _bf16_f32(xw, False), _bf16_f32(xw, True), d, PACKED)
     else:
         return _fma_f16x2(xw, d, h, PACKED)
 
@@ -92,11 +93,11 @@ def _mma_tile(words, x_ptr, k0, K, x_step, s_a, s_b, z_a, z_b, m_pair, XBF16: tl
     words [KB, NB, 128] for x rows 0 and 1: a thread's words (K blocks kb, then s: K 64 kb + 16 s
     + 2c + {0, 1, 8, 9}) chained in one packed partial per row (4 KB words, 8 KB products a
     lane). Pairs d0, d2 are row g, d1, d3 row g + 8; d0, d1 take x's uint32 at K 2c, d2, d3 the one
-    at 2c + 8. ``s_a``, ``z_a`` / ``s_b``, ``z_b``: scales and zero points of rows g / g + 8 [NB, 8, 1]."""
+    at 2c + 8. ``s_a``, ``z_a`` / ``s_b``, ``z_b``: scales (fp32) and integer zero points (uint32) of rows g / g + 8 [NB, 8, 1]."""
     w = tl.permute(tl.reshape(words, (KB, NB, 8, 4, 4)), (1, 2, 3, 0, 4))  # nb, g, c | kb, s
     ws = _split4(tl.reshape(w, (NB, 8, 4, 2, 2) if KB == 1 else (NB, 8, 4, KB, 2, 2)))
-    zc0 = _neg_pair_f16(64.0 + z_a * 0.0625)
-    zc1 = _neg_pair_f16(4.0 + z_b * 0.0625)
+    zc0 = _gemv_zero_pairs(z_a)[0]
+    zc1 = _gemv_zero_pairs(z_b)[1]
     kx = k0 + (tl.arange(0, 4) * 2)[None, None, :, None] + (tl.arange(0, 2) * 8)[None, None, None, :]  # [1, 1, 4 c, 2]
     p = (x_ptr + kx).to(tl.pointer_type(tl.uint32), bitcast=True)
     ha0 = _partial_zero(_word(ws, 0, KB), XBF16)
@@ -128,14 +129,13 @@ def _mfma_tile(words, x_ptr, k0, K, x_step, s, z, m_pair, XBF16: tl.constexpr, E
     """fp32 x . W.T / 16 [NB, 4 q, 16 r] (row 16 nb + r) of a tile of mfma16x128 words [KB, NB, 256]
     for x rows 0 and 1: a thread's words (K blocks kb, then i: K 128 kb + 32 i + 8 q + 0..7, pair
     j = K 2j, 2j + 1) chained in packed partials of 4 words (16 products a lane). ``s``, ``z``:
-    the rows' scales and zero points [NB, 1, 16]."""
+    the rows' scales (fp32) and integer zero points (uint32) [NB, 1, 16]."""
     w = tl.permute(tl.reshape(words, (KB, NB, 4, 16, 4)), (1, 2, 3, 0, 4))  # nb, q, r | kb, i
     ws = _split4(tl.reshape(w, (NB, 4, 16, 2, 2) if KB == 1 else (NB, 4, 16, KB, 2, 2)))
-    zc0 = _neg_pair_f16(64.0 + z * 0.0625)
-    zc1 = _neg_pair_f16(4.0 + z * 0.0625)
+    zc0, zc1 = _gemv_zero_pairs(z)
     kx = k0 + (tl.arange(0, 4) * 8)[None, :, None, None]  # [1, 4 q, 1, 1]
     p = (x_ptr + kx).to(tl.pointer_type(tl.uint64), bitcast=True) + tl.arange(0, 2)[None, None, None, :]
-    f0 = tl.zeros_like(s * z)
+    f0 = tl.zeros_like(s)
     f1 = f0
     for kb in tl.static_range(KB):
         h0 = _partial_zero(_word(ws, 0, KB), XBF16)
@@ -155,10 +155,12 @@ def _mfma_tile(words, x_ptr, k0, K, x_step, s, z, m_pair, XBF16: tl.constexpr, E
 @triton.jit
 def _dot4_pairs(h, x0, x1, x2, x3, d0, d1, d2, d3, XBF16: tl.constexpr, PACKED: tl.constexpr):
     """h + the four pairs' products, x pair i against weight pair i."""
-    h = _pair_dot(h, x0, d0, XBF16, PACKED)
-    h = _pair_dot(h, x1, d1, XBF16, PACKED)
-    h = _pair_dot(h, x2, d2, XBF16, PACKED)
-    return _pair_dot(h, x3, d3, XBF16, PACKED)
+    if XBF16:  # bf16 pairs (lo, hi): the lo lanes, then the hi lanes, as _dot8_f32 takes them
+        return _dot8_f32(h, _bf16_f32(x0, False), _bf16_f32(x1, False), _bf16_f32(x2, False), _bf16_f32(x3, False),
+                         _bf16_f32(x0, True), _bf16_f32(x1, True), _bf16_f32(x2, True), _bf16_f32(x3, True),
+                         d0, d1, d2, d3, PACKED)
+    else:
+        return _dot8_f16x2(h, x0, x1, x2, x3, d0, d1, d2, d3, PACKED)
 
 
 @triton.jit
@@ -221,15 +223,15 @@ def _wq_gemv_ps_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, pa
         # shared memory at 4 rows a thread: gfx942 7.92 instructions a weight against 4.48)
         if PRESHUFFLED == 1:  # each row's scale loaded where it is used (a [BLOCK_N] load split per row
             # pair went through shared memory on sm90, two barriers a tile)
-            z_a = _group_zero(z_ptr, g, rows, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
-            z_b = _group_zero(z_ptr, g, rows + 8, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z_a = _group_zero_u32(z_ptr, g, rows, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z_b = _group_zero_u32(z_ptr, g, rows + 8, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
             words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN_K and EVEN_N, BLOCK_N, BLOCK_K, KA, True)
             s_a = _group_scale(s_ptr, g, rows, N, EVEN_N)
             s_b = _group_scale(s_ptr, g, rows + 8, N, EVEN_N)
             f0, f1 = _mma_tile(words, x_ptr, k0, K, x_step, s_a, s_b, z_a, z_b, m_pair, XBF16, EVEN_K, PACKED,
                                BLOCK_M, NB, KB)
         else:  # one coalesced [BLOCK_N] load, reshaped (fewer instructions on gfx942, no LDS)
-            z = _group_zero(z_ptr, g, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
+            z = _group_zero_u32(z_ptr, g, offs_n, N, SYM_ZERO, HAS_ZEROS, EVEN_N)
             words = _load_words(qw_ptr, k0, pid_n, K, N, EVEN_K and EVEN_N, BLOCK_N, BLOCK_K, KA, True)
             s = _group_scale(s_ptr, g, offs_n, N, EVEN_N)
             f0, f1 = _mfma_tile(words, x_ptr, k0, K, x_step, tl.reshape(s, (NB, 1, 16)), tl.reshape(z, (NB, 1, 16)),
