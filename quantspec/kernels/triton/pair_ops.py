@@ -127,6 +127,20 @@ AMD_BF16_PAIR_ODD = tl.constexpr("v_and_or_b32 $1, $2, $4, $5\nv_pk_fma_f16 $1, 
 
 
 @triton.jit
+def _f16_pair_plain(ws, nz, ODD: tl.constexpr):
+    """``wq_dequant._f16_pair``'s plain-Triton form: fp16 (lo, hi) = code - zero of the fields
+    (ws & 0x000F000F) | 0x64006400 (ODD: 0x00F000F0, times 1/16) plus the fp16 pair ``nz``."""
+    t = (ws & (0x00F000F0 if ODD else 0x000F000F)) | 0x64006400
+    lo = t.to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (t >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    n = nz.to(tl.uint16).to(tl.float16, bitcast=True)
+    if ODD:
+        sixteenth = tl.full(lo.shape, 0.0625, tl.float16)
+        return tl.fma(lo, sixteenth, n), tl.fma(hi, sixteenth, n)
+    return lo + n, hi + n
+
+
+@triton.jit
 def _bf16_pair_f16(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
     """bf16 (lo, hi) = code - zero through the fp16 pair of ``wq_dequant._f16_pair`` (its fields and
     ``nz``, the fp16 pair of ``_dot_zero_pair``). ASM 3: one AMDGCN block (``AMD_BF16_PAIR_*``);
@@ -145,15 +159,7 @@ def _bf16_pair_f16(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
                                              dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
         return p.to(tl.uint16).to(tl.bfloat16, bitcast=True), (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        t = (ws & (0x00F000F0 if ODD else 0x000F000F)) | 0x64006400
-        lo = t.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (t >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        n = nz.to(tl.uint16).to(tl.float16, bitcast=True)
-        if ODD:
-            sixteenth = tl.full(lo.shape, 0.0625, tl.float16)
-            lo, hi = tl.fma(lo, sixteenth, n), tl.fma(hi, sixteenth, n)
-        else:
-            lo, hi = lo + n, hi + n
+        lo, hi = _f16_pair_plain(ws, nz, ODD)
         return lo.to(tl.float32).to(tl.bfloat16), hi.to(tl.float32).to(tl.bfloat16)
 
 

@@ -21,6 +21,7 @@ from .pair_ops import (
     _bf16_pair_f16,
     _bf16_zero_pair,
     _dot_zero_pair,
+    _f16_pair_plain,
 )
 
 
@@ -113,16 +114,9 @@ def _f16_pair(ws, nz, ODD: tl.constexpr, ASM: tl.constexpr):
         p = tl.inline_asm_elementwise(PTX_PAIR_ODD if ODD else PTX_PAIR_EVEN, "=r,r,r", [ws, nz],
                                       dtype=tl.uint32, is_pure=True, pack=1)
     else:
-        p = (ws & (0x00F000F0 if ODD else 0x000F000F)) | 0x64006400
+        return _f16_pair_plain(ws, nz, ODD)
     lo = p.to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (p >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    if not ASM:
-        n = nz.to(tl.uint16).to(tl.float16, bitcast=True)
-        if ODD:
-            sixteenth = tl.full(lo.shape, 0.0625, tl.float16)
-            lo, hi = tl.fma(lo, sixteenth, n), tl.fma(hi, sixteenth, n)
-        else:
-            lo, hi = lo + n, hi + n
     return lo, hi
 
 
