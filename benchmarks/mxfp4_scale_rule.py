@@ -73,8 +73,8 @@ def write_md(path: Path, table: list[dict]) -> None:
              "one of the two with the smaller squared error of the group. Validation: C4 documents 1800-1999 of "
              "c4-validation-2k.jsonl outside the 64 x 512 seed-0 calibration draw, first windows of 512; test: "
              "wikitext2's first windows of 512 (benchmarks/awq_tune_defaults.py's `load_data`). The rule is chosen "
-             "on the validation column only; **bold**: the best rule of its model and method there. Raw rows: "
-             "mxfp4-scale-rule.json."), "",
+             "on the validation column only; **bold**: the best rule of its model and method there. quantize s: "
+             "wall time on a shared 2-core machine, not a speed comparison. Raw rows: mxfp4-scale-rule.json."), "",
              "| model | method | act-order | scale rule | windows | C4 val ppl | wikitext2 ppl | quantize s | when |",
              "|---|---|---|---|---|---|---|---|---|"]
     best = {}

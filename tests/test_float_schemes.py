@@ -212,6 +212,18 @@ def test_mxfp4_scale_rule_serialises_for_mxfp4_only():
     assert [_mx(r).short_name for r in ("ocp", "ceil", MX_SCALE_RULE)] == ["mxfp4-ocp", "mxfp4-ceil", "mxfp4"]
 
 
+def test_scale_rule_flag_reaches_the_recipe():
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+
+    parse = build_parser().parse_args
+    r = recipe_from_args(parse(["quantize", "--method", "gptq", "--scheme", "mxfp4", "--scale-rule", "ceil"]))
+    assert r.scheme == _mx("ceil") and r.name == "gptq-mxfp4-ceil"
+    assert recipe_from_args(parse(["quantize", "--method", "rtn", "--scheme", "mxfp4"])).scheme.scale_rule == MX_SCALE_RULE
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse(["quantize", "--scheme", "mxfp4", "--scale-rule", "nearest"])
+
+
 def test_bad_mxfp4_scale_rule_fails_at_once():
     with pytest.raises(QuantspecError, match=r"scale_rule='floor' is not an MXFP4 scale rule.*ocp.*ceil.*mse"):
         _mx("floor")
