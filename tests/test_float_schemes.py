@@ -17,11 +17,11 @@ from quantspec.formats import get_format, read_quantization_config
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.awq.clip import fake_quantize
 from quantspec.core.floatcodes import code_values, e2m1_codes, e4m3fn_to_fnuz, fp8_codes, quantize_per_token_fp8
-from quantspec.quant.floatgrid import group_scales
+from quantspec.quant.floatgrid import group_scales, mx_exponents
 from quantspec.quant.gptq import gptq_quantize
 from quantspec.quant.recipe import Recipe
 from quantspec.quant.rtn import rtn
-from quantspec.core.scheme import SCHEME_PRESETS, QuantResult, QuantScheme
+from quantspec.core.scheme import MX_SCALE_RULE, MX_SCALE_RULES, SCHEME_PRESETS, QuantResult, QuantScheme
 
 PRESETS = list(SCHEME_PRESETS)
 CT = get_format("compressed-tensors")
@@ -109,6 +109,131 @@ def test_nvfp4_scales_fill_fp8_range_and_mxfp4_keeps_the_better_exponent():
     ocp = torch.floor(torch.log2(groups.abs().amax(1))) - 2
     assert (err(e) <= err(ocp)).all() and (err(e) <= err(ocp + 1)).all()
     assert (e != ocp).any() and (e == ocp).any()  # both choices occur on this weight
+
+
+def _mx(rule: str) -> QuantScheme:
+    return replace(SCHEME_PRESETS["mxfp4"], scale_rule=rule)
+
+
+def _group(*head: float) -> list[float]:
+    return list(head) + [0.0] * (32 - len(head))
+
+
+# hand-made groups of 32 -> their unbiased exponent under ocp, ceil, mse
+MX_GROUPS = [
+    (_group(7.5), (0, 1, 1)),  # ocp clips 7.5 to 6 (err 2.25); at 2**1 it is 8 (err 0.25)
+    ([6.5] + [1.5] * 31, (0, 1, 0)),  # ocp clips 6.5 (err 0.25), but the next exponent costs each 1.5 0.25
+    (_group(4.0, -2.0, 1.0, 0.5), (0, 0, 0)),  # amax a power of two: exact at 2**0, never clipped
+    (_group(-(2.0**-10)), (-12, -12, -12)),
+    (_group(6.0, 1.0), (0, 0, 0)),  # amax exactly 6 * 2**e: ocp does not clip it
+    (_group(), (-2, -2, -2)),  # all zero
+]
+
+
+@pytest.mark.parametrize("rule", MX_SCALE_RULES)
+def test_mxfp4_scale_rules_on_hand_made_groups(rule):
+    groups = torch.tensor([g for g, _ in MX_GROUPS])
+    want = [e[MX_SCALE_RULES.index(rule)] for _, e in MX_GROUPS]
+    assert mx_exponents(groups, rule).tolist() == want
+    assert (group_scales(groups, _mx(rule)).long() - 127).tolist() == want
+
+
+def _main_mxfp4_exponents(groups: torch.Tensor) -> torch.Tensor:
+    """The one MXFP4 rule before ``scale_rule`` existed, written out: ``floor(log2 amax) - 2`` or
+    one more, whichever puts the group (each value on its nearest E2M1 value, by brute force) at
+    the smaller squared error; the lower one on a tie; -2 for a zero group."""
+    grid = torch.tensor(E2M1 + [-v for v in E2M1])
+    amax = groups.abs().amax(1)
+    low = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2
+
+    def err(e):
+        s = torch.exp2(e)[:, None]
+        near = grid[((groups / s)[..., None] - grid).abs().argmin(-1)]
+        return (near * s - groups).pow(2).sum(1)
+
+    return torch.where(err(low + 1) < err(low), low + 1, low)
+
+
+def test_mxfp4_default_rule_keeps_its_codes_and_scales():
+    w = _weight(n=64, k=512, seed=7)
+    w[3, :32] = 0  # a zero group
+    r = rtn(w, SCHEME_PRESETS["mxfp4"])
+    assert SCHEME_PRESETS["mxfp4"].scale_rule == MX_SCALE_RULE == "mse"
+    e = _main_mxfp4_exponents(w.reshape(-1, 32))
+    assert torch.equal(r.scales, (e + 127).to(torch.uint8).reshape(64, 16))
+    codes = e2m1_codes(w.reshape(-1, 32) / torch.exp2(e)[:, None]).reshape(64, 512)
+    assert torch.equal(r.qweight, codes)
+
+
+def test_mxfp4_rules_differ_and_each_keeps_its_bound():
+    w = _weight(n=64, k=512, seed=8)
+    groups, amax = w.reshape(-1, 32), w.reshape(-1, 32).abs().amax(1)
+    e = {rule: rtn(w, _mx(rule)).scales.reshape(-1).long() - 127 for rule in MX_SCALE_RULES}
+    assert ((e["ceil"] != e["ocp"]).any() and (e["mse"] != e["ocp"]).any() and (e["mse"] != e["ceil"]).any())
+    assert (amax <= 6 * torch.exp2(e["ceil"].float())).all()  # ceil never clips ...
+    assert (amax > 6 * torch.exp2(e["ceil"].float() - 1)).all()  # ... at the smallest such exponent
+    assert ((e["ocp"] - e["mse"]).abs() <= 1).all() and ((e["mse"] == e["ocp"]) | (e["mse"] == e["ocp"] + 1)).all()
+    err = {rule: (rtn(w, _mx(rule)).dequantize() - w).pow(2).reshape(-1, 32).sum(1) for rule in MX_SCALE_RULES}
+    assert (err["mse"] <= err["ocp"]).all() and (err["mse"] <= err["ceil"]).all()
+    assert e["ocp"].float().equal(torch.floor(torch.log2(groups.abs().amax(1))) - 2)
+
+
+def test_mxfp4_scale_rule_is_recorded_and_round_trips_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import quantspec
+    from quantspec.core.floatcodes import pack_fp4_pairs
+
+    tiny = make_tiny_model(tmp_path, arch="llama")
+    dense = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    name = "model.layers.0.mlp.down_proj"
+    w = dense.get_submodule(name).weight.detach()
+    stored = {}
+    for rule in ("ocp", "mse"):
+        recipe = Recipe(name="t", method="rtn", format="compressed-tensors", scheme=_mx(rule))
+        out = quantspec.quantize(str(tiny), recipe, tmp_path / rule, progress=False).out
+        assert Recipe.from_yaml(out / "recipe.yaml") == recipe  # the rule is in the checkpoint's recipe
+        tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        stored[rule] = tensors[f"{name}.weight_scale"]
+        r = rtn(w, _mx(rule))
+        assert torch.equal(tensors[f"{name}.weight_packed"], pack_fp4_pairs(r.qweight))
+        assert torch.equal(stored[rule], r.scales)
+        back = CT.unpack({k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(name + ".")},
+                         _mx(rule), *r.shape)
+        assert back.equal(r)
+    assert not torch.equal(stored["ocp"], stored["mse"])  # the rules differ on this layer
+
+
+def test_mxfp4_scale_rule_serialises_for_mxfp4_only():
+    assert "scale_rule" not in QuantScheme().to_dict() and "scale_rule" not in SCHEME_PRESETS["nvfp4"].to_dict()
+    assert SCHEME_PRESETS["mxfp4"].to_dict()["scale_rule"] == MX_SCALE_RULE
+    assert QuantScheme.from_dict(_mx("ocp").to_dict()) == _mx("ocp") != SCHEME_PRESETS["mxfp4"]
+    assert [_mx(r).short_name for r in ("ocp", "ceil", MX_SCALE_RULE)] == ["mxfp4-ocp", "mxfp4-ceil", "mxfp4"]
+
+
+def test_scale_rule_flag_reaches_the_recipe():
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+
+    parse = build_parser().parse_args
+    r = recipe_from_args(parse(["quantize", "--method", "gptq", "--scheme", "mxfp4", "--scale-rule", "ceil"]))
+    assert r.scheme == _mx("ceil") and r.name == "gptq-mxfp4-ceil"
+    assert recipe_from_args(parse(["quantize", "--method", "rtn", "--scheme", "mxfp4"])).scheme.scale_rule == MX_SCALE_RULE
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse(["quantize", "--scheme", "mxfp4", "--scale-rule", "nearest"])
+
+
+def test_bad_mxfp4_scale_rule_fails_at_once():
+    with pytest.raises(QuantspecError, match=r"scale_rule='floor' is not an MXFP4 scale rule.*ocp.*ceil.*mse"):
+        _mx("floor")
+    with pytest.raises(QuantspecError, match="only applies to mxfp4"):
+        replace(SCHEME_PRESETS["nvfp4"], scale_rule="ocp")
+    with pytest.raises(QuantspecError, match="scale rule"):
+        Recipe.from_dict({"method": "rtn", "format": "compressed-tensors",
+                          "scheme": {**SCHEME_PRESETS["mxfp4"].to_dict(), "scale_rule": "OCP"}})
+    with pytest.raises(ValueError, match="unknown MXFP4 scale rule 'max'"):
+        mx_exponents(torch.ones(2, 32), "max")
 
 
 # --------------------------------------------------------------------------- GPTQ
@@ -315,6 +440,7 @@ def test_bad_schemes_fail_at_once():
     (["--scheme", "nvfp4", "--format", "gptq"], "compressed-tensors"),
     (["--scheme", "mxfp4", "--bits", "4"], "--bits"),
     (["--scheme", "fp8-dynamic", "--method", "smoothquant"], "int8 activation"),
+    (["--bits", "4", "--scale-rule", "ocp"], "only applies to mxfp4"),
 ])
 def test_cli_refuses_before_work(tmp_path, extra, expect):
     r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(tmp_path / "no-model"), *extra,

@@ -15,7 +15,7 @@ from ._common import write_json
 def add_parser(sub) -> None:
     from ..formats import FORMAT_NAMES
     from ..quant.registry import METHODS
-    from ..core.scheme import SCHEME_PRESETS
+    from ..core.scheme import MX_SCALE_RULE, MX_SCALE_RULES, SCHEME_PRESETS
 
     p = sub.add_parser(
         "quantize",
@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
                         "weight block, FP8 activations per token per 128 columns; layers whose K is not a "
                         "multiple of 128 stay dense), fp8-block-weight (weight-only), nvfp4, mxfp4; "
                         "--bits/--group-size name the integer schemes")
+    p.add_argument("--scale-rule", choices=list(MX_SCALE_RULES),
+                   help=f"mxfp4: each group's power-of-two scale by the OCP rule floor(log2 amax) - 2 (ocp, may clip "
+                        f"the max), the next exponent where that clips (ceil), or whichever of the two has the "
+                        f"smaller squared error (mse); default {MX_SCALE_RULE}")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--kv-cache", choices=["fp8", "int8"],
                    help="calibrate KV-cache scales (keys after RoPE, values) on the calibration data and write them "
@@ -110,6 +114,8 @@ def recipe_from_args(args):
                                  "schemes.", f"drop {', '.join(given)} (or --scheme).")
         scheme_fields.update(SCHEME_PRESETS[args.scheme].to_dict())
         scheme_fields.update(act_order=bool(args.act_order), static_groups=bool(args.act_order))
+    if args.scale_rule:
+        scheme_fields["scale_rule"] = args.scale_rule
     if args.act_order is False and args.static_groups is None:
         scheme_fields["static_groups"] = False  # static groups only mean something with act-order
     changes = {k: v for k, v in scheme_fields.items() if v is not None}

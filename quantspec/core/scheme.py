@@ -45,6 +45,11 @@ ACTIVATION_SCHEMES = (None, "int8-token-dynamic", "fp8-token-dynamic", "fp8-tens
 FP8_ACTIVATIONS = ("fp8-token-dynamic", "fp8-tensor-static", "fp8-group-dynamic")
 # which fp8 weights each fp8 activation scheme goes with: per channel, or FP8 block
 _FP8_ACTIVATIONS_OF = {-1: ("fp8-token-dynamic", "fp8-tensor-static"), FP8_BLOCK: ("fp8-group-dynamic",)}
+# MXFP4: how each group's E8M0 exponent is chosen (quant/floatgrid.py ``mx_exponents``): "ocp" the
+# OCP rule floor(log2 amax) - 2 (may clip the group max), "ceil" the smaller of it and the next
+# exponent that does not clip, "mse" whichever of the two has the smaller squared error
+MX_SCALE_RULES = ("ocp", "ceil", "mse")
+MX_SCALE_RULE = "mse"  # the default; why: docs/decisions/mxfp4-scale-rule.md
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,10 @@ class QuantScheme:
     weights: "int", or a float type (``WEIGHT_TYPES``); "fp8" with group_size 128 is FP8 block:
     one scale per 128x128 block (``is_block``), whose activations are weight-only or
     "fp8-group-dynamic" (absmax / 448 per token per 128 input columns, dynamic); per-channel
-    fp8 takes "fp8-token-dynamic" or "fp8-tensor-static".
+    fp8 takes "fp8-token-dynamic" or "fp8-tensor-static". scale_rule: how mxfp4 picks each
+    group's power-of-two scale (``MX_SCALE_RULES``); other weight types keep the default. The
+    checkpoint's quantization_config cannot tell the rule (the stored exponents mean the same
+    whichever chose them): a loaded scheme has the default, the checkpoint's recipe.yaml the rule.
     """
 
     bits: int = 4
@@ -69,12 +77,19 @@ class QuantScheme:
     static_groups: bool = False
     activations: str | None = None
     weights: str = "int"
+    scale_rule: str = MX_SCALE_RULE
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_TYPES:
             raise QuantspecError(
                 f"weights={self.weights!r} is not a weight type.", f"use one of {list(WEIGHT_TYPES)}."
             )
+        if self.scale_rule not in MX_SCALE_RULES:
+            raise QuantspecError(f"scale_rule={self.scale_rule!r} is not an MXFP4 scale rule.",
+                                 f"use one of {list(MX_SCALE_RULES)} (default {MX_SCALE_RULE!r}).")
+        if self.scale_rule != MX_SCALE_RULE and self.weights != "mxfp4":
+            raise QuantspecError(f"scale_rule={self.scale_rule!r} only applies to mxfp4 weights (E8M0 group scales).",
+                                 "drop scale_rule, or use --scheme mxfp4.")
         if self.is_float:
             self._check_float()
             return
@@ -171,12 +186,14 @@ class QuantScheme:
     @property
     def short_name(self) -> str:
         """e.g. ``w4g128``, ``w4g128-asym``, ``w8a8``, ``fp8``, ``fp8-dynamic``, ``fp8-block``,
-        ``nvfp4``."""
+        ``nvfp4``, ``mxfp4`` (``mxfp4-ocp``, ``mxfp4-ceil``: a scale rule other than the default)."""
         if self.is_block:
             name = "fp8-block" + ("" if self.activations else "-weight")
             return name + ("-actorder" if self.act_order else "")
         if self.is_float:
             name = self.weights + {None: "", "fp8-token-dynamic": "-dynamic", "fp8-tensor-static": "-static"}[self.activations]
+            if self.weights == "mxfp4" and self.scale_rule != MX_SCALE_RULE:
+                name += f"-{self.scale_rule}"
             return name + ("-actorder" if self.act_order else "")
         if self.activations:
             return "w8a8"
@@ -189,9 +206,13 @@ class QuantScheme:
         return name
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; ``weights`` only when not "int", so that integer schemes read
-        (recipes, reports, resume and scales-file fingerprints) as they did before float types."""
+        """The fields as a dict; ``weights`` only when not "int" and ``scale_rule`` only for mxfp4
+        (always there, so a recipe or journal says which rule made it even if the default moves),
+        so that other schemes read (recipes, reports, resume and scales-file fingerprints) as they
+        did before these fields."""
         d = asdict(self)
+        if d["weights"] != "mxfp4":
+            del d["scale_rule"]
         if d["weights"] == "int":
             del d["weights"]
         return d

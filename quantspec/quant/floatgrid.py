@@ -16,9 +16,14 @@ Scales (element codes and rounding: ``floatcodes.py``):
 ``fp8`` amax / 448 of the channel, or of the 128x128 block (``block_scales``; the last block of
 rows may be shorter, K must be a multiple of 128); ``nvfp4`` the global scale
 ``448 * 6 / amax(W)`` maps the largest group scale to E4M3's top, each group's ``amax / 6`` is
-stored as ``E4M3(amax / 6 * global)``; ``mxfp4`` tries the two power-of-two exponents around
-``amax / 6`` (the OCP rule ``floor(log2 amax) - 2``, which may clip the group max, and the next
-one, which never clips) and keeps the one with the smaller squared error of the group.
+stored as ``E4M3(amax / 6 * global)``; ``mxfp4`` picks each group's power-of-two exponent by the
+scheme's ``scale_rule`` (``mx_exponents``) from two candidates: the OCP rule ``floor(log2 amax) - 2``
+(``"ocp"``; the group max may exceed ``6 * 2**e`` and saturate, up to 25% of it clipped) and the
+next exponent, which never clips. ``"ceil"`` takes the smaller one that does not clip the max
+(``ceil(log2(amax / 6))``), ``"mse"`` the one with the smaller squared error of the group (the
+OCP one on a tie). The default, ``"mse"`` (``core.scheme.MX_SCALE_RULE``), was chosen on a
+validation split (C4 documents outside the calibration draw), not on the wikitext2 test text:
+docs/decisions/mxfp4-scale-rule.md, benchmarks/results/mxfp4-scale-rule.md.
 """
 
 from __future__ import annotations
@@ -55,9 +60,23 @@ def group_scales(
         tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
         scaled = (amax / FP4_MAX * gscale.to(torch.float32)).clamp(tiny, FP8_MAX)
         return scaled.to(torch.float8_e4m3fn)
-    # mxfp4: the OCP exponent (may clip the max) or the next one (never clips), by squared error
+    return (mx_exponents(w, scheme.scale_rule) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+
+
+def mx_exponents(w: torch.Tensor, rule: str) -> torch.Tensor:
+    """MXFP4's unbiased exponent ``e`` (scale ``2**e``) of each row of ``w`` ([R, 32] groups ->
+    fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring). An all-zero group
+    gets -2 under every rule."""
+    w = w.to(torch.float32)
+    amax = w.abs().amax(dim=1)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    low = torch.floor(torch.log2(safe)) - 2
+    low = torch.floor(torch.log2(safe)) - 2  # OCP: may clip the max
+    if rule == "ocp":
+        return low
+    if rule == "ceil":  # the next exponent where the OCP one clips
+        return low + (amax > FP4_MAX * torch.exp2(low)).to(low.dtype)
+    if rule != "mse":
+        raise ValueError(f"unknown MXFP4 scale rule {rule!r}: use 'ocp', 'ceil' or 'mse'")
     best, best_err = None, None
     for e in (low, low + 1):
         err = (on_grid(w, torch.exp2(e).unsqueeze(1), "mxfp4") - w).pow(2).sum(dim=1)
@@ -66,7 +85,7 @@ def group_scales(
         else:
             better = err < best_err
             best, best_err = torch.where(better, e, best), torch.where(better, err, best_err)
-    return (best + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+    return best
 
 
 def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
