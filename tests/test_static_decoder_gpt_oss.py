@@ -40,6 +40,8 @@ from quantspec.quant.recipe import Recipe
 from quantspec.runtime.decoder import StaticDecoder, fast_decoder
 from quantspec.runtime.families import FAMILIES
 from quantspec.runtime.kv import KVDecoder
+from quantspec.specdec import DraftModel, speculative_generate
+from quantspec.specdec.tree import TreeSpec
 
 WINDOW = 5
 # GPT-OSS's YaRN (attention factor 1 + 0.1 ln 8 on cos and sin), consistent with 512 positions
@@ -264,6 +266,33 @@ def test_trees_run_inside_the_window_and_are_refused_past_it():
         dec.forward([torch.tensor([7, 8])])
         with pytest.raises(QuantspecError, match="sliding window of 5"):
             dec.forward_tree([torch.tensor([9])], [torch.tensor([-1])])
+
+
+class _NoTrees(DraftModel):
+    """A draft that fails the test if a tree is ever asked of it."""
+
+    def propose_tree(self, *args, **kwargs):
+        raise AssertionError("the run started: the refusal must come before any draft")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_tree_runs_past_the_window_are_refused_before_they_start(fast):
+    """A tree run that would reach past the sliding window is refused before the first draft:
+    the StaticDecoder's by the window's length, transformers' cache (sliding layers) for any
+    tree. The bound is exact: with 2 prompt tokens and trees of 2 nodes at depth 1, the last
+    full tree is fed at 1 + (new - 2) columns + 1 pending + 2 nodes, so 3 new tokens fill the
+    window of 5 and run to the end (the forward's own check would stop them otherwise), 4 do not."""
+    model = gpt_oss()
+    prompt = torch.tensor([[5, 6]])
+    tree = TreeSpec("static", total=2, top_k=2, depth=1)
+    match = "reaches 6 positions, past this model's sliding window of 5" if fast else "sliding-window layers"
+    with pytest.raises(QuantspecError, match=match):
+        speculative_generate(model, _NoTrees(model), prompt, max_new_tokens=4, tree=tree, fast_verify=fast)
+    if fast:
+        out, stats = speculative_generate(model, DraftModel(model), prompt, max_new_tokens=3, tree=tree,
+                                          fast_verify=True)
+        assert torch.equal(out, _generate(model, prompt[0], 3))
+        assert stats.proposed >= 2  # a full tree was fed
 
 
 def test_what_does_not_fit_is_refused_and_falls_back():

@@ -17,7 +17,8 @@ two fused ops differ).
 Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``) run through
 the masked attention path: each node's mask row is the committed columns plus its ancestors'
 columns, and ``keep_path`` copies the kept nodes' keys and values next to the committed ones.
-Blocks with a sliding window refuse trees once the window would cut the cache.
+Blocks with a sliding window refuse trees once the window would cut the cache; ``tree_columns``
+says so before a run starts (``specdec.loop`` refuses such runs up front).
 
 GPT-OSS (``families``: attention sinks, half-width rotary, a norm rounded once, MoE-only
 blocks) runs the same way: its sinks go into the softmax of both attention paths (the
@@ -268,16 +269,20 @@ class StaticDecoder(Decoder):
         feats = self._tree_features(chunks, parents)
         return self.lm_head(feats), feats
 
+    def tree_columns(self) -> int | None:
+        """The shortest sliding window of the blocks (None: no block has one)."""
+        return min((blk.window for blk in self.blocks if blk.window is not None), default=None)
+
     def _tree_features(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
         """The final-normed hidden states [B, T, H] of ``forward_tree``."""
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
             raise ValueError("forward_tree needs at least one node in some row")
-        for blk in self.blocks:
-            if blk.window is not None and self.width + t > blk.window:
-                raise QuantspecError(f"token trees over {self.width + t} positions meet a sliding window "
-                                     f"of {blk.window}, which they do not support.",
-                                     "use chains (no tree) for this model.")
+        limit = self.tree_columns()
+        if limit is not None and self.width + t > limit:
+            raise QuantspecError(f"token trees over {self.width + t} positions meet a sliding window "
+                                 f"of {limit}, which they do not support.",
+                                 "use chains (no tree) for this model.")
         self._ensure(len(chunks), self.width + t)
         batch, dev = len(chunks), self.device
         if self.tree is None:

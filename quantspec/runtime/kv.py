@@ -116,9 +116,13 @@ class KVDecoder(Decoder):
         out = self._tree_run(chunks, parents, features=True)
         return out.logits, out.hidden_states[-1]
 
+    def tree_columns(self) -> int | None:
+        """0 when the model's cache has sliding-window layers (which trees do not support)."""
+        return 0 if _sliding(new_cache(self.model)) else None
+
     def _tree_run(self, chunks: list[torch.Tensor], parents: list[torch.Tensor], features: bool):
         self._ensure(len(chunks))
-        if any(getattr(layer, "is_sliding", False) for layer in getattr(self.cache, "layers", [])):
+        if _sliding(self.cache):
             raise QuantspecError("token trees do not support sliding-window KV caches.",
                                  "use chains (no tree) for this model.")
         t = max(int(c.numel()) for c in chunks)
@@ -181,6 +185,10 @@ class KVDecoder(Decoder):
         if width < self.mask.shape[1]:
             self.cache.crop(width - self.mask.shape[1])  # negative: tokens to remove
             self.mask = self.mask[:, :width]
+
+
+def _sliding(cache) -> bool:
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", []))
 
 
 class PlainDecoder(Decoder):

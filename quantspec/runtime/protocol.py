@@ -78,6 +78,12 @@ class Decoder(ABC):
         """``forward_tree``'s logits and features (see ``forward_features``)."""
         raise NotImplementedError(f"{type(self).__name__} does not run token trees")
 
+    def tree_columns(self) -> int | None:
+        """The most cache columns (committed ones and a tree's nodes) a token tree may reach,
+        known before anything runs: a sliding window's length, 0 when this decoder cannot run
+        trees over its cache at all, None for no limit (the default)."""
+        return None
+
     def keep_path(self, paths: list[Sequence[int]]) -> None:
         """End the tree: row b keeps the nodes ``paths[b]`` (a chain from a child of -1 down,
         possibly empty) as committed tokens, moved to the columns right after its committed

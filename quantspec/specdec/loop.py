@@ -157,6 +157,8 @@ def speculative_generate(
     # Linears for the call; the StaticDecoder routes its own through them
     fast = few_row_linears(target) if isinstance(decoder, KVDecoder) and fast_verify \
         else contextlib.nullcontext()
+    if tree is not None:
+        _check_tree_fits(decoder, max(s.numel() for s in seqs), max_new_tokens, tree)
     proposer.reset()
     start = time.perf_counter()
     feeds = proposer.needs_features
@@ -188,6 +190,27 @@ def speculative_generate(
     stats.wall_s = time.perf_counter() - start
     stats.new_tokens = sum(len(t) for t in new)
     return _assemble(input_ids, new, _pad_id(target, pad_token_id, stops)), stats
+
+
+def _check_tree_fits(decoder, prompt_len: int, max_new_tokens: int, tree: TreeSpec) -> None:
+    """Refuse, before anything runs, a tree run whose columns could pass the decoder's limit
+    (``tree_columns``: a sliding window). A step with ``g`` tokens generated holds ``prompt_len
+    + g - 1`` columns and feeds the pending token and a tree of paths up to ``room = max_new_tokens
+    - g - 1`` nodes (``_tree_step``), so the run needs ``prompt_len + max_new_tokens - 1`` columns
+    plus the most, over the rooms, of a tree's nodes beyond its room."""
+    limit = decoder.tree_columns()
+    if limit is None:
+        return
+    if limit == 0:
+        raise QuantspecError("this model's KV cache has sliding-window layers, which token trees do not support.",
+                             "use chains (drop --tree).")
+    rooms = range(1, min(tree.depth, max_new_tokens - 1) + 1)
+    need = prompt_len + max_new_tokens - 1 + max([tree.max_nodes(r) - r for r in rooms] + [0])
+    if need > limit:
+        raise QuantspecError(f"a token tree run of {prompt_len} prompt tokens, {max_new_tokens} new tokens and trees "
+                             f"of up to {tree.max_nodes()} nodes reaches {need} positions, past this model's "
+                             f"sliding window of {limit}, which token trees do not support.",
+                             "use chains (drop --tree), or fewer new tokens or tree nodes.")
 
 
 @dataclass

@@ -137,6 +137,15 @@ class TreeSpec:
             return TreeSpec("static", choices=tuple(c for c in self.shape() if len(c) <= depth))
         return TreeSpec(self.kind, self.total, self.top_k, depth)
 
+    def max_nodes(self, depth: int | None = None) -> int:
+        """The most nodes a tree of this spec holds with paths of at most ``depth`` (default: its
+        own depth): a static shape's count; a dynamic tree's ``total``, or fewer where ``top_k``
+        children per node cannot reach it in ``depth`` levels."""
+        spec = self if depth is None else self.limited(depth)
+        if spec.kind == "static":
+            return len(spec.shape())
+        return min(spec.total, sum(spec.top_k**d for d in range(1, spec.depth + 1)))
+
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "total": self.total, "top_k": self.top_k, "depth": self.depth}
         if self.kind == "static":
