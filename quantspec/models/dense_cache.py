@@ -77,7 +77,7 @@ def load_gguf(gguf: Path, dtype: torch.dtype = CACHE_DTYPE):
     return model, tokenizer
 
 
-def _make_readable(folder: Path) -> None:
+def make_readable(folder: Path) -> None:
     """mkdtemp and safetensors create owner-only modes; a shared cache should be readable."""
     folder.chmod(0o755)
     for item in folder.iterdir():
@@ -99,7 +99,7 @@ def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) 
                 "dtype": str(dtype).removeprefix("torch."),
                 "dequantize_seconds": round(time.perf_counter() - start, 2)}
         (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _make_readable(tmp)
+        make_readable(tmp)
         try:
             rename_folder_into_place(tmp, dest)
         except OSError:

@@ -6,6 +6,9 @@ A spec is one of
   - a path to a ``.gguf`` file: dequantized once and cached under ``$QUANTSPEC_CACHE/models/gguf``;
   - a local HF folder (must hold config.json);
   - a hub id (``org/name``): downloaded, or from the local HF cache when offline.
+
+A folder or hub model published only as MXFP4 (GPT-OSS) or block FP8 (DeepSeek-V3, Qwen3-FP8)
+is dequantized once into a cached dense copy (``float_original``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..errors import QuantspecError
 from .aliases import DEFAULT_ALIAS, Alias, find_alias
 from .dense_cache import build_dense_cache, gguf_cache_dir
 from .fetch import find_or_fetch_gguf
+from .float_original import FORMATS, dense_copy, quant_method
 from .hub import hub_offline, hub_reachable
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -160,26 +164,21 @@ def dense_folder(model: str | None = None) -> Path:
     """A local HF folder (config.json, safetensors, tokenizer) for a model spec.
 
     Aliases and .gguf files give the cached dense copy (built on first use); local folders are
-    returned as they are; hub ids give the snapshot folder in the HF cache. A folder whose
-    config.json already carries a ``quantization_config`` is refused (QuantspecError).
+    returned as they are; hub ids give the snapshot folder in the HF cache. An MXFP4 or FP8
+    original (``float_original``) gives its dense copy (built on first use); a folder whose
+    config.json carries another ``quantization_config`` is refused (QuantspecError).
     """
-    folder = _resolve(_classify(model))[0]
+    folder = dense_copy(_resolve(_classify(model))[0])
     _refuse_quantized(folder)
     return folder
 
 
 def _refuse_quantized(folder: Path) -> None:
-    import json
-
-    try:
-        qcfg = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError):
-        return  # no readable config.json: transformers' own error names the problem
-    if qcfg:
-        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else "?"
+    method = quant_method(folder)
+    if method:
         raise QuantspecError(
             f"{folder} is already quantized (config.json has a {method!r} quantization_config); "
-            "quantspec quantizes dense models.",
+            f"quantspec quantizes dense models, or dequantizes {' and '.join(FORMATS)} originals first.",
             "pass the dense original; to run or evaluate this checkpoint use "
             "quantspec.load_quantized / `quantspec eval` on it.",
         )
@@ -265,6 +264,7 @@ def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     spec = _classify(model)
     torch_dtype = resolve_dtype(dtype, device)
     folder, source = _resolve(spec)
+    folder = dense_copy(folder)
     _refuse_quantized(folder)
     tokenizer = _load_tokenizer(folder)
     try:
