@@ -25,7 +25,7 @@ from quantspec.serving.load import Level, arrival_times, parse_levels, run_level
 from quantspec.serving.metrics import counter_delta, counters, parse_prometheus, spec_summary
 from quantspec.serving.server import EngineServer, EngineSpec, EngineStartError, port_in_use
 from quantspec.serving.slo import SLO, meets, parse_slo
-from quantspec.serving.stats import percentile, summarize
+from quantspec.serving.stats import median_rows, percentile, summarize
 from quantspec.serving.variants import Target, build_targets, parse_spec
 from quantspec.serving.workload import Request, build_workload, write_prompts
 
@@ -324,6 +324,37 @@ def test_unusable_answers_fail_the_target_not_the_run(engine_python, smollm2_dir
                       tokenizer=AutoTokenizer.from_pretrained(smollm2_dir))
     assert [t["status"] for t in out["targets"]] == ["failed", "failed"] and out["status"] == "partial"
     assert out["targets"][0]["error"].startswith("ValueError: HTTP 400") and "not supported" in out["targets"][0]["error"]
+
+
+def test_median_rows_sum_counts_and_take_medians():
+    rows = [{"level": "c=1", "requests": 4, "completed": 4, "output_throughput": v, "ttft": {"p50_ms": t, "n": 4},
+             "engine_metrics": {"kv": k}} for v, t, k in ((10.0, 30.0, 0.1), (14.0, 10.0, None), (11.0, 20.0, 0.3))]
+    m = median_rows(rows)
+    assert m == {"level": "c=1", "requests": 12, "completed": 12, "output_throughput": 11.0,
+                 "ttft": {"p50_ms": 20.0, "n": 4}, "engine_metrics": {"kv": 0.2}, "rounds": 3}
+
+
+def test_repeats_interleave_targets_on_fresh_servers_and_give_medians(engine_python, tmp_path):
+    """--repeats: every target served once per round on its own server, the order drawn anew per
+    round (seeded), levels the medians of the rounds' figures and the sums of their counts."""
+    cfg = BenchConfig(levels=[Level("concurrency", 1)], warmup=1, num_prompts=3, repeats=4, seed=1)
+    targets = [Target(x, "folder") for x in "abc"]
+    out = serve_bench(targets, EngineSpec(python=engine_python, startup_timeout=60), [Request("x", 3)] * 4, cfg,
+                      out_dir=tmp_path, json_path=tmp_path / "r.json")
+    assert out["status"] == "ok" and [t["label"] for t in out["targets"]] == ["b", "c", "a"]  # round 0's order
+    starts = sorted((r["server"]["log"], r["label"]) for t in out["targets"] for r in t["rounds"])
+    assert len({r["server"]["pid"] for t in out["targets"] for r in t["rounds"]}) == 12  # 12 servers
+    orders = {}
+    for t in out["targets"]:
+        for r in t["rounds"]:
+            orders.setdefault(r["round"], []).append((Path(r["server"]["log"]).stat().st_mtime_ns, t["label"]))
+    assert len({tuple(x for _, x in sorted(v)) for v in orders.values()}) > 1, starts  # the order changes
+    for t in out["targets"]:
+        rows = [r["levels"][0] for r in t["rounds"]]
+        lv = t["levels"][0]
+        assert lv["rounds"] == 4 and lv["completed"] == 12 == sum(r["completed"] for r in rows)
+        assert lv["ttft"]["p50_ms"] == float(np.median([r["ttft"]["p50_ms"] for r in rows]))
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(out))
 
 
 def _cli(args, env=None, **kw):

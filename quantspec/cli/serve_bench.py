@@ -61,6 +61,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--task-limit", type=float, default=None, help="lm-eval --limit")
     p.add_argument("--include-path", help="folder of your own lm-eval task YAMLs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="serve every target this many times, interleaved in a seeded random order per round, each "
+                        "on a fresh server; the report gives medians over the rounds (1)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the first checkpoint's)")
     p.add_argument("--out", type=Path, default=Path("serve-bench-out"), help="folder for server logs and the report")
     p.add_argument("--json", type=Path, help="result JSON (default OUT/serve-bench.json)")
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.lmeval_adapter import check_tasks
 
         check_tasks(args.tasks, args.include_path, api=True)
-    for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows"):
+    for name in ("num_prompts", "warmup", "ppl_seqlen", "ppl_windows", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise QuantspecError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range.",
                                  "pass a positive number")
@@ -181,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(levels=levels, num_prompts=args.num_prompts, duration=args.duration, warmup=args.warmup,
                       seed=args.seed, burstiness=args.burstiness, slo=slo, ignore_eos=args.ignore_eos, ppl_data=args.ppl,
                       ppl_seqlen=args.ppl_seqlen, ppl_windows=args.ppl_windows, tasks=args.tasks,
-                      task_limit=args.task_limit, include_path=args.include_path, keep_records=args.keep_records)
+                      task_limit=args.task_limit, include_path=args.include_path, keep_records=args.keep_records,
+                      repeats=args.repeats)
     header = {"command": "quantspec serve-bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["serve-bench"]
                                                               else sys.argv[1:]),
               "engine": {"name": args.engine, "version": engine_version, "python": spec and spec.python,
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
               "dataset": args.dataset, "machine": describe_machine()}
     json_path = args.json or args.out / "serve-bench.json"
     _terminate_as_interrupt()
-    say(f"{len(targets)} server run(s) x {len(levels)} level(s), {args.num_prompts} requests each; JSON {json_path}")
+    say(f"{len(targets) * args.repeats} server run(s) x {len(levels)} level(s), {args.num_prompts} requests each; JSON {json_path}")
     result = serve_bench(targets, spec, requests, cfg, out_dir=args.out, json_path=json_path, tokenizer=tokenizer,
                          tokenizer_path=tokenizer_path, header=header, say=say)
     files = write_serving_report(result, args.out)

@@ -1,11 +1,18 @@
 """``serve_bench``: start each target's server, take accuracy through it, run the load levels,
 stop it; one JSON written after every step, so an interrupted or failed run keeps what it
-measured (marked ``partial``)."""
+measured (marked ``partial``).
+
+With ``repeats`` > 1 every target is served that many times, each on a freshly started server,
+the targets in a new seeded random order each round (interleaved, so that a slow spell of a
+shared machine does not land on one target); a target's ``levels`` are then the medians over
+its rounds (``stats.median_rows``) and ``rounds`` keeps each round's rows. Accuracy is measured
+in a target's first round only."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
 import re
 import time
 from collections.abc import Callable
@@ -18,7 +25,7 @@ from .load import Level, run_level
 from .metrics import MetricsSampler
 from .server import EngineServer, EngineSpec
 from .slo import SLO
-from .stats import summarize
+from .stats import median_rows, summarize
 from .variants import Target
 from .workload import Request, split_levels
 
@@ -43,6 +50,7 @@ class BenchConfig:
     include_path: str | None = None
     metrics_interval: float = 1.0
     keep_records: bool = True
+    repeats: int = 1
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -91,19 +99,19 @@ def _went_away(alive: Callable[[], bool], wait: float = 3.0) -> bool:
 
 def _measure(ep: Endpoint, tokenizer, tokenizer_path: str | None, warm: list[Request],
              per_level: list[list[Request]], cfg: BenchConfig, entry: dict, alive: Callable[[], bool],
-             save: Callable[[], None], say: Say) -> None:
+             save: Callable[[], None], say: Say, accuracy: bool = True) -> None:
     from .accuracy import server_lm_eval, server_perplexity
 
     for r in warm:
         rec = stream_completion(ep, r.prompt, min(r.max_tokens, 16), ignore_eos=cfg.ignore_eos)
         if not rec.ok:
             raise ServerDied(f"warm-up request failed: {rec.error}")
-    if cfg.ppl_data:
+    if cfg.ppl_data and accuracy:
         say(f"{entry['label']}: perplexity on {cfg.ppl_data} through the server")
         entry["accuracy"]["ppl"] = server_perplexity(ep, tokenizer, cfg.ppl_data, cfg.ppl_seqlen, cfg.ppl_windows)
         say(f"{entry['label']}: ppl {entry['accuracy']['ppl']['ppl']:.3f}")
         save()
-    if cfg.tasks:
+    if cfg.tasks and accuracy:
         say(f"{entry['label']}: lm-eval {','.join(cfg.tasks)} through the server")
         entry["accuracy"]["lm_eval"] = server_lm_eval(ep, tokenizer_path, cfg.tasks, limit=cfg.task_limit,
                                                       seed=cfg.seed, include_path=cfg.include_path)
@@ -156,45 +164,27 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.replace(json_path)
 
+    entries: dict[int, dict] = {}
     try:
-        for t in targets:
-            entry = {"label": t.label, "model": t.model, "role": t.role, "speculative": t.speculative,
-                     "status": "running", "accuracy": {}, "levels": []}
-            result["targets"].append(entry)
-            save()
-            try:
-                if t.url:
-                    ep = Endpoint(t.url, t.label if t.label != t.url else "")
-                    check_url(ep)
-                    entry["label"] = ep.model if t.label == t.url else t.label
-                    entry["server"] = {"url": t.url, "started": False}
-                    _measure(ep, tokenizer, tokenizer_path, warm, per_level, cfg, entry, lambda: True, save, say)
-                else:
-                    assert spec is not None
-                    run_spec = EngineSpec(spec.engine, spec.python, [*spec.args, *t.engine_args], spec.env,
-                                          spec.startup_timeout)
-                    log = out_dir / f"server-{len(result['targets']):02d}.log"
-                    say(f"{t.label}: starting {spec.engine} (log {log})")
-                    srv = EngineServer(run_spec, t.model, log=log, name=served_name(t.label))
-                    entry["server"] = {"command": srv.command, "log": str(log), "started": True}
-                    with srv:
-                        entry["server"]["pid"] = srv.proc.pid  # also its process group
-                        entry["server"]["startup_s"] = round(srv.startup_s, 2)
-                        say(f"{t.label}: ready in {srv.startup_s:.0f} s on port {srv.port}")
-                        _measure(srv.endpoint, tokenizer, tokenizer_path, warm, per_level, cfg, entry, srv.alive, save, say)
-                    entry["server"]["exit_code"] = srv.proc.returncode if srv.proc else None
-                entry["status"] = "ok"
-            except ServerDied as exc:
-                entry.update(status="partial" if entry["levels"] else "failed", error=str(exc))
-                say(f"{t.label}: {exc}; kept {len(entry['levels'])} finished levels")
-            except QuantspecError as exc:
-                entry.update(status="failed", error=str(exc))
-                say(f"{t.label}: failed: {exc}")
-            except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:  # an answer we cannot use
-                entry.update(status="partial" if entry["levels"] or entry["accuracy"] else "failed",
-                             error=f"{type(exc).__name__}: {exc}")
-                say(f"{t.label}: failed: {entry['error']}")
-            save()
+        for rnd in range(cfg.repeats):
+            order = list(range(len(targets)))
+            if cfg.repeats > 1:
+                random.Random(cfg.seed + rnd).shuffle(order)
+            for i in order:
+                if i not in entries:
+                    t = targets[i]
+                    entries[i] = {"label": t.label, "model": t.model, "role": t.role, "speculative": t.speculative,
+                                  "status": "running", "accuracy": {}, "levels": []}
+                    result["targets"].append(entries[i])
+                e = entries[i]
+                _serve_round(targets[i], e, rnd, spec, cfg, out_dir, warm, per_level, tokenizer,
+                             tokenizer_path, save, say, i + 1)
+                if rnd == cfg.repeats - 1:  # its last round: its figures are final
+                    if cfg.repeats > 1:
+                        e["levels"] = _median_levels(e["rounds"])
+                    if e["status"] == "running":
+                        e["status"] = "ok"
+                save()
         result["status"] = "ok" if all(e["status"] == "ok" for e in result["targets"]) else "partial"
     except KeyboardInterrupt:
         result["status"] = "interrupted"
@@ -206,3 +196,59 @@ def serve_bench(targets: list[Target], spec: EngineSpec | None, requests: list[R
         raise
     save()
     return result
+
+
+def _median_levels(rounds: list[dict]) -> list[dict]:
+    """Per level (in order), the medians over the rounds that measured it."""
+    by: dict[str, list[dict]] = {}
+    for rnd in rounds:
+        for row in rnd["levels"]:
+            if not row.get("partial"):
+                by.setdefault(row["level"], []).append(row)
+    return [median_rows(rows) for rows in by.values()]
+
+
+def _serve_round(t: Target, entry: dict, rnd: int, spec: EngineSpec | None, cfg: BenchConfig, out_dir: Path,
+                 warm, per_level, tokenizer, tokenizer_path, save, say: Say, n: int) -> None:
+    """One round of one target: its server started (or its URL checked), warm-up, accuracy in the
+    first round, the levels; failures mark the entry, not the run. With repeats the round's rows
+    go to ``entry["rounds"]``, else straight to ``entry["levels"]``."""
+    into = entry
+    if cfg.repeats > 1:
+        into = {"label": entry["label"], "round": rnd, "accuracy": entry["accuracy"], "levels": []}
+        entry.setdefault("rounds", []).append(into)
+    try:
+        if t.url:
+            ep = Endpoint(t.url, t.label if t.label != t.url else "")
+            check_url(ep)
+            entry["label"] = into["label"] = ep.model if t.label == t.url else t.label
+            into["server"] = {"url": t.url, "started": False}
+            _measure(ep, tokenizer, tokenizer_path, warm, per_level, cfg, into, lambda: True, save, say, rnd == 0)
+        else:
+            assert spec is not None
+            run_spec = EngineSpec(spec.engine, spec.python, [*spec.args, *t.engine_args], spec.env,
+                                  spec.startup_timeout)
+            log = out_dir / (f"server-{n:02d}.log" if cfg.repeats == 1 else f"server-{n:02d}-r{rnd}.log")
+            say(f"{t.label}: starting {spec.engine} (log {log})" + (f", round {rnd + 1}/{cfg.repeats}"
+                                                                     if cfg.repeats > 1 else ""))
+            srv = EngineServer(run_spec, t.model, log=log, name=served_name(t.label))
+            into["server"] = {"command": srv.command, "log": str(log), "started": True}
+            with srv:
+                into["server"]["pid"] = srv.proc.pid  # also its process group
+                into["server"]["startup_s"] = round(srv.startup_s, 2)
+                say(f"{t.label}: ready in {srv.startup_s:.0f} s on port {srv.port}")
+                _measure(srv.endpoint, tokenizer, tokenizer_path, warm, per_level, cfg, into, srv.alive, save, say,
+                         rnd == 0)
+            into["server"]["exit_code"] = srv.proc.returncode if srv.proc else None
+        if into is not entry and "server" not in entry:
+            entry["server"] = into["server"]
+    except ServerDied as exc:
+        entry.update(status="partial" if into["levels"] or entry.get("rounds") else "failed", error=str(exc))
+        say(f"{t.label}: {exc}; kept {len(into['levels'])} finished levels")
+    except QuantspecError as exc:
+        entry.update(status="failed", error=str(exc))
+        say(f"{t.label}: failed: {exc}")
+    except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:  # an answer we cannot use
+        entry.update(status="partial" if into["levels"] or entry["accuracy"] else "failed",
+                     error=f"{type(exc).__name__}: {exc}")
+        say(f"{t.label}: failed: {entry['error']}")

@@ -184,9 +184,13 @@ def serving_markdown(result: dict, png: str | None) -> str:
     if result.get("machine"):
         from ..eval.machine import machine_line
 
-        lines += [f"Machine: {machine_line(result['machine'])}. Dataset: {result.get('dataset')}; "
-                  f"{result.get('config', {}).get('num_prompts')} requests per level, targets measured one "
-                  "after another, each on a freshly started server.", ""]
+        cfg = result.get("config", {})
+        reps = cfg.get("repeats", 1)
+        how = ("targets measured one after another, each on a freshly started server" if reps == 1 else
+               f"{reps} rounds, the targets in a new random order each round, each on a freshly started server; "
+               "figures are medians over the rounds, request counts their sums")
+        lines += [(f"Machine: {machine_line(result['machine'])}. Dataset: {result.get('dataset')}; "
+                   f"{cfg.get('num_prompts')} requests per level, {how}."), ""]
     lines += [f"Command: `{result.get('command')}`", ""]
     return "\n".join(lines)
 

@@ -66,3 +66,30 @@ def summarize(records: Sequence, duration: float, slo: SLO | None = None) -> dic
     if errors:
         summary["errors"] = errors[:5]
     return summary
+
+
+COUNTS = ("requests", "completed", "failed", "input_tokens", "output_tokens", "good_requests")
+
+
+def median_rows(rows: Sequence[dict]) -> dict:
+    """One level's figures over repeated rounds: counts summed (``COUNTS``), every other number
+    the median over the rounds that have it (nested dicts likewise), anything else from the
+    first round; ``rounds``: how many."""
+    import statistics
+
+    def merge(items: list, top: bool) -> dict:
+        out: dict = {}
+        for key in items[0]:
+            vals = [it.get(key) for it in items if isinstance(it, dict)]
+            if isinstance(vals[0], dict):
+                out[key] = merge([v for v in vals if isinstance(v, dict)], False)
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                out[key] = sum(vals) if top and key in COUNTS else statistics.median(vals)
+            elif isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool):
+                nums = [v for v in vals if isinstance(v, (int, float))]
+                out[key] = statistics.median(nums)
+            else:
+                out[key] = vals[0]
+        return out
+
+    return merge(list(rows), True) | {"rounds": len(rows)}
