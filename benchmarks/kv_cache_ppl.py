@@ -8,15 +8,23 @@ KV scales); then wikitext2 perplexity (seqlen 512, first 40 windows) with attent
 an unquantized cache, FP8 with the calibrated scales, FP8 with scale 1.0, FP8 with dynamic
 per-write scales, and the same three for int8 (its calibrated scales are the same maxima / 127).
 
-    python benchmarks/kv_cache_ppl.py --model smollm2-135m
+``--peer llmc``: llm-compressor (its own venv, benchmarks/peers/llmc.py) makes the same kind of
+checkpoint in the same run (FP8 E4M3 weights per channel, RTN; its ``kv_cache_scheme`` FP8 per
+tensor, static, calibrated on the same 64 x 512 samples, all of them observed), and quantspec's
+evaluator reads that checkpoint's k_scale / v_scale: the two calibrations of the KV scales
+compared on one evaluator, the same windows.
+
+    python benchmarks/kv_cache_ppl.py --model smollm2-135m [--peer llmc]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -25,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from quant_peers import DATA, RESULTS  # noqa: E402
+from quant_peers import DATA, RESULTS, prepare, python_of  # noqa: E402
 
 import quantspec  # noqa: E402
 from quantspec.eval.perplexity import perplexity  # noqa: E402
@@ -44,6 +52,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", type=Path, default=RESULTS / "kv-cache-ppl")
+    ap.add_argument("--peer", choices=["llmc"], help="also llm-compressor's calibrated FP8 KV checkpoint")
     args = ap.parse_args()
     folder = dense_folder(args.model)
     tok = load_tokenizer(str(folder))
@@ -63,23 +72,49 @@ def main() -> None:
                 r = perplexity(model, tok, wiki, seqlen=512, windows=args.windows, progress=False,
                                kv_cache="checkpoint" if (kind, scales) == ("fp8", "calibrated") else kind,
                                kv_scales=scales)
-                row = {"kv_strategy": strategy if scales == "calibrated" and kind != "off" else "-",
+                row = {"tool": "quantspec", "kv_strategy": strategy if scales == "calibrated" and kind != "off" else "-",
                        "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
                        "ppl": round(r["ppl"], 4)}
                 if row in rows:
                     continue
                 print(row, flush=True)
                 rows.append(row)
+        if args.peer:
+            rows += peer_rows(folder, Path(tmp), tok, wiki, args.windows)
     meta = {"model": args.model, "weights": "fp8-weight RTN (FP8 E4M3 per channel, fp32 activations)",
             "calibration": "c4 64 x 512 seed 0 (KV: first 32)", "eval": f"wikitext2 seqlen 512 x {args.windows} windows",
             "backend": "exact (cpu fgemm where built, else reference)", "machine": f"{platform.machine()}", "command": shlex.join(["python", *sys.argv])}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# KV-cache quantization on {args.model} ({meta['weights']}; {meta['eval']})", "",
              f"Command: `{meta['command']}`. Raw rows: `{args.out.name}.json`.", "",
-             "| KV cache | scales from | wikitext2 ppl |", "|---|---|---|"]
-    lines += [f"| {r['kv']} | {r['kv_strategy']} | {r['ppl']:.4f} |" for r in rows]
+             "| checkpoint by | KV cache | scales from | wikitext2 ppl |", "|---|---|---|---|"]
+    lines += [f"| {r['tool']} | {r['kv']} | {r['kv_strategy']} | {r['ppl']:.4f} |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def peer_rows(folder: Path, tmp: Path, tok, wiki: str, windows: int) -> list[dict]:
+    """llm-compressor's FP8-weight + calibrated FP8 KV checkpoint, read by our evaluator: its
+    perplexity with an unquantized cache and with its own KV scales."""
+    data, out = tmp / "data.pt", tmp / "llmc"
+    prepare(folder, data, 64, 512, windows)
+    cmd = [python_of("llmc"), str(HERE / "peers" / "llmc.py"), str(folder), str(data), "--method", "rtn",
+           "--scheme", "fp8-weight", "--kv-cache", "fp8", "--save", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"llm-compressor failed: {proc.stderr[-2000:]}")
+    own = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    model = quantspec.load_quantized(out, dtype="float32", backend="exact")
+    rows = []
+    for kind in ("off", "checkpoint"):
+        r = perplexity(model, tok, wiki, seqlen=512, windows=windows, progress=False, kv_cache=kind)
+        rows.append({"tool": "llm-compressor", "kv_strategy": "tensor" if kind == "checkpoint" else "-",
+                     "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
+                     "ppl": round(r["ppl"], 4), "llmc_runtime_ppl": round(own["ppl"], 4),
+                     "llmc_seconds": round(own["seconds"], 1)})
+        print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -328,7 +328,7 @@ def test_unusable_answers_fail_the_target_not_the_run(engine_python, smollm2_dir
 
 def test_median_rows_sum_counts_and_take_medians():
     rows = [{"level": "c=1", "requests": 4, "completed": 4, "output_throughput": v, "ttft": {"p50_ms": t, "n": 4},
-             "engine_metrics": {"kv": k}} for v, t, k in ((10.0, 30.0, 0.1), (14.0, 10.0, None), (11.0, 20.0, 0.3))]
+             "engine_metrics": {"kv": k}} for v, t, k in ((10.0, 30.0, None), (14.0, 10.0, 0.1), (11.0, 20.0, 0.3))]
     m = median_rows(rows)
     assert m == {"level": "c=1", "requests": 12, "completed": 12, "output_throughput": 11.0,
                  "ttft": {"p50_ms": 20.0, "n": 4}, "engine_metrics": {"kv": 0.2}, "rounds": 3}

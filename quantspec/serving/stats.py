@@ -77,17 +77,18 @@ def median_rows(rows: Sequence[dict]) -> dict:
     first round; ``rounds``: how many."""
     import statistics
 
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
     def merge(items: list, top: bool) -> dict:
         out: dict = {}
         for key in items[0]:
-            vals = [it.get(key) for it in items if isinstance(it, dict)]
+            vals = [it.get(key) for it in items]
+            nums = [v for v in vals if number(v)]
             if isinstance(vals[0], dict):
                 out[key] = merge([v for v in vals if isinstance(v, dict)], False)
-            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-                out[key] = sum(vals) if top and key in COUNTS else statistics.median(vals)
-            elif isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool):
-                nums = [v for v in vals if isinstance(v, (int, float))]
-                out[key] = statistics.median(nums)
+            elif nums and all(v is None or number(v) for v in vals):  # a figure some rounds lack: theirs
+                out[key] = sum(nums) if top and key in COUNTS else statistics.median(nums)
             else:
                 out[key] = vals[0]
         return out
