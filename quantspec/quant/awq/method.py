@@ -62,6 +62,8 @@ class AWQSettings:
     block's inputs come from this block with its "float" (scaled, unquantized, as AutoAWQ and
     llm-compressor do) or its "quantized" weights; clip_check_seqs: held-out calibration
     sequences of the block-level clip check (0: none); clip_model_check: the model-level check.
+    The sample sizes were chosen on the validation split of docs/decisions/awq-defaults.md (C4
+    documents outside the calibration draw), not on the wikitext2 text the tables report.
     """
 
     awq: AWQOptions = AWQOptions()
