@@ -110,7 +110,7 @@ def test_awq_options_validated():
 
 def test_clip_by_bit_width_unless_set():
     w8, w4, w3 = QuantScheme(8, 128, False), QuantScheme(4, 128, False), QuantScheme(3, 128, False)
-    assert not clip_wanted(None, w8) and clip_wanted(None, w4) and clip_wanted(None, w3)
+    assert not clip_wanted(None, w8) and not clip_wanted(None, w4) and clip_wanted(None, w3)
     assert clip_wanted(True, w8) and not clip_wanted(False, w3)
 
 

@@ -24,10 +24,11 @@ from ...core.scheme import QuantResult, QuantScheme
 # vs 49.105, Qwen2.5-Coder-0.5B W3 g128 46.257 vs 47.471), although the reference implementation
 # skips the Linears that feed attention scores.
 CLIP_SKIP: tuple[str, ...] = ()
-# Clipping by default only up to this many bits (0: never); a recipe can turn it on or off. 4: on
-# the validation split a whole-model SmolLM2-135M W4 g64 record gained from clips (whole pipeline
-# 28.246 vs 28.591 unclipped; docs/decisions/awq-defaults.md); 8-bit grids are left alone.
-CLIP_AUTO_MAX_BITS = 4
+# Clipping by default only up to this many bits (0: never); a recipe can turn it on or off. 3: on
+# the validation split (docs/decisions/awq-defaults.md) clips at W4 helped SmolLM2-135M W4 g64
+# (whole pipeline 28.246 vs 28.591 unclipped) and hurt Qwen2.5-Coder-0.5B W4 g128 (36.233 vs
+# 36.024); the larger model decides, as for ``clip_min_gain``. W3 gains on both.
+CLIP_AUTO_MAX_BITS = 3
 
 
 def grouped(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:

@@ -6,7 +6,7 @@ For each smoothing pair of a block (``prev`` -> balanced Linears, ``smoothing.py
 2. The scale search (``search.search_scale``) under the pair's objective (``objective.py``:
    the consuming module's output on whole sequences, or the Linears' outputs on a sample).
 3. The best ``s`` is folded exactly (``smoothing.fold_scales``).
-4. Clipping (``clip.py``; by default at 4 bits and below, ``CLIP_AUTO_MAX_BITS``; every Linear
+4. Clipping (``clip.py``; by default at 3 bits and below, ``CLIP_AUTO_MAX_BITS``; every Linear
    unless named in ``CLIP_SKIP``): each group's clip from its error curve, kept only where it lowers the pair's
    objective (``keep_helpful_clips``), then a block's kept clips together only where they lower
    the block's output error on held-out calibration sequences (``clip_check_seqs``), then
