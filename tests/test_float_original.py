@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantspec.errors import QuantspecError
-from quantspec.models.float_original import SOURCE_FILE, dequantized_dir
+from quantspec.models.dense_cache import SOURCE_FILE
+from quantspec.models.float_original import dequantized_dir
 from quantspec.models.source import dense_folder, load_dense
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

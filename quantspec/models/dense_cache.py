@@ -77,7 +77,7 @@ def load_gguf(gguf: Path, dtype: torch.dtype = CACHE_DTYPE):
     return model, tokenizer
 
 
-def make_readable(folder: Path) -> None:
+def _make_readable(folder: Path) -> None:
     """mkdtemp and safetensors create owner-only modes; a shared cache should be readable."""
     folder.chmod(0o755)
     for item in folder.iterdir():
@@ -98,11 +98,17 @@ def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) 
         meta = {"gguf": str(gguf.resolve()), "gguf_bytes": gguf.stat().st_size,
                 "dtype": str(dtype).removeprefix("torch."),
                 "dequantize_seconds": round(time.perf_counter() - start, 2)}
-        (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        make_readable(tmp)
-        try:
-            rename_folder_into_place(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # not a lost race: a real failure
-                raise
+        finish_dense_folder(tmp, dest, meta)
     return dest
+
+
+def finish_dense_folder(tmp: Path, dest: Path, meta: dict) -> None:
+    """Write ``meta`` as ``SOURCE_FILE`` into the temporary folder ``tmp``, make it readable and
+    rename it to ``dest`` (a lost race to another process writing the same copy is not an error)."""
+    (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _make_readable(tmp)
+    try:
+        rename_folder_into_place(tmp, dest)
+    except OSError:
+        if not (dest / "config.json").is_file():  # not a lost race: a real failure
+            raise

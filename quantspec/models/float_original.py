@@ -39,7 +39,6 @@ from ..core.floatcodes import dequantize_values, unpack_fp4_pairs
 from ..errors import QuantspecError
 from .paths import cache_root
 
-SOURCE_FILE = "quantspec_source.json"
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -89,7 +88,7 @@ def _fp8(get, key: str, qcfg: dict, dtype: torch.dtype) -> tuple[str, torch.Tens
     return key, (values * scale).to(dtype)
 
 
-# quant_method -> (what it is, for messages; the per-tensor rule: (reader, key, qcfg, dtype) ->
+# quant_method -> (what it is, for messages; the per-tensor rule: (get: tensor by name, key, qcfg, dtype) ->
 # None (copy the tensor as it is) | (name, dense tensor) | (key, None) (dropped, read with another))
 FORMATS: dict[str, tuple[str, Callable]] = {
     "mxfp4": ("MXFP4 (E2M1 values, E8M0 scales per 32)", _mxfp4),
@@ -141,9 +140,8 @@ def build_dequantized(folder: Path, dest: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ..checkpoint.atomic import rename_folder_into_place, sibling_temp_folder
-    from ..checkpoint.reader import CheckpointReader
-    from .dense_cache import make_readable
+    from ..checkpoint.atomic import sibling_temp_folder
+    from .dense_cache import finish_dense_folder
 
     start = time.perf_counter()
     config = json.loads((folder / "config.json").read_text())
@@ -151,8 +149,11 @@ def build_dequantized(folder: Path, dest: Path) -> Path:
     method = qcfg["quant_method"]
     rule = FORMATS[method][1]
     dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
-    reader = CheckpointReader(folder)
-    keys = reader.keys()
+    file_of: dict[str, Path] = {}  # tensor name -> the shard holding it
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            file_of.update(dict.fromkeys(h.keys(), f))
+    keys = set(file_of)
 
     last: dict[str, torch.Tensor] = {}  # the tensor read last: a rule and the copy read it once
 
@@ -160,14 +161,14 @@ def build_dequantized(folder: Path, dest: Path) -> Path:
         if default and key not in keys:
             return default[0]
         if key not in last:
-            with safe_open(str(reader.file_of(key)), framework="pt") as h:
+            with safe_open(str(file_of[key]), framework="pt") as h:
                 last.clear()
                 last[key] = h.get_tensor(key)
         return last[key]
 
     shards: dict[Path, list[str]] = {}
     for key in sorted(keys):
-        shards.setdefault(reader.file_of(key), []).append(key)
+        shards.setdefault(file_of[key], []).append(key)
     weight_map, converted = {}, 0
     with sibling_temp_folder(dest) as tmp:
         for f, names in sorted(shards.items()):
@@ -190,11 +191,5 @@ def build_dequantized(folder: Path, dest: Path) -> Path:
                 (tmp / extra.name).write_bytes(extra.read_bytes())
         meta = {"original": str(folder.resolve()), "quant_method": method, "dtype": str(dtype).removeprefix("torch."),
                 "tensors_dequantized": converted, "dequantize_seconds": round(time.perf_counter() - start, 2)}
-        (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        make_readable(tmp)
-        try:
-            rename_folder_into_place(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # not a lost race: a real failure
-                raise
+        finish_dense_folder(tmp, dest, meta)
     return dest
