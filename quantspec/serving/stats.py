@@ -7,6 +7,7 @@ samples."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 from .slo import SLO, meets
@@ -75,7 +76,6 @@ def median_rows(rows: Sequence[dict]) -> dict:
     """One level's figures over repeated rounds: counts summed (``COUNTS``), every other number
     the median over the rounds that have it (nested dicts likewise), anything else from the
     first round; ``rounds``: how many."""
-    import statistics
 
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
