@@ -357,6 +357,16 @@ def test_repeats_interleave_targets_on_fresh_servers_and_give_medians(engine_pyt
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(out))
 
 
+def test_repeats_that_never_measure_are_failed_not_partial(engine_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_DIE_AFTER", "1")  # every server dies in its warm-up
+    cfg = BenchConfig(levels=[Level("concurrency", 1)], warmup=2, num_prompts=2, repeats=2)
+    out = serve_bench([Target("m", "folder")], EngineSpec(python=engine_python, startup_timeout=60),
+                      [Request("x", 3)] * 4, cfg, out_dir=tmp_path, json_path=tmp_path / "r.json")
+    t = out["targets"][0]
+    assert len(t["rounds"]) == 2 and not any(r["levels"] for r in t["rounds"])
+    assert t["status"] == "failed" and out["status"] == "partial"
+
+
 def _cli(args, env=None, **kw):
     return subprocess.run([sys.executable, "-m", "quantspec", "serve-bench", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=300, **kw)

@@ -208,6 +208,11 @@ def _median_levels(rounds: list[dict]) -> list[dict]:
     return [median_rows(rows) for rows in by.values()]
 
 
+def _measured(entry: dict) -> bool:
+    """Whether any round of the target finished a level."""
+    return any(r["levels"] for r in entry.get("rounds") or [entry])
+
+
 def _serve_round(t: Target, entry: dict, rnd: int, spec: EngineSpec | None, cfg: BenchConfig, out_dir: Path,
                  warm, per_level, tokenizer, tokenizer_path, save, say: Say, n: int) -> None:
     """One round of one target: its server started (or its URL checked), warm-up, accuracy in the
@@ -243,12 +248,12 @@ def _serve_round(t: Target, entry: dict, rnd: int, spec: EngineSpec | None, cfg:
         if into is not entry and "server" not in entry:
             entry["server"] = into["server"]
     except ServerDied as exc:
-        entry.update(status="partial" if into["levels"] or entry.get("rounds") else "failed", error=str(exc))
+        entry.update(status="partial" if _measured(entry) else "failed", error=str(exc))
         say(f"{t.label}: {exc}; kept {len(into['levels'])} finished levels")
     except QuantspecError as exc:
         entry.update(status="failed", error=str(exc))
         say(f"{t.label}: failed: {exc}")
     except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:  # an answer we cannot use
-        entry.update(status="partial" if into["levels"] or entry["accuracy"] else "failed",
+        entry.update(status="partial" if _measured(entry) or entry["accuracy"] else "failed",
                      error=f"{type(exc).__name__}: {exc}")
         say(f"{t.label}: failed: {entry['error']}")
