@@ -31,6 +31,13 @@ def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
     assert info["format"] == "gptq" and info["quantized_layers"] == 14
     assert "lm_head" in info["dense_layers"]
     assert all(v["backend"] for v in info["layers"].values() if not v.get("dense"))
+    shown = capsys.readouterr().out  # the backends passed over for each layer kind, with the reason
+    passed_over = {part for v in info["layers"].values() if not v.get("dense")
+                   for part in v["backend_reason"].split("; ") if v["backend_reason"] != "fastest available"}
+    from quantspec.kernels.backend import available_backends
+
+    assert passed_over or available_backends()[0] != "triton"  # Triton cannot run on this CPU
+    assert all(f"not {part}" in shown for part in passed_over)
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
     rc = main(["eval", str(out), "--ppl", str(text), "--seqlen", "32", "--windows", "4",

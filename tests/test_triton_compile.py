@@ -396,3 +396,35 @@ def test_preshuffled_gemv_zero_points_at_4_rows_a_thread(target_name, bn, bk, wa
     assert code_["spills"] == 0, code_
     assert code_["instructions_per_weight"] <= ROWS4_ZERO_BUDGETS[target_name, bn, bk, warps][asm], code_
     assert len(aot.loop_shared_ops(kernel, target_name)) <= ROWS4_SHARED_OPS, "dequantized pairs through shared memory"
+
+
+def _store_offset_types(ttir: str) -> list[str]:
+    """The element type of the offsets each ``tt.store``'s address was built with (the addptr
+    that defines the stored pointer)."""
+    defs = dict(re.findall(r"(%[\w.]+) = (tt\.addptr .*)", ttir))
+    types = []
+    for ptr in re.findall(r"tt\.store (%[\w.]+),", ttir):
+        m = re.search(r"tensor<[\dx]+x(i\d+)>|, (i\d+) ", defs.get(ptr, ""))
+        types.append((m.group(1) or m.group(2)) if m else "?")
+    return types
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_stores_address_in_int64(split_k):
+    """The epilogue (tiles.store_result: output or split-K partials) and the split-K reduction
+    index in int64, so that M x N past 2**31 elements (a long prefill through a wide layer) does
+    not wrap; with int32 offsets these stores read tensor<...xi32>."""
+    from quantspec.kernels.triton import wq_gemm
+
+    cfg = aot.first_config("large_m", "sm90", "fp16-w4g128-sym")
+    consts = aot.wq_constexprs("large_m", "fp16-w4g128-sym", split_k=split_k)
+    kernel = aot.compile_kernel(wq_gemm._wq_dot_kernel.fn, aot.wq_types("fp16"), consts, cfg, "sm90")
+    assert _store_offset_types(kernel.asm["ttir"]) == ["i64"]
+    types = {"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32"}
+    reduce = aot.compile_kernel(wq_gemm._splitk_reduce_kernel, types,
+                                {"SPLIT_K": 2, "HAS_BIAS": True, "BLOCK": 1024},
+                                triton.Config({}, num_warps=4, num_stages=1), "sm90")
+    ttir = reduce.asm["ttir"]
+    assert _store_offset_types(ttir) == ["i64"]
+    assert re.search(r"tt\.addptr %\S+, %\S+ : tensor<1024x!tt\.ptr<f32>>, tensor<1024xi64>", ttir), \
+        "partials read with int32 offsets"

@@ -490,6 +490,36 @@ def test_custom_op_dispatches_to_triton(tk):
     assert torch.equal(y, backend.linear(x, p, scheme, 48, 256, b))
 
 
+@interp
+@pytest.mark.parametrize("scheme,strategy,layout", [
+    (S(4, 32, False, act_order=True), "permute", "auto"), (S(4, 128, True, act_order=True), "gidx", "auto"),
+    (S(4, 128, True), "permute", "mma16x64"), (S(8, -1, True), "permute", "auto")])
+def test_bound_layer_equals_linear(tk, scheme, strategy, layout):
+    """TritonBackend.bind: the bound call (decisions read once) gives linear's output exactly,
+    through a QuantLinear too (which then runs it), for a 3-d input and with act-order."""
+    from quantspec.kernels.quant_linear import QuantLinear
+
+    r, x, b = make_case(scheme, 48, 256, 3, torch.float16)
+    backend = tk.backend.TritonBackend(act_order=strategy, weight_layout=layout)
+    p = backend.prepare(r, x.dtype)
+    bound = backend.bind(p, scheme, 48, 256)
+    assert isinstance(bound, tk.backend.BoundWQ)
+    x3 = x.reshape(1, 3, 256)
+    assert torch.equal(bound(x3, p, b), backend.linear(x3, p, scheme, 48, 256, b))
+    layer = QuantLinear.from_result(r, "gptq", b, torch.float16)
+    assert layer.prepare("triton") == "triton" and isinstance(layer._runner, tk.backend.BoundWQ)
+    default = tk.backend.TritonBackend()  # the registry's instance, which the layer runs
+    assert torch.equal(layer(x3), default.linear(x3, default.prepare(r, x.dtype), scheme, 48, 256, b))
+
+
+@interp
+def test_bind_leaves_w8a8_and_float_layers_to_linear(tk):
+    backend = tk.backend.TritonBackend()
+    for scheme in (S(8, -1, True, activations="int8-token-dynamic"), S(8, -1, True, weights="fp8")):
+        r, x, _ = make_case(scheme, 48, 256, 3, torch.float16)
+        assert backend.bind(backend.prepare(r, x.dtype), scheme, 48, 256) is None
+
+
 def test_registry_skips_triton_on_cpu_without_interpreter(monkeypatch):
     from quantspec.kernels.backend import choose_backend
 
@@ -1383,3 +1413,17 @@ def test_gemv_group_sizes_off_the_schemes(tk, monkeypatch, group, kernel):
     y = tk.wq.wq_linear(x, pack_codes(codes, 4), scales, zeros, None, None, 4, group)
     assert used == [kernel]
     check_close(y, (x.float() @ w.T).half(), torch.float16)
+
+
+@interp
+def test_amd_layout_is_not_run_on_nvidia(tk, monkeypatch):
+    """weight_layout mfma16x128 on an NVIDIA GPU: its GEMV tiles spilled there (kernel-spills.md),
+    so the backend takes mma16x64 with a warning; ROCm and the interpreter keep what was asked."""
+    backend = tk.backend.TritonBackend(weight_layout="mfma16x128")
+    assert backend._layout_for(4, 128, False, torch.device("cuda")) == "mfma16x128"  # interpreter
+    monkeypatch.setattr(tk.backend.configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.warns(UserWarning, match="AMD's MFMA layout"):
+        assert backend._layout_for(4, 128, False, torch.device("cuda")) == "mma16x64"
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert backend._layout_for(4, 128, False, torch.device("cuda")) == "mfma16x128"

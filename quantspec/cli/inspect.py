@@ -29,9 +29,12 @@ def run(args) -> int:
           f"{', act-order' if s['act_order'] else ''}"
           f"{', activations ' + s['activations'] if s.get('activations') else ''}")
     quant = {n: v for n, v in info["layers"].items() if not v.get("dense")}
-    kinds = Counter((v["scheme"], v["backend"]) for v in quant.values())
-    for (scheme, backend), n in sorted(kinds.items()):
+    kinds = Counter((v["scheme"], v["backend"], v.get("backend_reason", "")) for v in quant.values())
+    for (scheme, backend, why), n in sorted(kinds.items()):
         print(f"  {n:4d} layers: {scheme} -> backend {backend}")
+        if why and why not in ("fastest available", "requested"):  # the faster backends passed over, and why
+            for skipped in why.split("; "):
+                print(f"         not {skipped}")
     for name, e in info["experts"].items():
         left = f", dense: experts {e['dense_experts']}" if e["dense_experts"] else ""
         print(f"  {name}: {e['quantized']} of {e['experts']} experts quantized{left}")

@@ -35,6 +35,7 @@ inner loop). A g_idx that sorting cannot turn into contiguous equal groups falls
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import triton  # noqa: F401  (ImportError here makes the registry skip this backend)
@@ -116,6 +117,11 @@ class TritonBackend:
             if reason is not None:
                 warnings.warn(f"weight_layout {self.weight_layout!r}: {reason}; keeping {LAYOUT_GPTQ!r}", stacklevel=3)
                 return LAYOUT_GPTQ
+            if (self.weight_layout == LAYOUT_MFMA and device.type == "cuda" and torch.version.hip is None
+                    and not configs.interpreting()):  # AMD's fragments: NVIDIA's tiles on it spill (kernel-spills.md)
+                warnings.warn(f"weight_layout {LAYOUT_MFMA!r} is AMD's MFMA layout; an NVIDIA GPU takes "
+                              f"{LAYOUT_MMA!r}", stacklevel=3)
+                return LAYOUT_MMA
             return self.weight_layout
         if configs.interpreting() or device.type != "cuda":
             backend = "interpreter"
@@ -206,6 +212,14 @@ class TritonBackend:
             out["input_scale"] = result.input_scale.to(torch.float32).reshape(1).contiguous()
         return out
 
+    def bind(self, prepared, scheme: QuantScheme, out_features: int, in_features: int):
+        """A weight-only layer's call with its decisions taken once (``BoundWQ``); None for the
+        float, FP8 and W8A8 schemes (``linear`` serves those)."""
+        if scheme.is_float or scheme.activations is not None:
+            return None
+        layout = next(lay for lay, key in QWEIGHT_KEYS.items() if key in prepared)
+        return BoundWQ(scheme, out_features, in_features, layout, "perm" in prepared, self.autotune)
+
     def linear(
         self, x: torch.Tensor, prepared: dict[str, torch.Tensor], scheme: QuantScheme,
         out_features: int, in_features: int, bias: torch.Tensor | None,
@@ -235,3 +249,34 @@ class TritonBackend:
                 autotune=self.autotune, layout=layout,
             )
         return y.reshape(*lead, out_features)
+
+
+@dataclass(frozen=True)
+class BoundWQ:
+    """``TritonBackend.linear`` for one weight-only layer, with the qweight's layout, the
+    act-order permutation and the tuning mode read once at ``bind``: an eager call goes straight
+    to ``wq_linear``; under torch.compile it is the custom op ``quantspec::quant_linear``, as
+    without binding (a plain object: picklable)."""
+
+    scheme: QuantScheme
+    out_features: int
+    in_features: int
+    layout: str
+    permute: bool
+    autotune: bool
+
+    def __call__(self, x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            from .custom_ops import quant_linear
+
+            return quant_linear(x, p, TritonBackend.name, self.scheme, self.out_features, self.in_features, bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.permute:
+            x2 = x2.index_select(1, p["perm"])
+        elif x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = wq_linear(x2, p[QWEIGHT_KEYS[self.layout]], p["scales"], p.get("zeros"), p.get("g_idx"),
+                      None if bias is None else bias.contiguous(), bits=self.scheme.bits,
+                      group_size=self.scheme.group_size, autotune=self.autotune, layout=self.layout)
+        return y.reshape(*lead, self.out_features)

@@ -62,18 +62,29 @@ def packed_variant(variant: str, target_name: str) -> bool:
 
 def first_config(family: str, target_name: str, variant: str | None = None,
                  preshuffled: bool | int | None = None) -> triton.Config:
-    """The first config of a family's list for the target; with a weight-only ``variant``, of the
-    list the launcher uses for it (the packed GEMV's for "gemv" when the variant runs there), and
-    the first that reads a pre-shuffled qweight where the variant is pre-shuffled by default
-    (``preshuffled``: False, True / 1 (mma16x64) or 2 (mfma16x128) force one)."""
-    if family == "gemv" and variant is not None and packed_variant(variant, target_name):
+    """The first config of a family's list for the target; with a weight-only ``variant``, the
+    one an untuned launch runs (``launch_candidates``: the packed GEMV's list for "gemv" when the
+    variant runs there, pre-shuffled where the variant is by default; ``preshuffled``: False,
+    True / 1 (mma16x64) or 2 (mfma16x128) force one)."""
+    if variant is None:
+        return configs.configs_for(family, target_key(target_name))[0]
+    return launch_candidates(family, target_name, variant, preshuffled)[0]
+
+
+def launch_candidates(family: str, target_name: str, variant: str, preshuffled: bool | int | None = None,
+                      m_key: int | None = None) -> list[triton.Config]:
+    """The configs the launcher may run for a weight-only ``variant`` on the target, in list order
+    (``prune.candidates`` with the launch's constexprs; ``m_key`` defaults to 16 for small_m,
+    256 for large_m); empty where none fits (a layout no config of the target reads: the
+    launcher refuses it)."""
+    if family == "gemv" and packed_variant(variant, target_name):
         family = "gemv_packed"
+    meta = wq_constexprs(family, variant, target_name=target_name, preshuffled=preshuffled)
     cfgs = configs.configs_for(family, target_key(target_name))
-    if preshuffled is None:
-        preshuffled = variant is not None and preshuffled_variant(family, variant, target_name)
-    if preshuffled:
-        return next(c for c in cfgs if prune.preshuffled_fits(c, int(preshuffled)))
-    return cfgs[0]
+    m_key = m_key or {"small_m": 16, "large_m": 256}.get(family, meta.get("BLOCK_M", 1))
+    if family == "gemv_packed":
+        return cfgs
+    return [c for c in prune.candidates(family, cfgs, m_key, meta) if prune.fits(family, c, m_key, meta)]
 
 
 def layout_reason(variant: str) -> str | None:

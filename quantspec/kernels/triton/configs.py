@@ -10,11 +10,15 @@ bf16 x and 4-bit fields: the packed GEMV), "gemv_preshuffled" (the packed GEMV o
 layout.py's pre-shuffled layouts; BLOCK_K <= 128, so that a tile sits in one group), "small_m"
 (M <= 32, tl.dot, split-K), "large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters:
 BLOCK_M/BLOCK_N/BLOCK_K, GROUP_M (L2 swizzle of the tiled paths), ROWS (the packed GEMV's word
-rows per step); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack.
+rows per step); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack where the installed Triton's
+HIP backend takes them (``hip_options``: a Triton that drops one keeps launching). The tl.dot
+families end with BLOCK_K 16 configs for fp32 operands (``prune.FMA_BLOCK_K``: Triton's FMA dot
+spills at larger K tiles), which the launcher gives fp32 x only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -43,6 +47,26 @@ def _cfg(bm, bn, bk, warps, stages, gm=8, **extra):
     if bm is not None:
         meta.update(BLOCK_M=bm, GROUP_M=gm)
     return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+@functools.cache
+def hip_options() -> frozenset[str]:
+    """The launch options the installed Triton's HIP backend takes (empty without one)."""
+    try:
+        from triton.backends.amd.compiler import HIPOptions
+    except ImportError:
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(HIPOptions))
+
+
+def _hip(**opts) -> dict:
+    """The ROCm options of a config that this Triton knows; the rest are dropped."""
+    return {k: v for k, v in opts.items() if k in hip_options()}
+
+
+# fp32-operand tiles (BLOCK_M, BLOCK_N, warps) at BLOCK_K 16: spill-free on sm90 and gfx942
+_FMA_LARGE = ((64, 128, 8), (64, 64, 4), (32, 128, 4), (128, 64, 8))
+_FMA_SMALL_N = ((64, 4), (128, 4))
 
 
 def _packed_cfg(bn, bk, warps, stages, lanes, **extra):
@@ -79,16 +103,17 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
             for bm in (16, 32)
             for bn, bk, w, s in [
                 (64, 128, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3), (256, 64, 8, 3),
-                (64, 64, 4, deep), (32, 128, 4, 4),
+                (64, 64, 4, deep), (128, 32, 4, deep), (256, 32, 8, deep),
             ]
-        ]
+        ] + [_cfg(bm, bn, 16, w, 3) for bm in (16, 32) for bn, w in _FMA_SMALL_N]
     if family in ("large_m", "w8a8"):
         bk2 = 128 if family == "w8a8" else 64  # int8 tiles: twice the K per byte of smem
+        fma = [_cfg(bm, bn, 16, w, 3) for bm, bn, w in _FMA_LARGE] if family == "large_m" else []
         return [
             _cfg(128, 256, bk2 // 2, 8, 3), _cfg(128, 128, bk2, 8, 3), _cfg(128, 128, bk2 // 2, 4, deep),
             _cfg(64, 256, bk2 // 2, 4, deep), _cfg(256, 128, bk2 // 2, 8, 3), _cfg(64, 128, bk2, 4, deep),
             _cfg(128, 64, bk2, 4, deep), _cfg(64, 64, bk2, 4, deep), _cfg(32, 128, bk2, 4, deep),
-        ]
+        ] + fma
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 
 
@@ -97,10 +122,10 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
     occupancy hints, 16x16 MFMA (matrix_instr_nonkdim=16), kpack 2 for fp16/bf16 MFMA on
     gfx942 (gfx950 forces kpack=1 itself)."""
     kp = 1 if arch == "gfx950" else 2
-    amd = dict(matrix_instr_nonkdim=16, kpack=kp)
+    amd = _hip(matrix_instr_nonkdim=16, kpack=kp)
     if family == "gemv":
         return [
-            _cfg(None, bn, bk, w, 2, waves_per_eu=wpe)
+            _cfg(None, bn, bk, w, 2, **_hip(waves_per_eu=wpe))
             for bn, bk, w, wpe in [
                 (128, 64, 4, 0), (256, 32, 4, 0), (512, 32, 8, 0), (512, 16, 4, 2),
                 (256, 64, 8, 2), (1024, 16, 8, 0),
@@ -108,32 +133,34 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
         ]
     if family == "gemv_packed":
         return [
-            _packed_cfg(bn, bk, w, 2, 64, waves_per_eu=wpe)
+            _packed_cfg(bn, bk, w, 2, 64, **_hip(waves_per_eu=wpe))
             for bn, bk, w, wpe in [
                 (128, 128, 4, 0), (256, 128, 4, 0), (128, 128, 4, 2), (256, 64, 4, 0), (512, 64, 8, 0),
                 (128, 64, 4, 0),
             ]
         ]
     if family == "gemv_preshuffled":
-        return [_cfg(None, bn, bk, w, 2, waves_per_eu=wpe) for bn, bk, w, wpe in [
+        return [_cfg(None, bn, bk, w, 2, **_hip(waves_per_eu=wpe)) for bn, bk, w, wpe in [
             (128, 128, 4, 0), (256, 128, 4, 0), (128, 128, 2, 0), (128, 128, 4, 2), (256, 64, 4, 0)]]
     if family == "small_m":
         return [
-            _cfg(bm, bn, bk, w, 2, waves_per_eu=wpe, **amd)
+            _cfg(bm, bn, bk, w, 2, **_hip(waves_per_eu=wpe), **amd)
             for bm in (16, 32)
-            for bn, bk, w, wpe in [(64, 128, 4, 2), (128, 64, 4, 0), (128, 128, 8, 0), (64, 64, 4, 2)]
-        ]
+            for bn, bk, w, wpe in [(64, 128, 4, 2), (128, 64, 4, 0), (128, 128, 8, 0), (64, 64, 4, 2), (128, 32, 4, 0)]
+        ] + [_cfg(bm, bn, 16, w, 2) for bm in (16, 32) for bn, w in _FMA_SMALL_N]
     if family in ("large_m", "w8a8"):
         bk = 128 if family == "w8a8" else 64
-        return [
-            _cfg(256, 256, bk // 2, 8, 2, waves_per_eu=0, **amd),
-            _cfg(128, 256, bk // 2, 8, 2, waves_per_eu=0, **amd),
-            _cfg(128, 128, bk, 4, 2, waves_per_eu=2, **amd),
-            _cfg(128, 128, bk // 2, 8, 2, waves_per_eu=0, **amd),
-            _cfg(64, 128, bk, 4, 2, waves_per_eu=2, **amd),
-            _cfg(64, 64, bk, 4, 2, waves_per_eu=2, **amd),
-            _cfg(64, 128, 128, 4, 2, waves_per_eu=2, **amd),  # BLOCK_K 128: a qweight in layout.py's mfma16x128
-        ]
+        wpe0, wpe2 = _hip(waves_per_eu=0), _hip(waves_per_eu=2)
+        fma = [_cfg(bm, bn, 16, w, 2) for bm, bn, w in _FMA_LARGE] if family == "large_m" else []
+        return [  # first (autotune=False): a 4-warp tile well inside the LDS, not 256 x 256
+            _cfg(128, 128, bk, 4, 2, **wpe2, **amd),
+            _cfg(256, 256, bk // 2, 8, 2, **wpe0, **amd),
+            _cfg(128, 256, bk // 2, 8, 2, **wpe0, **amd),
+            _cfg(128, 128, bk // 2, 8, 2, **wpe0, **amd),
+            _cfg(64, 128, bk, 4, 2, **wpe2, **amd),
+            _cfg(64, 64, bk, 4, 2, **wpe2, **amd),
+            _cfg(64, 128, 128, 4, 2, **wpe2, **amd),  # BLOCK_K 128: a qweight in layout.py's mfma16x128
+        ] + fma
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 
 

@@ -27,12 +27,13 @@ EVEN = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
 @triton.jit
 def store_result(acc, offs_m, offs_n, M, N, pid_k, b_ptr, out_ptr, part_ptr,
                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Epilogue: bias + cast into ``out`` (SPLIT_K == 1), else fp32 partials of split pid_k."""
+    """Epilogue: bias + cast into ``out`` (SPLIT_K == 1), else fp32 partials of split pid_k.
+    Offsets in int64: M * N may pass 2**31 (a long prefill through a wide layer)."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    offs = offs_m[:, None] * N + offs_n[None, :]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)

@@ -32,10 +32,16 @@ from .wq_dequant import (
     _code_minus_zero, _dequant_gathered, _dot, _group_scale, _group_scale_zero, _load_codes, _load_codes_t,
     _load_wt_pairs, _magic_f32)
 from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
-from .prune import PRUNE, fits
+from .prune import PRUNE, candidates, fits
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 from .wq_gemv_preshuffled import _wq_gemv_ps_kernel
 
+# The autotuner's key: the shape (M in power-of-2 buckets up to M_KEY_MAX) and the scheme's
+# constexprs, so that a layer of another scheme with the same N, K tunes its own config (the
+# autotuner adds the tensors' dtypes itself; names a kernel lacks are skipped)
+AUTOTUNE_KEY = ("M_KEY", "N", "K", "SPLIT_K", "FB", "GROUP", "HAS_ZEROS", "HAS_GIDX", "PRESHUFFLED", "ASM",
+                "PACKED", "DOT_F32")
+M_KEY_MAX = 4096
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
 SMALL_M_MAX = 32
 PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is in group 0
@@ -214,12 +220,14 @@ def _wq_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, b_ptr, out_ptr, part_p
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum_s part[s, m, n] (+ bias[n]), cast to out's dtype. Grid cdiv(M*N, BLOCK)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
+    """out[m, n] = sum_s part[s, m, n] (+ bias[n]), cast to out's dtype. Grid cdiv(M*N, BLOCK).
+    Offsets in int64 (M * N may pass 2**31)."""
+    size = tl.cast(M, tl.int64) * N
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -342,21 +350,22 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
 
 def _launch(family, kernel, grid, args, meta, m_key, autotune):
     """Run ``kernel`` with the interpreter's fixed config, autotuned for the GPU target, or
-    (autotune=False) with the first config of the target's list that fits."""
+    (autotune=False) with the first config of the target's list that fits (``prune.candidates``)."""
     if configs.interpreting():
         kernel[grid](*args, **meta, **configs.interpreter_config(family))
         return
     target = configs.current_target()
     if autotune:
-        key = ("M_KEY", "N", "K", "SPLIT_K")
-        configs.autotuned(kernel, family, target, key, PRUNE[family])[grid](*args, **meta)
+        configs.autotuned(kernel, family, target, AUTOTUNE_KEY, PRUNE[family])[grid](*args, **meta)
         return
-    cfgs = configs.configs_for(family, target)
-    ps = meta.get("PRESHUFFLED", 0)
-    cfg = next((c for c in cfgs if fits(family, c, m_key, meta.get("BLOCK_M", 0), ps)), None)
-    if cfg is None:
-        raise ValueError(f"no {family} config of {target} takes a pre-shuffled qweight")
+    cfg = candidates(family, configs.configs_for(family, target), m_key, meta)[0]
+    if not fits(family, cfg, m_key, meta):
+        raise ValueError(f"no {family} config of {target} fits this launch ({_scheme_meta(meta)})")
     kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _scheme_meta(meta: dict) -> str:
+    return ", ".join(f"{k}={meta[k]}" for k in AUTOTUNE_KEY if k in meta)
 
 
 def wq_linear(
@@ -441,7 +450,7 @@ def wq_linear(
     meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
                 HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k)
     dummy = scales  # never read: the matching HAS_* flag is False
-    m_key = min(_next_pow2(m), 256)
+    m_key = min(_next_pow2(m), M_KEY_MAX)
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
     backend = "interpreter" if configs.interpreting() else configs.current_target()[0]

@@ -1,0 +1,101 @@
+"""Which configs a weight-only launch may run (kernels/triton/prune.py), the autotuner's key, and
+that the candidates of the paths that spilled before compile spill-free (no GPU: compiled here)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from quantspec.kernels.triton import aot, configs, prune, wq_gemm  # noqa: E402
+
+TARGETS = (("cuda", "90"), ("hip", "gfx942"))
+
+
+def _meta(**kw):
+    return {"GROUP": 128, "HAS_GIDX": False, "DOT_F32": False, "PRESHUFFLED": 0, **kw}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("family", ["small_m", "large_m"])
+def test_fp32_operands_take_the_fma_tiles_only(family, target):
+    """fp32 x runs Triton's FMA dot, which spilled at BLOCK_K >= 32 (sm90 large_m 13232 bytes);
+    16-bit x never gets those narrow tiles."""
+    cfgs = configs.configs_for(family, target)
+    fp32 = prune.candidates(family, cfgs, 256, _meta(DOT_F32=True))
+    f16 = prune.candidates(family, cfgs, 256, _meta())
+    assert fp32 and all(c.kwargs["BLOCK_K"] == prune.FMA_BLOCK_K for c in fp32)
+    assert f16 and all(c.kwargs["BLOCK_K"] > prune.FMA_BLOCK_K for c in f16)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("family", ["gemv", "small_m", "large_m"])
+def test_the_group_size_prunes_tiles_that_straddle_groups(family, target):
+    """Group 32: only K tiles inside one group (each scaled once, not gathered per element); a
+    g_idx layer (every tile gathers) keeps the list's tiles that fit."""
+    cfgs = configs.configs_for(family, target)
+    meta = _meta(GROUP=32, BLOCK_M=1)
+    g32 = prune.candidates(family, cfgs, 16, meta)
+    assert g32 and all(32 % c.kwargs["BLOCK_K"] == 0 for c in g32)
+    assert any(c.kwargs["BLOCK_K"] > 32 for c in prune.candidates(family, cfgs, 16, _meta(BLOCK_M=1)))
+    gidx = prune.candidates(family, cfgs, 16, _meta(GROUP=32, HAS_GIDX=True, BLOCK_M=1))
+    assert any(c.kwargs["BLOCK_K"] > 32 for c in gidx)
+
+
+def test_g_idx_tiles_stay_small():
+    """The tiles that spilled with g_idx (kernel-spills.md before the limit): the sm90 GEMV at
+    1024 x 16 and 128 x 128, gfx942 tl.dot tiles of 8192 elements a thread, are not candidates."""
+    gemv = prune.candidates("gemv", configs.configs_for("gemv", ("cuda", "90")), 1, _meta(HAS_GIDX=True, BLOCK_M=1))
+    assert gemv and not any((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) in ((1024, 16), (128, 128)) for c in gemv)
+    large = prune.candidates("large_m", configs.configs_for("large_m", ("hip", "gfx942")), 256, _meta(HAS_GIDX=True))
+    assert large
+    for c in large:
+        per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / (c.num_warps * 32)
+        assert per_thread <= prune.GIDX_TILE_PER_THREAD
+
+
+def test_the_first_hip_config_is_not_the_largest_tile():
+    """autotune=False runs the list's first fitting config: on ROCm a 4-warp 128 x 128 tile, not
+    256 x 256 with 8 warps near the LDS limit."""
+    first = configs.configs_for("large_m", ("hip", "gfx942"))[0]
+    assert (first.kwargs["BLOCK_M"], first.kwargs["BLOCK_N"], first.num_warps) == (128, 128, 4)
+
+
+def test_hip_options_are_those_this_triton_takes(monkeypatch):
+    """kpack, waves_per_eu, matrix_instr_nonkdim are passed only when the installed Triton's HIP
+    backend declares them, so a Triton that drops kpack keeps launching."""
+    assert {"kpack", "waves_per_eu", "matrix_instr_nonkdim"} <= configs.hip_options()
+    assert all(c.kwargs.get("kpack") == 2 for c in configs.configs_for("small_m", ("hip", "gfx942"))
+               if c.kwargs["BLOCK_K"] > 16)
+    monkeypatch.setattr(configs, "hip_options", lambda: frozenset({"waves_per_eu"}))
+    for family in configs.FAMILIES:
+        for c in configs.configs_for(family, ("hip", "gfx942")):
+            assert "kpack" not in c.kwargs and "matrix_instr_nonkdim" not in c.kwargs
+
+
+def test_autotune_key_names_the_scheme():
+    """Two layers of one N, K but another scheme (group size, zero points, g_idx, layout, inline asm,
+    fp32 operands) tune their own config: every scheme constexpr of the tl.dot kernel is in the key,
+    and M buckets go past 256."""
+    dot_args = set(wq_gemm._wq_dot_kernel.fn.arg_names)
+    for name in ("FB", "GROUP", "HAS_ZEROS", "HAS_GIDX", "PRESHUFFLED", "ASM", "DOT_F32"):
+        assert name in wq_gemm.AUTOTUNE_KEY and name in dot_args
+    assert "PACKED" in wq_gemm.AUTOTUNE_KEY and "PACKED" in wq_gemm._wq_gemv_f16x2_kernel.fn.arg_names
+    assert wq_gemm.M_KEY_MAX >= 1024
+
+
+CASES = [("large_m", "sm90", "fp32-w3g32-masked"), ("large_m", "gfx942", "fp32-w3g32-masked"),
+         ("small_m", "sm90", "fp32-w3g32-masked"), ("large_m", "gfx942", "fp16-w4g128-gidx-masked")]
+
+
+@pytest.mark.parametrize("family,target_name,variant", CASES)
+def test_paths_that_spilled_now_compile_spill_free(family, target_name, variant):
+    """Every candidate config of the paths that spilled (sm90 large_m fp32: 13232 bytes in the first
+    config; gfx942 large_m g_idx: 12-381 in three) compiled: no spills. The whole sweep:
+    benchmarks/kernel_spills.py."""
+    cands = aot.launch_candidates(family, target_name, variant, m_key=32 if family == "small_m" else 256)
+    assert cands
+    for cfg in cands:
+        kernel = aot.compile_path(family, target_name, variant, cfg)
+        code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
+        assert code["spills"] == 0, (str(cfg), code)
