@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import QuantspecError
 from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
 from .distributed import Reducer
+from .fused_scales import block_global_scales
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
@@ -113,6 +114,7 @@ class GPTQMethod(BlockMethod):
         super().__init__(options or GPTQOptions(), scale_dtype)
         self.info: dict[str, dict] = {}
         self._batches: dict[tuple, bool] = {}
+        self._gscales: dict[str, torch.Tensor] = {}  # the block's NVFP4 global scales (fused_scales.py)
 
     def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
         """Whether the single pass applies (the same answer in every process)."""
@@ -171,6 +173,7 @@ class GPTQMethod(BlockMethod):
         self.info = {}
         modules = planned_linears(block, block_name, plan)
         dense = {n: m.weight.detach().clone() for n, m in modules.items()}
+        self._gscales = block_global_scales(block, block_name, plan, ctx.arch)  # NVFP4: one per fused siblings
         results: dict[str, QuantResult] = {}
         try:
             if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
@@ -193,8 +196,9 @@ class GPTQMethod(BlockMethod):
 
     def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int) -> QuantResult:
         t0 = time.perf_counter()
+        gscale = self._gscales.get(name)
         if rows < self.options.min_rows:  # e.g. a MoE expert the router sent no token
-            res = rtn(mod.weight.detach(), scheme, self.scale_dtype)
+            res = rtn(mod.weight.detach(), scheme, self.scale_dtype, gscale)
             with torch.no_grad():
                 mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
             self.info[name] = {"fallback": f"round-to-nearest: {rows} calibration rows, fewer than gptq.min_rows="
@@ -206,6 +210,7 @@ class GPTQMethod(BlockMethod):
                 damp_percent=self.options.damp_percent,
                 block_size=self.options.block_size,
                 scale_dtype=self.scale_dtype,
+                gscale=gscale,
             )
         except QuantspecError as exc:
             raise QuantspecError(f"GPTQ failed on {name}: {exc.problem}", exc.fix) from exc
@@ -249,19 +254,22 @@ class RTNMethod(BlockMethod):
         super().__init__(None, scale_dtype)
 
     def process_block(self, ctx: BlockContext) -> BlockOutput:
+        gscales = block_global_scales(ctx.block, ctx.name, ctx.plan, ctx.arch)
         return BlockOutput(*round_layers(planned_linears(ctx.block, ctx.name, ctx.plan), ctx.plan,
-                                         self.scale_dtype))
+                                         self.scale_dtype, gscales))
 
 
 def round_layers(modules: dict[str, nn.Linear], plan: dict[str, QuantScheme],
-                 scale_dtype: torch.dtype = torch.float16) -> tuple[dict[str, QuantResult], dict[str, dict]]:
+                 scale_dtype: torch.dtype = torch.float16, gscales: dict[str, torch.Tensor] | None = None,
+                 ) -> tuple[dict[str, QuantResult], dict[str, dict]]:
     """RTN of each Linear of ``modules`` with its scheme in ``plan``: (results, per-layer info:
-    ``weight_rel_mse`` = ||W - Q(W)||^2 / ||W||^2 and ``seconds``). Weights are not changed."""
+    ``weight_rel_mse`` = ||W - Q(W)||^2 / ||W||^2 and ``seconds``). Weights are not changed.
+    ``gscales``: NVFP4 global scales shared by fused siblings (``fused_scales.py``)."""
     results, info = {}, {}
     for name, mod in modules.items():
         t0 = time.perf_counter()
         w = mod.weight.detach()
-        results[name] = rtn(w, plan[name], scale_dtype)
+        results[name] = rtn(w, plan[name], scale_dtype, (gscales or {}).get(name))
         deq = results[name].dequantize(torch.float32)
         err = ((deq - w.float()).pow(2).mean() / w.float().pow(2).mean().clamp(min=1e-30)).item()
         info[name] = {"weight_rel_mse": err, "seconds": round(time.perf_counter() - t0, 4)}

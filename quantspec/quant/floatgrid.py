@@ -21,7 +21,10 @@ scheme's ``scale_rule`` (``mx_exponents``) from two candidates: the OCP rule ``f
 (``"ocp"``; the group max may exceed ``6 * 2**e`` and saturate, up to 25% of it clipped) and the
 next exponent, which never clips. ``"ceil"`` takes the smaller one that does not clip the max
 (``ceil(log2(amax / 6))``), ``"mse"`` the one with the smaller squared error of the group (the
-OCP one on a tie). The default, ``"mse"`` (``core.scheme.MX_SCALE_RULE``), was chosen on a
+OCP one on a tie), ``"hmse"`` the same with each column's error weighted by the method's
+importance of it (GPTQ: the Hessian's diagonal, the output error of the column alone; data-free
+methods: ``"mse"``), ``"round"`` the next one when amax's significand is at least 1.75 (amax rounded
+to a power of two as llm-compressor and vLLM's MXFP4 reference do: clips up to 1/7 of the max). The default, ``"mse"`` (``core.scheme.MX_SCALE_RULE``), was chosen on a
 validation split (C4 documents outside the calibration draw), not on the wikitext2 test text:
 docs/decisions/mxfp4-scale-rule.md, benchmarks/results/mxfp4-scale-rule.md.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode
-from ..core.scheme import QuantResult, QuantScheme
+from ..core.scheme import MX_SCALE_RULES, QuantResult, QuantScheme
 
 
 def global_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -48,9 +51,12 @@ def on_grid(w: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
 
 
 def group_scales(
-    w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None
+    w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The stored scale of each row of ``w`` ([R, L] groups -> [R]) for a float scheme."""
+    """The stored scale of each row of ``w`` ([R, L] groups -> [R]) for a float scheme;
+    ``importance`` [L] (fp32 >= 0, e.g. GPTQ's Hessian diagonal of the group's columns) weights
+    the squared error of MXFP4's ``hmse`` rule."""
     w = w.to(torch.float32)
     amax = w.abs().amax(dim=1)
     if scheme.weights == "fp8":
@@ -60,12 +66,13 @@ def group_scales(
         tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
         scaled = (amax / FP4_MAX * gscale.to(torch.float32)).clamp(tiny, FP8_MAX)
         return scaled.to(torch.float8_e4m3fn)
-    return (mx_exponents(w, scheme.scale_rule) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+    return (mx_exponents(w, scheme.scale_rule, importance) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
 
 
-def mx_exponents(w: torch.Tensor, rule: str) -> torch.Tensor:
+def mx_exponents(w: torch.Tensor, rule: str, importance: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4's unbiased exponent ``e`` (scale ``2**e``) of each row of ``w`` ([R, 32] groups ->
-    fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring). An all-zero group
+    fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring); ``hmse`` weights each
+    column's squared error by ``importance`` [32] (None: the ``mse`` rule). An all-zero group
     gets -2 under every rule."""
     w = w.to(torch.float32)
     amax = w.abs().amax(dim=1)
@@ -75,11 +82,15 @@ def mx_exponents(w: torch.Tensor, rule: str) -> torch.Tensor:
         return low
     if rule == "ceil":  # the next exponent where the OCP one clips
         return low + (amax > FP4_MAX * torch.exp2(low)).to(low.dtype)
-    if rule != "mse":
-        raise ValueError(f"unknown MXFP4 scale rule {rule!r}: use 'ocp', 'ceil' or 'mse'")
+    if rule == "round":  # amax rounded to a power of two (up from 1.75): llm-compressor's / vLLM's reference
+        return low + (amax >= 1.75 * torch.exp2(low + 2)).to(low.dtype)
+    if rule not in ("mse", "hmse"):
+        raise ValueError(f"unknown MXFP4 scale rule {rule!r}: use one of {MX_SCALE_RULES}")
+    weight = importance.to(device=w.device, dtype=torch.float32) if rule == "hmse" and importance is not None else None
     best, best_err = None, None
     for e in (low, low + 1):
-        err = (on_grid(w, torch.exp2(e).unsqueeze(1), "mxfp4") - w).pow(2).sum(dim=1)
+        sq = (on_grid(w, torch.exp2(e).unsqueeze(1), "mxfp4") - w).pow(2)
+        err = (sq if weight is None else sq * weight).sum(dim=1)
         if best is None:
             best, best_err = e, err
         else:
@@ -115,15 +126,16 @@ def fake_quantize_groups(groups: torch.Tensor, scheme: QuantScheme, gscale: torc
     return on_grid(groups.to(torch.float32), scale, scheme.weights)
 
 
-def rtn_float(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
+def rtn_float(weight: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None) -> QuantResult:
     """Round-to-nearest of a [N, K] weight onto ``scheme``'s float grid, group by group (FP8
-    block: with the scale of each 128x128 block)."""
+    block: with the scale of each 128x128 block); NVFP4 under ``gscale`` when given (one scale
+    shared with fused siblings, ``fused_scales.py``), else the weight's own."""
     n, k = weight.shape
     glen = scheme.group_len(k)
     if k % glen:
         raise ValueError(f"{scheme.weights}: K={k} is not a multiple of the group size {glen}")
     w = weight.detach().to(torch.float32)
-    gs = global_scale(w) if scheme.weights == "nvfp4" else None
+    gs = (global_scale(w) if gscale is None else gscale.to(torch.float32).reshape(1)) if scheme.weights == "nvfp4" else None
     groups = w.reshape(-1, glen)
     stored = block_scales(w, glen).reshape(-1) if scheme.is_block else group_scales(groups, scheme, gs)
     scale = decode_scales(stored, scheme.weights, gs).unsqueeze(1)

@@ -75,23 +75,27 @@ def _group_starts(k: int, glen: int, block_size: int, dynamic_groups: bool) -> l
 
 
 def _params(
-    W: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, gscale: torch.Tensor | None
+    W: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, gscale: torch.Tensor | None,
+    hdiag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(stored scale [N], zero [N] | None) of the group ``W`` ([N, L]): RTN's grid, or a float
     scheme's scales (``floatgrid.group_scales``, no zero; FP8 block: ``block_scales`` of the
-    group's blocks of rows, on each row)."""
+    group's blocks of rows, on each row); ``hdiag`` [L]: the Hessian's diagonal of the group's
+    columns, which MXFP4's ``hmse`` rule weights the error by."""
     if scheme.is_block:
         return block_scales(W, scheme.group_size)[:, 0], None  # K % 128 != 0 raises here
     if scheme.is_float:
-        return group_scales(W, scheme, gscale), None
+        return group_scales(W, scheme, gscale, hdiag), None
     return qparams(W, scheme, scale_dtype)
 
 
 def _static_params(
-    W: torch.Tensor, scheme: QuantScheme, glen: int, scale_dtype: torch.dtype, gscale: torch.Tensor | None
+    W: torch.Tensor, scheme: QuantScheme, glen: int, scale_dtype: torch.dtype, gscale: torch.Tensor | None,
+    hdiag: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(scale [N], zero [N] | None) of each natural contiguous group of ``W`` ([N, K])."""
-    return [_params(W[:, s : s + glen], scheme, scale_dtype, gscale) for s in range(0, W.shape[1], glen)]
+    return [_params(W[:, s : s + glen], scheme, scale_dtype, gscale, None if hdiag is None else hdiag[s : s + glen])
+            for s in range(0, W.shape[1], glen)]
 
 
 def _quantize_columns(
@@ -104,6 +108,7 @@ def _quantize_columns(
     perm: torch.Tensor | None,
     scale_dtype: torch.dtype,
     gscale: torch.Tensor | None = None,
+    hdiag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list, float]:
     """The GPTQ column loop on (permuted) ``W`` [N, K] with factor ``U`` [K, K].
 
@@ -124,7 +129,8 @@ def _quantize_columns(
     for b, i1 in enumerate(starts):
         i2 = starts[b + 1] if b + 1 < len(starts) else k
         if static is None and i1 % glen == 0:
-            scale, zero = _params(W[:, i1 : i1 + glen], scheme, scale_dtype, gscale)
+            scale, zero = _params(W[:, i1 : i1 + glen], scheme, scale_dtype, gscale,
+                                  None if hdiag is None else hdiag[i1 : i1 + glen])
             groups.append((scale, zero))
         # The block transposed: column i of W is row i here (contiguous for the rank-1 updates).
         W1 = W[:, i1:i2].t().contiguous()
@@ -166,8 +172,10 @@ def gptq_quantize_with_values(
     damp_percent: float = 0.01,
     block_size: int = 128,
     scale_dtype: torch.dtype = torch.float16,
+    gscale: torch.Tensor | None = None,
 ) -> tuple[QuantResult, torch.Tensor, dict]:
-    """``gptq_quantize`` that also returns the fp32 [N, K] fake-quant weight it computed."""
+    """``gptq_quantize`` that also returns the fp32 [N, K] fake-quant weight it computed; NVFP4
+    under ``gscale`` when given (shared with fused siblings), else the weight's own."""
     n, k = weight.shape
     if H.shape != (k, k):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match K={k}")
@@ -177,16 +185,21 @@ def gptq_quantize_with_values(
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     glen = scheme.group_len(k)
-    gscale = global_scale(W) if scheme.weights == "nvfp4" else None
-    static = _static_params(W, scheme, glen, scale_dtype, gscale) if scheme.static_groups else None
+    if scheme.weights == "nvfp4":
+        gscale = global_scale(W) if gscale is None else gscale.to(device=W.device, dtype=torch.float32).reshape(1)
+    else:
+        gscale = None
+    hdiag = torch.diagonal(H).clone() if scheme.scale_rule == "hmse" and scheme.weights == "mxfp4" else None
+    static = _static_params(W, scheme, glen, scale_dtype, gscale, hdiag) if scheme.static_groups else None
     perm = None
     if scheme.act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
+        hdiag = None if hdiag is None else hdiag[perm]
     U, damp, retries = inverse_hessian_factor(H, damp_percent)
     del H
     codes, deq, groups, loss = _quantize_columns(
-        W, U, scheme, glen, block_size, static, perm, scale_dtype, gscale
+        W, U, scheme, glen, block_size, static, perm, scale_dtype, gscale, hdiag
     )
     params = static if static is not None else groups
     scales = torch.stack([s for s, _ in params], dim=1)

@@ -66,16 +66,18 @@ def dequantize_codes(
 
 
 def rtn(
-    weight: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype = torch.float16
+    weight: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype = torch.float16,
+    gscale: torch.Tensor | None = None,
 ) -> QuantResult:
     """Round-to-nearest quantization of a [N, K] weight, group by group along K.
 
     A last group shorter than ``group_size`` (K not divisible) is quantized on its own; whether
     a format can store it is the format's question, not the algorithm's. Float schemes (FP8,
-    FP4) round onto their grids (``floatgrid.rtn_float``; their scales ignore ``scale_dtype``).
+    FP4) round onto their grids (``floatgrid.rtn_float``; their scales ignore ``scale_dtype``;
+    NVFP4 under ``gscale`` when given).
     """
     if scheme.is_float:
-        return rtn_float(weight, scheme)
+        return rtn_float(weight, scheme, gscale)
     n, k = weight.shape
     glen = scheme.group_len(k)
     full = (k // glen) * glen

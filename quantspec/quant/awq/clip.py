@@ -141,8 +141,10 @@ def awq_quantize(
     scheme: QuantScheme,
     clip: torch.Tensor | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    gscale: torch.Tensor | None = None,
 ) -> QuantResult:
-    """RTN of an AWQ-scaled weight [N, K], clamped first by ``clip`` [N, G] when given."""
+    """RTN of an AWQ-scaled weight [N, K], clamped first by ``clip`` [N, G] when given (NVFP4:
+    under ``gscale``, the global scale shared with fused siblings, when given)."""
     w = weight if clip is None else apply_clip(weight, clip, scheme)
-    return rtn(w.to(torch.float32), scheme, scale_dtype)
+    return rtn(w.to(torch.float32), scheme, scale_dtype, gscale)
 

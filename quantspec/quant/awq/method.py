@@ -36,6 +36,7 @@ from ...errors import QuantspecError
 from ..block_ops import block_forward, check_finite
 from ..digest import module_digest
 from ..distributed import Reducer, Share
+from ..fused_scales import block_global_scales
 from ..method import BlockContext, BlockOutput, Finish, FinishContext, Smoother
 from ..options import AWQOptions
 from ..resume import result_tensors, results_from_tensors
@@ -158,10 +159,11 @@ class AWQMethod(Smoother):
             outputs = block_forward(block, ctx.inputs, ctx.kwargs)
             check_finite(outputs, block_name, "its output")
         results = {}
+        gscales = block_global_scales(block, block_name, ctx.plan, ctx.arch)  # NVFP4 fused siblings, scaled weights
         for name, scheme in ctx.plan.items():
             mod = block.get_submodule(name[len(block_name) + 1 :])
             self.probe.scaled_weight(name, mod.weight)
-            results[name] = awq_quantize(mod.weight, scheme, clips.get(name), self.scale_dtype)
+            results[name] = awq_quantize(mod.weight, scheme, clips.get(name), self.scale_dtype, gscales.get(name))
             info.setdefault(name, {})["clipped"] = name in clips
         state = {}
         rel = ctx.relative_plan()
@@ -172,7 +174,8 @@ class AWQMethod(Smoother):
                                 outputs[held] if outputs is not None else None)
             if clips:
                 unclipped = {n: awq_quantize(block.get_submodule(n[len(block_name) + 1 :]).weight,
-                                             ctx.plan[n], None, self.scale_dtype).to("cpu") for n in clips}
+                                             ctx.plan[n], None, self.scale_dtype, gscales.get(n)).to("cpu")
+                             for n in clips}
                 self._unclipped.update(unclipped)
                 state = result_tensors(unclipped, "unclipped.")
         for name in results:
