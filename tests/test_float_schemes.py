@@ -119,14 +119,15 @@ def _group(*head: float) -> list[float]:
     return list(head) + [0.0] * (32 - len(head))
 
 
-# hand-made groups of 32 -> their unbiased exponent under ocp, ceil, mse
+# hand-made groups of 32 -> their unbiased exponent under ocp, ceil, mse, round, hmse (no importance: mse)
 MX_GROUPS = [
-    (_group(7.5), (0, 1, 1)),  # ocp clips 7.5 to 6 (err 2.25); at 2**1 it is 8 (err 0.25)
-    ([6.5] + [1.5] * 31, (0, 1, 0)),  # ocp clips 6.5 (err 0.25), but the next exponent costs each 1.5 0.25
-    (_group(4.0, -2.0, 1.0, 0.5), (0, 0, 0)),  # amax a power of two: exact at 2**0, never clipped
-    (_group(-(2.0**-10)), (-12, -12, -12)),
-    (_group(6.0, 1.0), (0, 0, 0)),  # amax exactly 6 * 2**e: ocp does not clip it
-    (_group(), (-2, -2, -2)),  # all zero
+    (_group(7.5), (0, 1, 1, 1, 1)),  # ocp clips 7.5 to 6 (err 2.25); at 2**1 it is 8 (err 0.25); 7.5 >= 1.75 * 4
+    ([6.5] + [1.5] * 31, (0, 1, 0, 0, 0)),  # ocp clips 6.5 (err 0.25), but the next exponent costs each 1.5 0.25
+    ([7.2] + [1.5] * 31, (0, 1, 0, 1, 0)),  # 7.2 = 1.8 * 4 rounds up, though the 1.5s then cost more than its clip
+    (_group(4.0, -2.0, 1.0, 0.5), (0, 0, 0, 0, 0)),  # amax a power of two: exact at 2**0, never clipped
+    (_group(-(2.0**-10)), (-12, -12, -12, -12, -12)),
+    (_group(6.0, 1.0), (0, 0, 0, 0, 0)),  # amax exactly 6 * 2**e: ocp does not clip it
+    (_group(), (-2, -2, -2, -2, -2)),  # all zero
 ]
 
 
@@ -154,6 +155,34 @@ def _main_mxfp4_exponents(groups: torch.Tensor) -> torch.Tensor:
     return torch.where(err(low + 1) < err(low), low + 1, low)
 
 
+def test_mxfp4_hmse_weights_the_error_by_importance():
+    """[7.2] + [1.5] x 31: mse keeps the OCP exponent (clipping 7.2 costs 1.44, the next exponent
+    0.25 on each 1.5); with column 0 a hundred times as important the next exponent wins."""
+    group = torch.tensor([[7.2] + [1.5] * 31])
+    imp = torch.ones(32)
+    assert mx_exponents(group, "hmse", imp).tolist() == mx_exponents(group, "mse").tolist() == [0.0]
+    imp[0] = 100.0
+    assert mx_exponents(group, "hmse", imp).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_hmse_reads_the_hessian_diagonal_of_each_group(act_order):
+    """GPTQ's first group gets the exponents ``hmse`` gives it with the Hessian's diagonal of its own
+    columns (act-order: MXFP4 takes static groups, computed on the natural order before the columns
+    are permuted), and they differ from mse's."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=g)
+    w[:, ::5] *= 3.3  # groups with outliers: the two exponents compete
+    x = torch.randn(512, 128, generator=g) * torch.linspace(0.05, 4.0, 128).flip(0)[torch.randperm(128, generator=g)]
+    H = x.t() @ x
+    scheme = _mx("hmse") if not act_order else replace(_mx("hmse"), act_order=True, static_groups=True)
+    res, _ = gptq_quantize(w, H, scheme)
+    want = mx_exponents(w[:, :32], "hmse", torch.diagonal(H)[:32]) + 127
+    assert torch.equal(res.scales[:, 0].float(), want)
+    mse, _ = gptq_quantize(w, H, replace(scheme, scale_rule="mse"))
+    assert not torch.equal(res.scales, mse.scales)
+
+
 def test_mxfp4_default_rule_keeps_its_codes_and_scales():
     w = _weight(n=64, k=512, seed=7)
     w[3, :32] = 0  # a zero group
@@ -172,7 +201,9 @@ def test_mxfp4_rules_differ_and_each_keeps_its_bound():
     assert ((e["ceil"] != e["ocp"]).any() and (e["mse"] != e["ocp"]).any() and (e["mse"] != e["ceil"]).any())
     assert (amax <= 6 * torch.exp2(e["ceil"].float())).all()  # ceil never clips ...
     assert (amax > 6 * torch.exp2(e["ceil"].float() - 1)).all()  # ... at the smallest such exponent
-    assert ((e["ocp"] - e["mse"]).abs() <= 1).all() and ((e["mse"] == e["ocp"]) | (e["mse"] == e["ocp"] + 1)).all()
+    for rule in ("mse", "round"):  # one of the two candidates
+        assert ((e[rule] == e["ocp"]) | (e[rule] == e["ocp"] + 1)).all()
+    assert (e["round"] != e["mse"]).any() and torch.equal(e["hmse"], e["mse"])  # RTN has no Hessian
     err = {rule: (rtn(w, _mx(rule)).dequantize() - w).pow(2).reshape(-1, 32).sum(1) for rule in MX_SCALE_RULES}
     assert (err["mse"] <= err["ocp"]).all() and (err["mse"] <= err["ceil"]).all()
     assert e["ocp"].float().equal(torch.floor(torch.log2(groups.abs().amax(1))) - 2)

@@ -47,8 +47,9 @@ FP8_ACTIVATIONS = ("fp8-token-dynamic", "fp8-tensor-static", "fp8-group-dynamic"
 _FP8_ACTIVATIONS_OF = {-1: ("fp8-token-dynamic", "fp8-tensor-static"), FP8_BLOCK: ("fp8-group-dynamic",)}
 # MXFP4: how each group's E8M0 exponent is chosen (quant/floatgrid.py ``mx_exponents``): "ocp" the
 # OCP rule floor(log2 amax) - 2 (may clip the group max), "ceil" the smaller of it and the next
-# exponent that does not clip, "mse" whichever of the two has the smaller squared error
-MX_SCALE_RULES = ("ocp", "ceil", "mse")
+# exponent that does not clip, "mse" whichever of the two has the smaller squared error, "round"
+# llm-compressor's amax rounded to a power of two, "hmse" mse weighted by GPTQ's Hessian diagonal
+MX_SCALE_RULES = ("ocp", "ceil", "mse", "round", "hmse")
 MX_SCALE_RULE = "mse"  # the default; why: docs/decisions/mxfp4-scale-rule.md
 
 
