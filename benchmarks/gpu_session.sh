@@ -3,11 +3,11 @@
 # under its own time limit, every output written to $OUT (default benchmarks/results/gpu-run).
 # Runs with whatever python3 holds torch + triton there (no install: the repo is on PYTHONPATH).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [asm] [others] [bf16]
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [asm] [others] [bf16] [swap]
 #
 # The phases' limits add up to 720 s, more than one device call may run (600 s), so the default
 # is the first four (at most 510 s: what decides PRESHUFFLED_BACKENDS, ASM_PAIR_OPS and
-# ASM_DOT_PAIR_OPS); `others bf16` (at most 210 s) is a second call where the budget allows.
+# ASM_DOT_PAIR_OPS); `others bf16 swap` (at most 300 s) is a second call where the budget allows.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
@@ -59,7 +59,14 @@ for phase in $PHASES; do
       stamp "benchmark: bf16"
       timeout 80 $PY benchmarks/kernel_speed.py --device cuda --dtype bf16 --prewarm 16 --deadline 55 --m 1 16 256 \
         --schemes w4g128 --no-reference --out "$OUT" --tag=-bf16 2>&1 | grep -v '^{' ;;
-    *) echo "unknown phase $phase (tests, main, layouts, asm, others, bf16)" ;;
+    swap)  # the tiled path with SWAP_AB against without, M >= 64: decides wq_gemm.SWAP_AB_LARGE_M_BACKENDS
+      stamp "benchmark: large-M swap-AB"
+      for swap in "" --swap-large-m; do
+        timeout 45 $PY benchmarks/kernel_speed.py --device cuda $swap --prewarm 16 --deadline 30 --m 64 256 1024 \
+          --nk 4096x4096 14336x4096 8192x28672 --schemes w4g128 --no-reference \
+          --out "$OUT" --tag=-swap${swap:+-on} 2>&1 | grep -v '^{'
+      done ;;
+    *) echo "unknown phase $phase (tests, main, layouts, asm, others, bf16, swap)" ;;
   esac
 done
 stamp "done"

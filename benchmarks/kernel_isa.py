@@ -15,7 +15,8 @@ layouts (``wq_gemv_preshuffled.py``, first config of gemv_preshuffled that reads
 the launcher runs for a pre-shuffled qweight; ``_asm``: its pair operations as inline asm (as gemv_asm).
 small_m_asm / small_m_mma_asm / small_m_mfma_asm: the small-M path (the launcher's layout /
 mma16x64 / mfma16x128) with the pairs of code - zero as inline asm (``wq_gemm.dot_asm``: fp16 and bf16
-x, 4-bit fields, PTX on CUDA, AMDGCN on ROCm).
+x, 4-bit fields, PTX on CUDA, AMDGCN on ROCm). large_m_swap: the tiled path with SWAP_AB (the weight
+wgmma's register operand on sm90; ``wq_gemm.SWAP_AB_LARGE_M_BACKENDS``, off until timed).
 
     python benchmarks/kernel_isa.py                 # writes benchmarks/results/kernel-isa.{md,json}
     python benchmarks/kernel_isa.py --targets sm90 --families gemv,small_m
@@ -43,6 +44,11 @@ def cases(targets: list[str], families: list[str]):
                     cfg = aot.first_config(family, target, variant)
                     yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
                            aot.compile_path(f, t, v, c))
+            elif family == "large_m_swap":  # the tiled path with SWAP_AB (wq_gemm.SWAP_AB_LARGE_M_BACKENDS, off)
+                for variant in aot.WQ_VARIANTS:
+                    cfg = aot.first_config("large_m", target, variant)
+                    yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                           aot.compile_path("large_m", t, v, c, swap_ab=True))
             elif family in ("small_m_asm", "small_m_mma_asm", "small_m_mfma_asm"):  # pairs as inline asm (dot_asm)
                 code = {"small_m_asm": None, "small_m_mma_asm": 1, "small_m_mfma_asm": 2}[family]
                 for variant in aot.WQ_VARIANTS:
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
     p.add_argument("--families", default="gemv,gemv_asm,gemv_mma,gemv_mfma,gemv_mma_asm,gemv_mfma_asm,small_m,"
-                   "small_m_asm,small_m_gptq,small_m_mma,small_m_mma_asm,small_m_mfma,small_m_mfma_asm,large_m,w8a8,"
+                   "small_m_asm,small_m_gptq,small_m_mma,small_m_mma_asm,small_m_mfma,small_m_mfma_asm,large_m,large_m_swap,w8a8,"
                    "moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="kernel-isa")

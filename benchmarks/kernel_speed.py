@@ -221,6 +221,14 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, tag: str) -> tupl
     return jpath, mpath
 
 
+def _set_swap_large_m(on: bool) -> None:
+    """--swap-large-m: the tiled path's SWAP_AB, which the launcher keeps off until timed
+    (``wq_gemm.SWAP_AB_LARGE_M_BACKENDS``)."""
+    from quantspec.kernels.triton import wq_gemm
+
+    wq_gemm.SWAP_AB_LARGE_M_BACKENDS = frozenset({"cuda", "hip"}) if on else frozenset()
+
+
 def _set_asm(on: bool) -> None:
     """--asm: the inline-asm pair operations the launcher keeps off until timed (the GEMV's
     ``wq_gemm.ASM_PAIR_OPS``, M <= 2; the tl.dot kernel's ``ASM_DOT_PAIR_OPS``, M > 2)."""
@@ -231,8 +239,9 @@ def _set_asm(on: bool) -> None:
 
 def _prewarm_worker(job) -> int:
     """Run each case's kernel once (autotuning: every config compiled into Triton's disk cache)."""
-    todo, dtype, triton_kw, asm = job
+    todo, dtype, triton_kw, asm, swap = job
     _set_asm(asm)
+    _set_swap_large_m(swap)
     for name, m, n, k in todo:
         impls = layer_impls(name, m, n, k, "cuda", dtype, triton_kw, False, copies=1)
         impls["quant"][0][0]()
@@ -240,13 +249,13 @@ def _prewarm_worker(job) -> int:
     return len(todo)
 
 
-def prewarm(todo: list, workers: int, dtype, triton_kw, asm: bool = False) -> None:
+def prewarm(todo: list, workers: int, dtype, triton_kw, asm: bool = False, swap: bool = False) -> None:
     """Compile in ``workers`` processes first, so that the timed run's autotuning loads every
     kernel from the disk cache instead of compiling one config after another. The workers'
     own tuning choices are thrown away (they ran side by side on one GPU)."""
     import multiprocessing
 
-    jobs = [(todo[i::workers], dtype, triton_kw, asm) for i in range(workers) if todo[i::workers]]
+    jobs = [(todo[i::workers], dtype, triton_kw, asm, swap) for i in range(workers) if todo[i::workers]]
     with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
         pool.map(_prewarm_worker, jobs)
 
@@ -262,8 +271,10 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     started = time.monotonic()
     if device == "cuda" and args.asm:
         _set_asm(True)
+    if device == "cuda" and args.swap_large_m:
+        _set_swap_large_m(True)
     if device == "cuda" and args.prewarm > 1:
-        prewarm(todo, args.prewarm, dtype, triton_kw, args.asm)
+        prewarm(todo, args.prewarm, dtype, triton_kw, args.asm, args.swap_large_m)
         print(f"prewarm: {len(todo)} cases compiled in {time.monotonic() - started:.0f} s", flush=True)
     rows = []
     for name, m, n, k in todo:
@@ -284,6 +295,7 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     meta = {"device_name": device_name, "dtype": args.dtype, "smoke": args.smoke, "dry_run": dry,
             "autotune": not args.no_autotune, "peak_tb_s": None if peak is None else peak / 1e12,
             "torch": torch.__version__, "triton": _triton_version(), "graph_timing": graph,
+            "asm": args.asm, "swap_large_m": args.swap_large_m,
             "cases_planned": len(todo), "seconds": round(time.monotonic() - started, 1)}
     out = Path(args.out) if args.out else ROOT / "results"
     print_table(rows)
@@ -334,6 +346,8 @@ def parse_args(argv):
                    help="the Triton backend's qweight layout (docs/decisions/preshuffled-layout.md)")
     p.add_argument("--asm", action="store_true",
                    help="the Triton kernels' inline-asm pair operations (GEMV and tl.dot; off by default)")
+    p.add_argument("--swap-large-m", action="store_true",
+                   help="the tiled (M > 32) tl.dot path with SWAP_AB, the weight wgmma's register operand (off by default)")
     p.add_argument("--out", help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--m", type=int, nargs="*", help="only these M")

@@ -186,6 +186,28 @@ def test_small_m_swap_ab_matches_reference(tk, monkeypatch, scheme, m, dtype, n,
     check_close(y, ref.linear(x, ref.prepare(r, x.dtype), scheme, n, k, b), dtype)
 
 
+LARGE_M_SWAP_CASES = [(S(4, 128, True), torch.float16, 72, 320, "gptq"), (S(4, 32, False), torch.float32, 130, 256, "gptq"),
+                      (S(8, -1, True), torch.float16, 48, 256, "gptq"), (S(3, 64, False), torch.float16, 72, 320, "gptq"),
+                      (S(4, 128, True), torch.float16, 48, 256, "mma16x64")]
+
+
+@interp
+@pytest.mark.parametrize("scheme,dtype,n,k,layout", LARGE_M_SWAP_CASES,
+                         ids=[f"{c[0].short_name}-{str(c[1])[6:]}-{c[2]}x{c[3]}-{c[4]}" for c in LARGE_M_SWAP_CASES])
+def test_large_m_swap_ab_matches_reference(tk, monkeypatch, scheme, dtype, n, k, layout):
+    """The tiled path (M = 40 > 32) with SWAP_AB forced (``SWAP_AB_LARGE_M_BACKENDS``, off by default):
+    the scale multiplied into the weight operand, the accumulator transposed back at the store."""
+    monkeypatch.setattr(tk.wq, "SWAP_AB_LARGE_M_BACKENDS", frozenset({"interpreter"}))
+    metas, real = [], tk.wq._launch
+    monkeypatch.setattr(tk.wq, "_launch", lambda family, kernel, grid, args, meta, *a: (
+        metas.append((family, meta.get("SWAP_AB"))), real(family, kernel, grid, args, meta, *a)))
+    r, x, b = make_case(scheme, n, k, 40, dtype)
+    backend = tk.backend.TritonBackend(weight_layout=layout)
+    y, y_ref = run_both(backend, r, x, b)
+    assert metas == [("large_m", True)]
+    check_close(y, y_ref, dtype)
+
+
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (72, 320), (130, 200), (1, 9), (256, 128)])
 @pytest.mark.parametrize("bits", [4, 3])
 @pytest.mark.parametrize("lay", ["mma16x64", "mfma16x128"])

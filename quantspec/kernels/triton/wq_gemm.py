@@ -278,10 +278,19 @@ def dot_asm(backend: str, dtype: torch.dtype, fb: int, has_gidx: bool, asm: bool
 SWAP_AB_BACKENDS: frozenset[str] = frozenset({"cuda", "hip"})
 
 
+# The tiled (large-M) path with SWAP_AB: on sm90 wgmma then reads the dequantized weight from
+# registers instead of a shared-memory copy. Compiled here (fp16 W4 g128 sym, GPTQ layout, 128 x 256
+# x 64, 8 warps): main loop 405 -> 374 instructions (6.33 -> 5.84 per weight), STS 96 -> 41, shared
+# memory 128 -> 80 KB (kernel-isa.md, large_m_swap rows); on the mma16x64 layout 3.80 -> 4.06. Not
+# timed: off until a GPU run decides (gpu_session.sh phase swap, kernel_speed.py --swap-large-m).
+SWAP_AB_LARGE_M_BACKENDS: frozenset[str] = frozenset()
+
+
 def swap_ab(family: str, backend: str, fb: int) -> bool:
     """Whether ``_wq_dot_kernel`` runs with SWAP_AB for a family ("small_m" / "large_m") on a
     backend ("cuda", "hip", "interpreter") with ``fb``-bit code fields."""
-    return family == "small_m" and backend in SWAP_AB_BACKENDS and not (backend == "cuda" and fb == 2)
+    backends = SWAP_AB_BACKENDS if family == "small_m" else SWAP_AB_LARGE_M_BACKENDS
+    return backend in backends and not (backend == "cuda" and fb == 2)
 
 
 # Backends whose TritonBackend pre-shuffles qweight by default (layout.py's mma16x64, where
