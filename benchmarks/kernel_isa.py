@@ -100,7 +100,7 @@ def cases(targets: list[str], families: list[str]):
 
 def markdown(result: dict) -> str:
     lines = [f"# Triton kernels' machine code (compiled here, no GPU): {result['date']}", "",
-             f"Triton {result['triton']}; command: `{result['command']}`. Raw data: kernel-isa.json.",
+             f"Triton {result['triton']}; command: `{result['command']}`. Raw data: {result.get('name', 'kernel-isa')}.json.",
              "Instructions per weight: the main loop's instructions x threads per block / (BLOCK_N x BLOCK_K), "
              "thread-level (every thread issues the loop body once per K tile). Each family's first config; gemv "
              "rows are the GEMV the launcher runs for the variant (fp16 / bf16 x with 4-bit fields and no g_idx: "
@@ -118,8 +118,6 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton
-
     from quantspec.kernels.triton.aot import machine_code
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,13 +140,22 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "rows": rows,
-              "command": "python benchmarks/kernel_isa.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    save("kernel_isa.py", rows, argv, args.out, args.name, markdown)
     return 0
+
+
+def save(script: str, rows: list[dict], argv: list[str] | None, out: Path, name: str, render) -> dict:
+    """Write ``rows`` with the date, Triton's version and the command as ``out/name.json`` and
+    ``render``'s table as ``out/name.md`` (printed too); returns the result."""
+    import triton
+
+    result = {"date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "name": name, "rows": rows,
+              "command": f"python benchmarks/{script} " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(render(result))
+    print(render(result))
+    return result
 
 
 if __name__ == "__main__":

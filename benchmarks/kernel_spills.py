@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 M_KEYS = {"small_m": 32, "large_m": 256}
 
@@ -95,7 +94,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton
+    from kernel_isa import save
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
@@ -107,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.targets.split(","), args.families.split(",")):
         rows.append(compile_row(*case))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "name": args.name, "rows": rows,
-              "command": "python benchmarks/kernel_spills.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    save("kernel_spills.py", rows, argv, args.out, args.name, markdown)
     return 0
 
 
