@@ -109,7 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="alias or local HF folder")
     ap.add_argument("--methods", default="dense,rtn,gptq", help="comma list of dense, rtn, gptq (run in this order)")
-    ap.add_argument("--rules", default=",".join(MX_SCALE_RULES), help=f"comma list of {list(MX_SCALE_RULES)}")
+    ap.add_argument("--rules", default=",".join(r for r in MX_SCALE_RULES if r != "auto"),
+                    help=f"comma list of {list(MX_SCALE_RULES)} (auto: the default, round or mse by method)")
     ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=False,
                     help="GPTQ with static-group act-order (off: the quantize command's default)")
     ap.add_argument("--windows", type=int, default=40)

@@ -99,10 +99,12 @@ def test_nvfp4_scales_fill_fp8_range_and_mxfp4_keeps_the_better_exponent():
     # the largest group scale lands on E4M3's top (448): global = 448 * 6 / amax
     assert r.scales.float().max().item() == 448.0
     assert torch.allclose(r.global_scale, torch.tensor([448 * 6 / w.abs().max().item()]))
-    # MXFP4: each group's exponent is at least as good as both the OCP rule and the one above
+    # MXFP4 as GPTQ asks (the default rule "auto" is mse there): each group's exponent is at least
+    # as good as both the OCP rule and the one above; data-free rounding takes round's exponents
     mx = SCHEME_PRESETS["mxfp4"]
     groups = w.reshape(-1, 32)
-    e = group_scales(groups, mx).float() - 127
+    e = group_scales(groups, mx, calibrated=True).float() - 127
+    assert torch.equal(group_scales(groups, mx), group_scales(groups, _mx("round")))
     def err(exp):
         s = torch.exp2(exp)[:, None]
         return (code_values("mxfp4")[e2m1_codes(groups / s).long()] * s - groups).pow(2).sum(1)
@@ -119,15 +121,16 @@ def _group(*head: float) -> list[float]:
     return list(head) + [0.0] * (32 - len(head))
 
 
-# hand-made groups of 32 -> their unbiased exponent under ocp, ceil, mse, round, hmse (no importance: mse)
+# hand-made groups of 32 -> their unbiased exponent under auto (data-free: round), ocp, ceil, mse, round,
+# hmse (no importance: mse)
 MX_GROUPS = [
-    (_group(7.5), (0, 1, 1, 1, 1)),  # ocp clips 7.5 to 6 (err 2.25); at 2**1 it is 8 (err 0.25); 7.5 >= 1.75 * 4
-    ([6.5] + [1.5] * 31, (0, 1, 0, 0, 0)),  # ocp clips 6.5 (err 0.25), but the next exponent costs each 1.5 0.25
-    ([7.2] + [1.5] * 31, (0, 1, 0, 1, 0)),  # 7.2 = 1.8 * 4 rounds up, though the 1.5s then cost more than its clip
-    (_group(4.0, -2.0, 1.0, 0.5), (0, 0, 0, 0, 0)),  # amax a power of two: exact at 2**0, never clipped
-    (_group(-(2.0**-10)), (-12, -12, -12, -12, -12)),
-    (_group(6.0, 1.0), (0, 0, 0, 0, 0)),  # amax exactly 6 * 2**e: ocp does not clip it
-    (_group(), (-2, -2, -2, -2, -2)),  # all zero
+    (_group(7.5), (1, 0, 1, 1, 1, 1)),  # ocp clips 7.5 to 6 (err 2.25); at 2**1 it is 8 (err 0.25); 7.5 >= 1.75 * 4
+    ([6.5] + [1.5] * 31, (0, 0, 1, 0, 0, 0)),  # ocp clips 6.5 (err 0.25), but the next exponent costs each 1.5 0.25
+    ([7.2] + [1.5] * 31, (1, 0, 1, 0, 1, 0)),  # 7.2 = 1.8 * 4 rounds up, though the 1.5s then cost more than its clip
+    (_group(4.0, -2.0, 1.0, 0.5), (0, 0, 0, 0, 0, 0)),  # amax a power of two: exact at 2**0, never clipped
+    (_group(-(2.0**-10)), (-12, -12, -12, -12, -12, -12)),
+    (_group(6.0, 1.0), (0, 0, 0, 0, 0, 0)),  # amax exactly 6 * 2**e: ocp does not clip it
+    (_group(), (-2, -2, -2, -2, -2, -2)),  # all zero
 ]
 
 
@@ -183,15 +186,25 @@ def test_gptq_hmse_reads_the_hessian_diagonal_of_each_group(act_order):
     assert not torch.equal(res.scales, mse.scales)
 
 
-def test_mxfp4_default_rule_keeps_its_codes_and_scales():
+def test_mxfp4_default_rule_is_round_for_rtn_and_mse_for_gptq():
+    """The default "auto" (chosen per kind of method on the validation split): RTN writes round's
+    exponents, GPTQ mse's; the mse rule keeps the codes and scales of the one rule before
+    ``scale_rule`` existed (``_main_mxfp4_exponents``)."""
     w = _weight(n=64, k=512, seed=7)
     w[3, :32] = 0  # a zero group
-    r = rtn(w, SCHEME_PRESETS["mxfp4"])
-    assert SCHEME_PRESETS["mxfp4"].scale_rule == MX_SCALE_RULE == "mse"
+    assert SCHEME_PRESETS["mxfp4"].scale_rule == MX_SCALE_RULE == "auto"
+    r, rr = rtn(w, SCHEME_PRESETS["mxfp4"]), rtn(w, _mx("round"))
+    assert torch.equal(r.scales, rr.scales) and torch.equal(r.qweight, rr.qweight)
+    m = rtn(w, _mx("mse"))
+    assert not torch.equal(r.scales, m.scales)
     e = _main_mxfp4_exponents(w.reshape(-1, 32))
-    assert torch.equal(r.scales, (e + 127).to(torch.uint8).reshape(64, 16))
+    assert torch.equal(m.scales, (e + 127).to(torch.uint8).reshape(64, 16))
     codes = e2m1_codes(w.reshape(-1, 32) / torch.exp2(e)[:, None]).reshape(64, 512)
-    assert torch.equal(r.qweight, codes)
+    assert torch.equal(m.qweight, codes)
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
+    g_auto, _ = gptq_quantize(w, x.t() @ x, SCHEME_PRESETS["mxfp4"])
+    g_mse, _ = gptq_quantize(w, x.t() @ x, _mx("mse"))
+    assert torch.equal(g_auto.scales, g_mse.scales) and torch.equal(g_auto.qweight, g_mse.qweight)
 
 
 def test_mxfp4_rules_differ_and_each_keeps_its_bound():

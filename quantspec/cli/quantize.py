@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
                    help=f"mxfp4: each group's power-of-two scale by the OCP rule floor(log2 amax) - 2 (ocp, may clip "
                         f"the max), the next exponent where that clips (ceil), whichever of the two has the "
                         f"smaller squared error (mse; hmse: weighted by GPTQ's Hessian diagonal), or amax rounded to a "
-                        f"power of two as llm-compressor does (round); default {MX_SCALE_RULE}")
+                        f"power of two as llm-compressor does (round); default {MX_SCALE_RULE}: round for RTN and AWQ, "
+                        f"mse for GPTQ (chosen on a validation split)")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--kv-cache", choices=["fp8", "int8"],
                    help="calibrate KV-cache scales (keys after RoPE, values) on the calibration data and write them "

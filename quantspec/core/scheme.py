@@ -48,9 +48,18 @@ _FP8_ACTIVATIONS_OF = {-1: ("fp8-token-dynamic", "fp8-tensor-static"), FP8_BLOCK
 # MXFP4: how each group's E8M0 exponent is chosen (quant/floatgrid.py ``mx_exponents``): "ocp" the
 # OCP rule floor(log2 amax) - 2 (may clip the group max), "ceil" the smaller of it and the next
 # exponent that does not clip, "mse" whichever of the two has the smaller squared error, "round"
-# llm-compressor's amax rounded to a power of two, "hmse" mse weighted by GPTQ's Hessian diagonal
-MX_SCALE_RULES = ("ocp", "ceil", "mse", "round", "hmse")
-MX_SCALE_RULE = "mse"  # the default; why: docs/decisions/mxfp4-scale-rule.md
+# llm-compressor's amax rounded to a power of two, "hmse" mse weighted by GPTQ's Hessian diagonal,
+# "auto" the rule chosen per kind of method on a validation split (``AUTO_SCALE_RULE``)
+MX_SCALE_RULES = ("auto", "ocp", "ceil", "mse", "round", "hmse")
+MX_SCALE_RULE = "auto"  # the default; why: docs/decisions/mxfp4-scale-rule.md
+# "auto": data-free rounding (RTN, AWQ's rounding of its scaled weights) -> round; GPTQ -> mse
+AUTO_SCALE_RULE = {False: "round", True: "mse"}
+
+
+def mx_scale_rule(rule: str, calibrated: bool = False) -> str:
+    """The concrete MXFP4 rule a method applies: ``rule``, or for "auto" the one of its kind
+    (``calibrated``: GPTQ, which rounds with error feedback from calibration data)."""
+    return AUTO_SCALE_RULE[calibrated] if rule == "auto" else rule
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ next exponent, which never clips. ``"ceil"`` takes the smaller one that does not
 OCP one on a tie), ``"hmse"`` the same with each column's error weighted by the method's
 importance of it (GPTQ: the Hessian's diagonal, the output error of the column alone; data-free
 methods: ``"mse"``), ``"round"`` the next one when amax's significand is at least 1.75 (amax rounded
-to a power of two as llm-compressor and vLLM's MXFP4 reference do: clips up to 1/7 of the max). The default, ``"mse"`` (``core.scheme.MX_SCALE_RULE``), was chosen on a
-validation split (C4 documents outside the calibration draw), not on the wikitext2 test text:
-docs/decisions/mxfp4-scale-rule.md, benchmarks/results/mxfp4-scale-rule.md.
+to a power of two as llm-compressor and vLLM's MXFP4 reference do: clips up to 1/7 of the max).
+The default, ``"auto"`` (``core.scheme.MX_SCALE_RULE``), is ``"round"`` for data-free rounding
+(RTN, AWQ's rounding) and ``"mse"`` for GPTQ, each chosen on a validation split (C4 documents
+outside the calibration draw), not on the wikitext2 test text: docs/decisions/mxfp4-scale-rule.md,
+benchmarks/results/mxfp4-scale-rule.md.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode
-from ..core.scheme import MX_SCALE_RULES, QuantResult, QuantScheme
+from ..core.scheme import MX_SCALE_RULES, QuantResult, QuantScheme, mx_scale_rule
 
 
 def global_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -52,11 +54,12 @@ def on_grid(w: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
 
 def group_scales(
     w: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | None = None,
-    importance: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None, calibrated: bool = False,
 ) -> torch.Tensor:
     """The stored scale of each row of ``w`` ([R, L] groups -> [R]) for a float scheme;
     ``importance`` [L] (fp32 >= 0, e.g. GPTQ's Hessian diagonal of the group's columns) weights
-    the squared error of MXFP4's ``hmse`` rule."""
+    the squared error of MXFP4's ``hmse`` rule; ``calibrated``: GPTQ asks (MXFP4's "auto" rule
+    is then mse, else round: ``core.scheme.mx_scale_rule``)."""
     w = w.to(torch.float32)
     amax = w.abs().amax(dim=1)
     if scheme.weights == "fp8":
@@ -66,14 +69,16 @@ def group_scales(
         tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
         scaled = (amax / FP4_MAX * gscale.to(torch.float32)).clamp(tiny, FP8_MAX)
         return scaled.to(torch.float8_e4m3fn)
-    return (mx_exponents(w, scheme.scale_rule, importance) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+    rule = mx_scale_rule(scheme.scale_rule, calibrated)
+    return (mx_exponents(w, rule, importance) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
 
 
 def mx_exponents(w: torch.Tensor, rule: str, importance: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4's unbiased exponent ``e`` (scale ``2**e``) of each row of ``w`` ([R, 32] groups ->
-    fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring); ``hmse`` weights each
-    column's squared error by ``importance`` [32] (None: the ``mse`` rule). An all-zero group
-    gets -2 under every rule."""
+    fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring; "auto" is the data-free
+    one, round); ``hmse`` weights each column's squared error by ``importance`` [32] (None: the
+    ``mse`` rule). An all-zero group gets -2 under every rule."""
+    rule = mx_scale_rule(rule)
     w = w.to(torch.float32)
     amax = w.abs().amax(dim=1)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))

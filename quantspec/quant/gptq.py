@@ -85,7 +85,7 @@ def _params(
     if scheme.is_block:
         return block_scales(W, scheme.group_size)[:, 0], None  # K % 128 != 0 raises here
     if scheme.is_float:
-        return group_scales(W, scheme, gscale, hdiag), None
+        return group_scales(W, scheme, gscale, hdiag, calibrated=True), None
     return qparams(W, scheme, scale_dtype)
 
 
