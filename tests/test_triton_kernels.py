@@ -535,6 +535,27 @@ def test_bound_layer_equals_linear(tk, scheme, strategy, layout):
 
 
 @interp
+def test_siblings_fuse_on_the_triton_backend(tk):
+    """q/k/v-like QuantLinears (one input, some with a bias) prepared on Triton: Siblings stacks them
+    into one bound product (now that TritonBackend binds), outputs equal to the separate layers'."""
+    from quantspec.kernels.quant_linear import QuantLinear
+    from quantspec.kernels.siblings import Siblings
+
+    scheme = S(4, 128, True)
+    mods = []
+    for i, n in enumerate((64, 32, 32)):
+        r, x, b = make_case(scheme, n, 256, 3, torch.float16, bias=(i != 1), seed=i)
+        layer = QuantLinear.from_result(r, "gptq", b, torch.float16)
+        layer.prepare("triton")
+        mods.append(layer)
+    alone = [m(x) for m in mods]
+    fused = Siblings(mods)
+    assert fused.fused
+    for y, want in zip(fused(x), alone):
+        assert torch.equal(y, want)
+
+
+@interp
 def test_bind_leaves_w8a8_and_float_layers_to_linear(tk):
     backend = tk.backend.TritonBackend()
     for scheme in (S(8, -1, True, activations="int8-token-dynamic"), S(8, -1, True, weights="fp8")):

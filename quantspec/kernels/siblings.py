@@ -87,8 +87,9 @@ class Siblings:
         biases = [m.bias for m in self.mods]
         self._bias = None
         if any(b is not None for b in biases):
+            dev = next(b.device for b in biases if b is not None)
             parts = [
-                torch.zeros(s, dtype=first.compute_dtype) if b is None else b.detach()
+                torch.zeros(s, dtype=first.compute_dtype, device=dev) if b is None else b.detach()
                 for b, s in zip(biases, self.sizes)
             ]
             self._bias = torch.cat(parts)
