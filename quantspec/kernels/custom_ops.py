@@ -17,14 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..core.scheme import QuantScheme
+from .op_call import call_quant_linear, flatten_prepared  # noqa: F401  (flatten_prepared: part of this API)
 
 OP_NAME = "quantspec::quant_linear"
-
-
-def flatten_prepared(prepared: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], str]:
-    """A backend's prepared dict -> (tensors sorted by name, "name1,name2,...")."""
-    names = sorted(prepared)
-    return [prepared[n] for n in names], ",".join(names)
 
 
 def unflatten_prepared(tensors: list[torch.Tensor], names: str) -> dict[str, torch.Tensor]:
@@ -86,8 +81,4 @@ def quant_linear(
     """
     if not torch.compiler.is_compiling():
         register_ops()
-    tensors, names = flatten_prepared(prepared)
-    return torch.ops.quantspec.quant_linear.default(
-        x, tensors, names, backend, scheme.bits, scheme.group_size, scheme.symmetric,
-        scheme.act_order, scheme.activations or "", out_features, in_features, bias,
-    )
+    return call_quant_linear(x, prepared, backend, scheme, out_features, in_features, bias)

@@ -42,6 +42,7 @@ import triton  # noqa: F401  (ImportError here makes the registry skip this back
 
 from ..core.floatcodes import decode_scales, e4m3fn_to_fnuz
 from ..core.scheme import QuantResult, QuantScheme
+from .op_call import call_quant_linear
 from .triton import configs
 from .triton.fp8_w8a8 import BLOCK as FP8_BLOCK_COLS, fp8_format, fp8_linear
 from .triton.fp_gemm import FP4, FP8, PER_CHANNEL_GROUP, fp_linear, prepare_float
@@ -266,10 +267,8 @@ class BoundWQ:
     autotune: bool
 
     def __call__(self, x: torch.Tensor, p: dict[str, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            from .custom_ops import quant_linear
-
-            return quant_linear(x, p, TritonBackend.name, self.scheme, self.out_features, self.in_features, bias)
+        if torch.compiler.is_compiling():  # the op QuantLinear.prepare registered, traced as one node
+            return call_quant_linear(x, p, TritonBackend.name, self.scheme, self.out_features, self.in_features, bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.permute:
