@@ -225,6 +225,9 @@ class TritonBackend:
         self, x: torch.Tensor, prepared: dict[str, torch.Tensor], scheme: QuantScheme,
         out_features: int, in_features: int, bias: torch.Tensor | None,
     ) -> torch.Tensor:
+        bound = self.bind(prepared, scheme, out_features, in_features)
+        if bound is not None:  # weight-only: the bound call, decisions read now
+            return bound(x, prepared, bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
         if "perm" in prepared:
@@ -240,15 +243,8 @@ class TritonBackend:
             fp8 = scheme.weights == "fp8"
             y = fp_linear(x2, prepared["fcodes"], prepared["fscales"], bias, FP8 if fp8 else FP4,
                           PER_CHANNEL_GROUP if scheme.group_size == -1 else scheme.group_size)
-        elif scheme.activations == "int8-token-dynamic":
+        else:  # int8-token-dynamic
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
-        else:
-            layout = next(lay for lay, key in QWEIGHT_KEYS.items() if key in prepared)
-            y = wq_linear(
-                x2, prepared[QWEIGHT_KEYS[layout]], prepared["scales"], prepared.get("zeros"),
-                prepared.get("g_idx"), bias, bits=scheme.bits, group_size=scheme.group_size,
-                autotune=self.autotune, layout=layout,
-            )
         return y.reshape(*lead, out_features)
 
 

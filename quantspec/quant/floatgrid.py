@@ -47,6 +47,15 @@ def global_scale(weight: torch.Tensor) -> torch.Tensor:
     return (FP8_MAX * FP4_MAX / amax).reshape(1)
 
 
+def tensor_global_scale(weight: torch.Tensor, scheme: QuantScheme,
+                        shared: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The per-tensor scale ``scheme`` stores (NVFP4 only, else None): ``shared`` when given
+    (one scale for fused siblings, ``fused_scales.py``), else ``weight``'s own."""
+    if scheme.weights != "nvfp4":
+        return None
+    return global_scale(weight) if shared is None else shared.to(device=weight.device, dtype=torch.float32).reshape(1)
+
+
 def on_grid(w: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
     """``w`` rounded to the grid of ``weights`` under ``scale`` (broadcast to w), fp32."""
     return code_values(weights, w.device)[encode(w / scale, weights).long()] * scale
@@ -140,7 +149,7 @@ def rtn_float(weight: torch.Tensor, scheme: QuantScheme, gscale: torch.Tensor | 
     if k % glen:
         raise ValueError(f"{scheme.weights}: K={k} is not a multiple of the group size {glen}")
     w = weight.detach().to(torch.float32)
-    gs = (global_scale(w) if gscale is None else gscale.to(torch.float32).reshape(1)) if scheme.weights == "nvfp4" else None
+    gs = tensor_global_scale(w, scheme, gscale)
     groups = w.reshape(-1, glen)
     stored = block_scales(w, glen).reshape(-1) if scheme.is_block else group_scales(groups, scheme, gs)
     scale = decode_scales(stored, scheme.weights, gs).unsqueeze(1)

@@ -23,7 +23,7 @@ import torch
 from ..errors import QuantspecError
 from .hessian import accumulate_hessian, make_empty_hessian
 from ..core.floatcodes import code_values, decode_scales, encode
-from .floatgrid import block_scales, global_scale, group_scales
+from .floatgrid import block_scales, group_scales, tensor_global_scale
 from .rtn import qparams
 from ..core.scheme import QuantResult, QuantScheme
 
@@ -185,10 +185,7 @@ def gptq_quantize_with_values(
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     glen = scheme.group_len(k)
-    if scheme.weights == "nvfp4":
-        gscale = global_scale(W) if gscale is None else gscale.to(device=W.device, dtype=torch.float32).reshape(1)
-    else:
-        gscale = None
+    gscale = tensor_global_scale(W, scheme, gscale)
     hdiag = torch.diagonal(H).clone() if scheme.scale_rule == "hmse" and scheme.weights == "mxfp4" else None
     static = _static_params(W, scheme, glen, scale_dtype, gscale, hdiag) if scheme.static_groups else None
     perm = None
