@@ -3,11 +3,12 @@
 # under its own time limit, every output written to $OUT (default benchmarks/results/gpu-run).
 # Runs with whatever python3 holds torch + triton there (no install: the repo is on PYTHONPATH).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [asm] [others] [bf16] [swap]
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests] [main] [layouts] [asm] [others] [bf16] [swap] [peers]
 #
-# The phases' limits add up to 720 s, more than one device call may run (600 s), so the default
+# The phases' limits add up to 820 s, more than one device call may run (600 s), so the default
 # is the first four (at most 510 s: what decides PRESHUFFLED_BACKENDS, ASM_PAIR_OPS and
-# ASM_DOT_PAIR_OPS); `others bf16 swap` (at most 300 s) is a second call where the budget allows.
+# ASM_DOT_PAIR_OPS); `others bf16 swap` (at most 300 s) is a second call where the budget allows,
+# `peers` (bf16: tinygemm's CUDA kernel takes bf16 only) a third, or in place of `others`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu-run}
@@ -28,7 +29,7 @@ for phase in $PHASES; do
     tests)  # SIGINT at the limit: pytest still prints the failures of what ran
       stamp "GPU tests"
       timeout -s INT 100 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -m gpu -n 16 --tb=short -rfE \
-        tests/test_triton_kernels.py > "$OUT/tests.txt" 2>&1
+        tests/test_triton_kernels.py tests/test_peer_backends.py > "$OUT/tests.txt" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -30 ;;
     main)  # the w4g128 sweep: every M and layer shape of the issue
       stamp "benchmark: w4g128, all shapes"
@@ -66,7 +67,12 @@ for phase in $PHASES; do
           --nk 4096x4096 14336x4096 8192x28672 --schemes w4g128 --no-reference \
           --out "$OUT" --tag=-swap${swap:+-on} 2>&1 | grep -v '^{'
       done ;;
-    *) echo "unknown phase $phase (tests, main, layouts, asm, others, bf16, swap)" ;;
+    peers)  # the peer backends that import there (Marlin via vLLM, gemlite, torch's tinygemm) beside ours
+      stamp "benchmark: peer backends"
+      timeout 100 $PY benchmarks/kernel_speed.py --device cuda --dtype bf16 --peers --prewarm 16 --deadline 75 \
+        --m 1 4 16 256 --nk 4096x4096 8192x28672 --schemes w4g128 w4g128-asym \
+        --out "$OUT" --tag=-peers 2>&1 | grep -v '^{' ;;
+    *) echo "unknown phase $phase (tests, main, layouts, asm, others, bf16, swap, peers)" ;;
   esac
 done
 stamp "done"

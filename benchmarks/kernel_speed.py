@@ -155,9 +155,20 @@ def measure(name, m, n, k, impls, device, peak, graph=False):
     return row
 
 
-def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1):
+PEERS = ("marlin", "gemlite", "tinygemm")  # the peer backends timed by --peers, where they run
+
+
+def peer_reasons(scheme: QuantScheme, n: int, k: int, device: str, dtype) -> dict[str, str | None]:
+    """Each peer backend and why it cannot run this case here (None: it can)."""
+    from quantspec.kernels.backend import get_backend
+
+    return {p: get_backend(p).cannot_run(scheme, n, k, torch.device(device), dtype) for p in PEERS}
+
+
+def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1, peers=False):
     """{label: ([callable per weight copy], bytes moved)} for one case: our kernel, the dense
-    matmul, the reference. ``copies`` 0: as many as make ROTATE_BYTES (graph timing)."""
+    matmul, the reference, and (``peers``) every peer backend that can run it. ``copies`` 0: as
+    many as make ROTATE_BYTES (graph timing)."""
     from quantspec.kernels.reference import ReferenceBackend
     from quantspec.kernels.backend import get_backend
 
@@ -181,6 +192,12 @@ def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=
         "quant": ([lambda p=p: ours.linear(x, p, scheme, n, k, None) for p in preps], qbytes),
         "dense": ([lambda w_=w_: x @ w_.T for w_ in ws], dbytes),
     }
+    if peers:
+        for peer, why in peer_reasons(scheme, n, k, device, dtype).items():
+            if why is None:
+                b = get_backend(peer)
+                pp = [b.prepare(r, dtype) for _ in range(qcopies)]
+                impls[peer] = ([lambda p=p, b=b: b.linear(x, p, scheme, n, k, None) for p in pp], qbytes)
     if with_reference:
         ref = ReferenceBackend()
         rp = ref.prepare(r, dtype)
@@ -194,14 +211,16 @@ COLUMNS = [("scheme", "scheme"), ("M", "M"), ("N", "N"), ("K", "K"), ("quant_us"
            ("quant_graph_us", "ours graph us"), ("dense_graph_us", "dense graph us"),
            ("quant_graph_peak_pct", "graph % peak BW"), ("speedup_graph", "graph x dense"),
            ("rel_err_vs_ref", "rel err")]
+PEER_COLUMNS = [col for p in PEERS for col in ((f"{p}_us", f"{p} us"), (f"{p}_graph_us", f"{p} graph us"),
+                                               (f"vs_{p}", f"{p} / ours"), (f"{p}_rel_err_vs_ref", f"{p} rel err"))]
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    """A Markdown table of the rows (missing values as '-')."""
-    lines = [f"## {title}", "", "| " + " | ".join(h for _, h in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+    """A Markdown table of the rows (missing values as '-'; a peer's columns where it ran)."""
+    cols = COLUMNS + [c for c in PEER_COLUMNS if any(c[0] in r for r in rows)]
+    lines = [f"## {title}", "", "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "-")) for c, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(row.get(c, "-")) for c, _ in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -282,11 +301,21 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
             print(f"deadline of {args.deadline} s reached: {len(todo) - len(rows)} cases not run", flush=True)
             break
         impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference,
-                            copies=0 if graph else 1)
+                            copies=0 if graph else 1, peers=args.peers)
         rows.append(measure(name, m, n, k, impls, device, peak, graph))
-        if "reference" in impls:  # the timed kernel's output against the reference's
-            y, y_ref = impls["quant"][0][0]().float(), impls["reference"][0][0]().float()
-            rows[-1]["rel_err_vs_ref"] = float(f"{((y - y_ref).abs().max() / y_ref.abs().max()).item():.3g}")
+        if "reference" in impls:  # each timed kernel's output against the reference's
+            y_ref = impls["reference"][0][0]().float()
+            for label in ("quant", *PEERS):
+                if label in impls:
+                    y = impls[label][0][0]().float()
+                    key = "rel_err_vs_ref" if label == "quant" else f"{label}_rel_err_vs_ref"
+                    rows[-1][key] = float(f"{((y - y_ref).abs().max() / y_ref.abs().max()).item():.3g}")
+        if args.peers:
+            rows[-1]["peers_cannot_run"] = {p: w for p, w in
+                                            peer_reasons(SCHEMES[name][0], n, k, device, dtype).items() if w}
+            for p in PEERS:
+                if f"{p}_us" in rows[-1]:
+                    rows[-1][f"vs_{p}"] = round(rows[-1][f"{p}_us"] / rows[-1]["quant_us"], 3)
         print(json.dumps(rows[-1]), flush=True)
         del impls
         if device == "cuda":
@@ -295,7 +324,7 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     meta = {"device_name": device_name, "dtype": args.dtype, "smoke": args.smoke, "dry_run": dry,
             "autotune": not args.no_autotune, "peak_tb_s": None if peak is None else peak / 1e12,
             "torch": torch.__version__, "triton": _triton_version(), "graph_timing": graph,
-            "asm": args.asm, "swap_large_m": args.swap_large_m,
+            "asm": args.asm, "swap_large_m": args.swap_large_m, "peers": args.peers,
             "cases_planned": len(todo), "seconds": round(time.monotonic() - started, 1)}
     out = Path(args.out) if args.out else ROOT / "results"
     print_table(rows)
@@ -348,6 +377,8 @@ def parse_args(argv):
                    help="the Triton kernels' inline-asm pair operations (GEMV and tl.dot; off by default)")
     p.add_argument("--swap-large-m", action="store_true",
                    help="the tiled (M > 32) tl.dot path with SWAP_AB, the weight wgmma's register operand (off by default)")
+    p.add_argument("--peers", action="store_true",
+                   help=f"also time the peer backends that can run each case ({', '.join(PEERS)}), with their errors")
     p.add_argument("--out", help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--m", type=int, nargs="*", help="only these M")

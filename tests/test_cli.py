@@ -38,6 +38,9 @@ def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
 
     assert passed_over or available_backends()[0] != "triton"  # Triton cannot run on this CPU
     assert all(f"not {part}" in shown for part in passed_over)
+    layer = next(v for v in info["layers"].values() if not v.get("dense"))  # every backend, and why not
+    assert list(layer["backends"]) == available_backends() and layer["backends"][layer["backend"]] is None
+    assert "then marlin: runs on NVIDIA GPUs, not cpu" in shown and "then tinygemm: can run" in shown
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
     rc = main(["eval", str(out), "--ppl", str(text), "--seqlen", "32", "--windows", "4",

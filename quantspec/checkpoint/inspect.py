@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..formats.overrides import read_with_overrides
-from ..kernels.backend import choose_backend
+from ..kernels.backend import backend_reasons, choose_backend
 from ..kernels.quant_linear import QuantLinear
 from .load import quantized_skeleton, read_config
 from .reader import CheckpointReader
@@ -49,6 +49,7 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "auto
                 "shape": [mod.out_features, mod.in_features],
                 "backend": backend.name,
                 "backend_reason": why,
+                "backends": backend_reasons(mod.scheme, mod.out_features, mod.in_features, dev, dt),
             }
         elif isinstance(mod, torch.nn.Linear) and name not in swapped:
             reason = report.get("dense_layers", {}).get(name) or (

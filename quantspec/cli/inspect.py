@@ -16,6 +16,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _later(layer: dict) -> tuple:
+    """(name, reason) of the backends after the chosen one, the reference left out."""
+    names = list(layer.get("backends", {}))
+    if layer["backend"] not in names:
+        return ()
+    after = names[names.index(layer["backend"]) + 1:]
+    return tuple((n, layer["backends"][n]) for n in after if n != "reference")
+
+
 def run(args) -> int:
     from ..checkpoint.inspect import inspect_checkpoint
 
@@ -29,12 +38,14 @@ def run(args) -> int:
           f"{', act-order' if s['act_order'] else ''}"
           f"{', activations ' + s['activations'] if s.get('activations') else ''}")
     quant = {n: v for n, v in info["layers"].items() if not v.get("dense")}
-    kinds = Counter((v["scheme"], v["backend"], v.get("backend_reason", "")) for v in quant.values())
-    for (scheme, backend, why), n in sorted(kinds.items()):
+    kinds = Counter((v["scheme"], v["backend"], v.get("backend_reason", ""), _later(v)) for v in quant.values())
+    for (scheme, backend, why, later), n in sorted(kinds.items()):
         print(f"  {n:4d} layers: {scheme} -> backend {backend}")
         if why and why not in ("fastest available", "requested"):  # the faster backends passed over, and why
             for skipped in why.split("; "):
                 print(f"         not {skipped}")
+        for name, reason in later:  # the slower ones (or not measured faster), and whether they run
+            print(f"         then {name}: {reason or 'can run (--backend ' + name + ')'}")
     for name, e in info["experts"].items():
         left = f", dense: experts {e['dense_experts']}" if e["dense_experts"] else ""
         print(f"  {name}: {e['quantized']} of {e['experts']} experts quantized{left}")

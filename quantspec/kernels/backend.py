@@ -63,8 +63,17 @@ class Backend(Protocol):
 def _registry() -> dict[str, Backend]:
     """Backends in order of preference (fastest first); imported lazily on first use.
 
+    The order follows the measured tables: on CPU ours (``cpu``) is 1.3x / 3.4x faster than
+    torch's int4 op (``tinygemm``) at M = 1 / 16 (benchmarks/results/cpu-kernels-epyc.md).
+    The GPU peers (``marlin``, ``gemlite``, ``tinygemm`` on CUDA) come after ``triton`` until a
+    GPU run of ``benchmarks/kernel_speed.py --peers`` measures them faster; each is
+    selectable by name. They are registered even where they cannot run, so that ``cannot_run``
+    (shown by ``quantspec inspect``) says why: their libraries load only when a layer asks.
     Backends are stateless, so one instance of each serves every layer."""
+    from .gemlite_backend import GemliteBackend
+    from .marlin import MarlinBackend
     from .reference import ReferenceBackend
+    from .tinygemm import TinygemmBackend
 
     backends: dict[str, Backend] = {}
     try:
@@ -79,14 +88,18 @@ def _registry() -> dict[str, Backend]:
         backends["cpu"] = CpuBackend()
     except ImportError:
         pass
+    backends["marlin"] = MarlinBackend()
+    backends["gemlite"] = GemliteBackend()
+    backends["tinygemm"] = TinygemmBackend()
     backends["reference"] = ReferenceBackend()
     return backends
 
 
-# Backends that round the activations of weight-only (A16) layers (kernels/cpu.py: int8 blocks,
-# or bf16 in torch's fallback ops): fast, but not the scheme the checkpoint declares. W8A8 layers
-# declare int8 per-token activations, which these backends compute exactly.
-ROUNDS_A16_ACTIVATIONS = frozenset({"cpu"})
+# Backends that round the activations of weight-only (A16) layers, or their scales (kernels/cpu.py:
+# int8 blocks, or bf16 in torch's fallback ops; tinygemm.py, gemlite_backend.py, marlin.py: scales
+# or zeros in the activation dtype): fast, but not the scheme the checkpoint declares. W8A8
+# layers declare int8 per-token activations, which these backends compute exactly.
+ROUNDS_A16_ACTIVATIONS = frozenset({"cpu", "tinygemm", "gemlite", "marlin"})
 
 
 def computes_declared_scheme(backend_name: str, scheme: QuantScheme) -> bool:
@@ -138,3 +151,12 @@ def choose_backend(
             return backend, ("fastest available" if not skipped else "; ".join(skipped))
         skipped.append(f"{name}: {reason}")
     raise RuntimeError("the reference backend refused a layer")  # reference runs everything
+
+
+def backend_reasons(
+    scheme: QuantScheme, out_features: int, in_features: int, device: torch.device, dtype: torch.dtype,
+) -> dict[str, str | None]:
+    """Every registered backend, in order of preference, with the reason it cannot run such a
+    layer here (None: it can)."""
+    return {name: b.cannot_run(scheme, out_features, in_features, device, dtype) for name, b in _registry().items()}
+

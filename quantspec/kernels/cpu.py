@@ -24,7 +24,7 @@ Two layouts (``prepare``; ``prepare_ext(result, layout)``). Both sort columns by
   per chunk), the int32 block sums are the same, so the outputs are bit-identical to the VNNI
   loop (on a 2-core Sapphire-Rapids-class Xeon: 1.1x at M = 8, ~1.6x at M = 16-128).
 Without the extension (no compiler) it falls back to torch's packed ops: 4-bit through
-``_weight_int4pack_mm_for_cpu`` (bf16 activations and bf16 scales: zero_float = (8 - z) * s),
+``_weight_int4pack_mm_for_cpu`` (``int4pack.py``; bf16 activations and bf16 scales),
 per-channel 8-bit through ``_weight_int8pack_mm``, and dequantize + bf16 matmul otherwise.
 """
 
@@ -37,6 +37,7 @@ import torch
 
 from ..core.floatcodes import pack_fp4_pairs
 from ..core.scheme import QuantResult, QuantScheme
+from . import int4pack
 from .cpu_ext import load_cpu_ext
 from .reference import quantize_per_token_int8
 
@@ -185,13 +186,9 @@ def prepare_torch(result: QuantResult) -> dict[str, torch.Tensor]:
     codes, scales, zeros = _gather_codes(result, src, groups)
     src_t = _src_tensor(src, k)
     if scheme.bits <= 4 and n % 16 == 0:
-        sub = next(b for b in (256, 128, 64, 32) if length % b == 0)
-        reps = length // sub
-        s = scales.repeat_interleave(reps, dim=1)
-        z = zeros.repeat_interleave(reps, dim=1)
-        sz = torch.stack([s, (8 - z) * s], dim=-1).transpose(0, 1).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        return {"w": packed, "sz": sz.to(torch.bfloat16), "src": src_t,
+        sub = int4pack.sub_group(length)
+        return {"w": int4pack.pack(codes, torch.device("cpu")),
+                "sz": int4pack.scales_and_zeros(scales, zeros, length // sub), "src": src_t,
                 "meta": _meta(INT4PACK, scheme.bits, sub, k)}
     if scheme.bits == 8 and groups == 1:
         return {"w": (codes.to(torch.int16) - 128).to(torch.int8), "scales": scales[:, 0],
@@ -241,8 +238,7 @@ def _linear_torch(x2, p, scheme, n, bias) -> torch.Tensor:
         y = (acc * p["scales"] - xs.sum(dim=1, keepdim=True) * p["zoff"]) * sx
         return y if bias is None else y + bias.to(torch.float32)
     if kind == INT4PACK:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xs.to(torch.bfloat16), p["w"], block, p["sz"]).float()
+        y = int4pack.mm(xs.to(torch.bfloat16), p["w"], p["sz"]).float()
     elif kind == INT8PACK:
         y = torch.ops.aten._weight_int8pack_mm(
             xs.to(torch.bfloat16), p["w"], p["scales"].to(torch.bfloat16)).float()

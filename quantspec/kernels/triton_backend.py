@@ -42,6 +42,7 @@ import triton  # noqa: F401  (ImportError here makes the registry skip this back
 
 from ..core.floatcodes import decode_scales, e4m3fn_to_fnuz
 from ..core.scheme import QuantResult, QuantScheme
+from .act_order import contiguous_groups_perm
 from .op_call import call_quant_linear
 from .triton import configs
 from .triton.fp8_w8a8 import BLOCK as FP8_BLOCK_COLS, fp8_format, fp8_linear
@@ -71,14 +72,6 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = (t.view(kw, pf, n) << shifts).sum(dim=1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32
     return words.to(torch.int32).contiguous()
-
-
-def contiguous_groups_perm(g_idx: torch.Tensor, group_len: int) -> torch.Tensor | None:
-    """The stable sort of rows by group when it makes every group contiguous with group_len
-    rows (GPTQ's act-order g_idx), else None."""
-    perm = torch.argsort(g_idx.to(torch.int64), stable=True)
-    want = torch.arange(g_idx.numel(), device=g_idx.device) // group_len
-    return perm if torch.equal(g_idx.to(torch.int64)[perm], want) else None
 
 
 class TritonBackend:
