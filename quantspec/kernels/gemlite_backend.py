@@ -52,8 +52,8 @@ class GemliteBackend:
         glen = scheme.group_len(in_features)
         if scheme.group_size == -1 or glen >= in_features:
             return "per-channel scales take a gemlite path not wired here (grouped scales only)"
-        if glen < 16 or in_features % glen:
-            return f"groups must be 16+ columns dividing K, not {glen} of {in_features}"
+        if in_features % glen:
+            return f"groups must divide K: {glen} does not divide {in_features}"
         if in_features % 32:
             return f"in_features={in_features} is not a multiple of 32"
         if device.type != "cuda":
@@ -68,9 +68,9 @@ class GemliteBackend:
         return None
 
     def prepare(self, result: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """gemlite's tensors (``W_q``, ``scales``, ``zeros``, ``meta_scale``), ``meta`` int64 its
-        integer arguments for fp16 and for bf16 activations ([2, A]), ``perm`` int32 [K] (act-order: the x column of each sorted column;
-        empty otherwise)."""
+        """gemlite's tensors (``W_q``, ``scales``, ``zeros``, ``meta_scale``), ``meta`` int64
+        [2, A] its integer arguments for fp16 and for bf16 activations, ``perm`` int32 [K]
+        (act-order: the x column of each sorted column; empty otherwise)."""
         from gemlite import DType, GemLiteLinearTriton
 
         scheme = result.scheme
