@@ -10,8 +10,10 @@ For each scheme, M (tokens) and N x K (a Llama-3-8B/70B projection): median micr
 (triton.testing.do_bench after warm-up, L2 flushed: includes the Python launch cost) and, on
 GPUs, inside a CUDA graph cycling through weight copies larger than L2 (no launch cost, as
 serving engines run decode), TFLOP/s, effective GB/s (weights +
-scales + zeros + activations + output, each moved once), % of the GPU's peak bandwidth and the
-speed-up over the dense matmul. Writes benchmarks/results/kernels-<gpu>.{json,md}.
+scales + zeros + activations + output, each moved once), % of the GPU's peak bandwidth, the
+speed-up over the dense matmul, the ratio to a read-only kernel that streams the same bytes
+(the floor), the config the autotuner chose, and (``--peers``) the peer backends that run the
+case. Writes benchmarks/results/kernels-<gpu>.{json,md}.
 
 Structure: ``cases`` (the shape list), ``time_us`` (timing), ``measure`` (one row),
 ``markdown``/``print_table`` (the table) and one ``run_<device>`` per device.
@@ -152,6 +154,9 @@ def measure(name, m, n, k, impls, device, peak, graph=False):
     row["speedup_vs_dense"] = round(row["dense_us"] / row["quant_us"], 3)
     if graph:
         row["speedup_graph"] = round(row["dense_graph_us"] / row["quant_graph_us"], 3)
+    for suffix in ("", "_graph"):  # ours against the read floor of the same bytes (1.0: at the floor)
+        if f"read{suffix}_us" in row:
+            row[f"vs_read{suffix}"] = round(row[f"quant{suffix}_us"] / row[f"read{suffix}_us"], 3)
     return row
 
 
@@ -163,6 +168,24 @@ def peer_reasons(scheme: QuantScheme, n: int, k: int, device: str, dtype) -> dic
     from quantspec.kernels.backend import get_backend
 
     return {p: get_backend(p).cannot_run(scheme, n, k, torch.device(device), dtype) for p in PEERS}
+
+
+def read_floor_fn():
+    """A Triton kernel that only reads a buffer (16 KB per program, one int32 sum written per
+    program): the time to stream the bytes a quantized layer moves, the floor of its kernel."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_kernel(src, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + tl.program_id(0), tl.sum(tl.load(src + offs, mask=offs < n, other=0), axis=0))
+
+    def read(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        _read_kernel[(triton.cdiv(buf.numel(), 4096),)](buf, out, buf.numel(), BLOCK=4096)
+        return out
+
+    return read
 
 
 def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1, peers=False):
@@ -192,6 +215,12 @@ def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=
         "quant": ([lambda p=p: ours.linear(x, p, scheme, n, k, None) for p in preps], qbytes),
         "dense": ([lambda w_=w_: x @ w_.T for w_ in ws], dbytes),
     }
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the read floor of the same bytes
+        read = read_floor_fn()
+        words = -(-qbytes // 4)
+        bufs = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(qcopies)]
+        out = torch.empty(-(-words // 4096), dtype=torch.int32, device=device)
+        impls["read"] = ([lambda b=b: read(b, out) for b in bufs], qbytes)
     if peers:
         for peer, why in peer_reasons(scheme, n, k, device, dtype).items():
             if why is None:
@@ -210,7 +239,9 @@ COLUMNS = [("scheme", "scheme"), ("M", "M"), ("N", "N"), ("K", "K"), ("quant_us"
            ("quant_gbps", "GB/s"), ("quant_peak_pct", "% peak BW"), ("speedup_vs_dense", "x dense"),
            ("quant_graph_us", "ours graph us"), ("dense_graph_us", "dense graph us"),
            ("quant_graph_peak_pct", "graph % peak BW"), ("speedup_graph", "graph x dense"),
-           ("rel_err_vs_ref", "rel err")]
+           ("rel_err_vs_ref", "rel err"), ("read_us", "read floor us"), ("vs_read", "ours / read floor"),
+           ("read_graph_us", "read floor graph us"),
+           ("vs_read_graph", "ours / read floor (graph)"), ("config", "chosen config")]
 PEER_COLUMNS = [col for p in PEERS for col in ((f"{p}_us", f"{p} us"), (f"{p}_graph_us", f"{p} graph us"),
                                                (f"vs_{p}", f"{p} / ours"), (f"{p}_rel_err_vs_ref", f"{p} rel err"))]
 
@@ -302,7 +333,10 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
             break
         impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference,
                             copies=0 if graph else 1, peers=args.peers)
+        before = _chosen_configs()
         rows.append(measure(name, m, n, k, impls, device, peak, graph))
+        chosen = {key: cfg for key, cfg in _chosen_configs().items() if key not in before}
+        rows[-1]["config"] = "; ".join(f"{key.split()[0]}: {cfg}" for key, cfg in chosen.items()) or "-"
         if "reference" in impls:  # each timed kernel's output against the reference's
             y_ref = impls["reference"][0][0]().float()
             for label in ("quant", *PEERS):
@@ -331,6 +365,15 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
     for p in write_results(rows, meta, out, ("dry-run-" if dry else "") + tag + args.tag):
         print(f"wrote {p}")
     return rows
+
+
+def _chosen_configs() -> dict[str, str]:
+    """The autotuners' choices so far (empty without Triton or under the interpreter)."""
+    try:
+        from quantspec.kernels.triton.configs import chosen_configs
+    except ImportError:
+        return {}
+    return chosen_configs()
 
 
 def _triton_version() -> str | None:

@@ -104,3 +104,27 @@ def test_benchmark_times_the_peers_that_run(tmp_path):
     assert all(set(r["peers_cannot_run"]) == {"marlin", "gemlite"} for r in rows)
     assert "tinygemm us" in (tmp_path / "kernels-dry-run-cpu.md").read_text()
     assert json.loads((tmp_path / "kernels-dry-run-cpu.json").read_text())["meta"]["peers"]
+
+
+def test_benchmark_reads_the_floor_under_the_interpreter(tmp_path):
+    """kernel_speed's read-only kernel (the floor of the bytes a layer moves) reads every word
+    once and is set against ours in each row (Triton's interpreter, in a fresh process: the
+    interpreter is chosen when Triton is imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_speed.py"
+    check = (f"import runpy, torch; mod = runpy.run_path({str(script)!r}); "
+             "buf = torch.arange(10000, dtype=torch.int32); out = torch.empty(3, dtype=torch.int32); "
+             "assert int(mod['read_floor_fn']()(buf, out).sum()) == int(buf.sum()); "
+             f"mod['main'](['--dry-run', '--schemes', 'w4g128', '--m', '1', '--no-reference', '--out', {str(tmp_path)!r}])")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "kernels-dry-run-cpu.json").read_text())["rows"]
+    assert rows and all(r["read_us"] > 0 and r["vs_read"] == round(r["quant_us"] / r["read_us"], 3) for r in rows)
+    assert "read floor us" in (tmp_path / "kernels-dry-run-cpu.md").read_text()

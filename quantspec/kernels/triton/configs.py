@@ -197,10 +197,21 @@ def autotuned(kernel, family: str, target: tuple[str, str], key: tuple[str, ...]
     only when a kernel actually launches. ``prune`` drops configs a layer cannot take.
     """
     prune_by = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(
+    tuner = triton.autotune(
         configs=configs_for(family, target), key=list(key), prune_configs_by=prune_by,
         do_bench=_tuning_bench,
     )(kernel)
+    _TUNERS.append((family, tuner))
+    return tuner
+
+
+_TUNERS: list = []  # (family, autotuner) as ``autotuned`` made them (memoised there), for ``chosen_configs``
+
+
+def chosen_configs() -> dict[str, str]:
+    """Every config the autotuners have chosen in this process: {"family key": config}."""
+    return {f"{family} {key}": str(cfg) for family, tuner in _TUNERS
+            for key, cfg in getattr(tuner, "cache", {}).items()}
 
 
 def _tuning_bench(fn, quantiles=None):
