@@ -54,6 +54,23 @@ def test_report_files(tmp_path):
     assert "png" not in empty and "No level finished" in empty["html"].read_text()
 
 
+def test_speculative_targets_show_the_engines_acceptance():
+    """With a speculative target the table gains the engine's acceptance (accepted / drafted
+    tokens) and tokens per target step; without one it keeps its columns."""
+    from quantspec.serving.table import serve_markdown
+
+    r = _result()
+    assert "draft accept %" not in serve_markdown(r)
+    spec = {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 24.0, "acceptance_rate": 0.8,
+            "mean_accepted_length": 3.4}
+    r["targets"].append({"label": "dense +ngram:3", "status": "ok", "role": "speculative", "accuracy": {},
+                         "levels": [_level("concurrency=1", 33, 290, 22, 0.6) | {
+                             "engine_metrics": {"kv_cache_usage_max": 0.1, "speculative": spec}}]})
+    md = serve_markdown(r)
+    assert "| KV max % | draft accept % | tokens per step | ppl |" in md
+    assert "| 10.0 | 80.0 | 3.40 | - |" in md and "| 10.0 | - | - | 20.000 |" in md  # the target without: '-'
+
+
 def test_html_is_interactive_in_a_browser(browser, tmp_path):  # noqa: F811
     page = tmp_path / "serve-report.html"
     page.write_text(serving_html(_result()))

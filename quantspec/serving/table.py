@@ -16,8 +16,11 @@ def serve_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     """(column heads, one row of cells per target and load level): what the Markdown table and
     the HTML page both show."""
     slo = result.get("config", {}).get("slo")
+    spec = any(lv.get("engine_metrics", {}).get("speculative")
+               for t in result.get("targets", []) for lv in t.get("levels", []))
     head = ["target", "level", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "E2E p50", "E2E p99"] + (["goodput req/s", "good %"] if slo else []) + ["KV max %", "ppl"]
+            "E2E p50", "E2E p99"] + (["goodput req/s", "good %"] if slo else []) + ["KV max %"] + (
+            ["draft accept %", "tokens per step"] if spec else []) + ["ppl"]
     rows = []
     for t in result.get("targets", []):
         ppl = t.get("accuracy", {}).get("ppl", {}).get("ppl")
@@ -34,7 +37,12 @@ def serve_rows(result: dict) -> tuple[list[str], list[list[str]]]:
             if slo:
                 row += [_num(lv.get("goodput")), _num(None if lv.get("good_fraction") is None
                                                       else 100 * lv["good_fraction"], ".0f")]
-            row += [_num(None if kv is None else 100 * kv, ".1f"), _num(ppl, ".3f")]
+            row += [_num(None if kv is None else 100 * kv, ".1f")]
+            if spec:  # the engine's counters: accepted / drafted tokens, and tokens per target step
+                acc = em.get("speculative") or {}
+                rate = acc.get("acceptance_rate")
+                row += [_num(None if rate is None else 100 * rate, ".1f"), _num(acc.get("mean_accepted_length"))]
+            row += [_num(ppl, ".3f")]
             rows.append(row)
     return head, rows
 
