@@ -99,3 +99,15 @@ def test_paths_that_spilled_now_compile_spill_free(family, target_name, variant)
         kernel = aot.compile_path(family, target_name, variant, cfg)
         code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
         assert code["spills"] == 0, (str(cfg), code)
+
+
+def test_chosen_configs_lists_what_each_autotuner_picked(monkeypatch):
+    """configs.chosen_configs (kernel_speed's "chosen config" column) reads every autotuner that
+    ``autotuned`` built, keyed by family and the tuner's key."""
+    class Tuner:  # what configs.chosen_configs reads of triton's Autotuner: its cache
+        def __init__(self, cache):
+            self.cache = cache
+
+    small = configs.configs_for("small_m", ("cuda", "90"))[0]
+    monkeypatch.setattr(configs, "_TUNERS", [("small_m", Tuner({(16, 4096, 4096): small})), ("gemv", Tuner({}))])
+    assert configs.chosen_configs() == {"small_m (16, 4096, 4096)": str(small)}
