@@ -69,7 +69,7 @@ def kernels_used(model) -> dict:
 
     {"backend": the backends' names joined by "," ("torch dense" for a model without quantized
     layers), "activations": "as declared", or how many weight-only layers ran on rounded
-    activations (a speed path that is not the checkpoint's scheme)}.
+    activations or scales (a speed path that is not the checkpoint's scheme)}.
     """
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
@@ -77,7 +77,8 @@ def kernels_used(model) -> dict:
     names = [m.backend_name or "unprepared" for m in layers]
     rounded = sum(not computes_declared_scheme(n, m.scheme) for n, m in zip(names, layers))
     activations = AS_DECLARED if not rounded else (
-        f"rounded on {rounded} of {len(layers)} quantized layers (a speed path, not the declared scheme)")
+        f"rounded on {rounded} of {len(layers)} quantized layers (a speed path that rounds the activations "
+        "or the scales, not the declared scheme)")
     return {"backend": ",".join(sorted(set(names))), "activations": activations}
 
 
