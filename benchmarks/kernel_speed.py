@@ -22,6 +22,7 @@ Structure: ``cases`` (the shape list), ``time_us`` (timing), ``measure`` (one ro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -170,6 +171,7 @@ def peer_reasons(scheme: QuantScheme, n: int, k: int, device: str, dtype) -> dic
     return {p: get_backend(p).cannot_run(scheme, n, k, torch.device(device), dtype) for p in PEERS}
 
 
+@functools.cache  # one kernel object, so it compiles once, not once per case
 def read_floor_fn():
     """A Triton kernel that only reads a buffer (16 KB per program, one int32 sum written per
     program): the time to stream the bytes a quantized layer moves, the floor of its kernel."""
@@ -188,10 +190,10 @@ def read_floor_fn():
     return read
 
 
-def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1, peers=False):
+def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=1, peers=None):
     """{label: ([callable per weight copy], bytes moved)} for one case: our kernel, the dense
-    matmul, the reference, and (``peers``) every peer backend that can run it. ``copies`` 0: as
-    many as make ROTATE_BYTES (graph timing)."""
+    matmul, the reference, and every peer backend ``peers`` (``peer_reasons``) says can run it.
+    ``copies`` 0: as many as make ROTATE_BYTES (graph timing)."""
     from quantspec.kernels.reference import ReferenceBackend
     from quantspec.kernels.backend import get_backend
 
@@ -221,12 +223,11 @@ def layer_impls(name, m, n, k, device, dtype, triton_kw, with_reference, copies=
         bufs = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(qcopies)]
         out = torch.empty(-(-words // 4096), dtype=torch.int32, device=device)
         impls["read"] = ([lambda b=b: read(b, out) for b in bufs], qbytes)
-    if peers:
-        for peer, why in peer_reasons(scheme, n, k, device, dtype).items():
-            if why is None:
-                b = get_backend(peer)
-                pp = [b.prepare(r, dtype) for _ in range(qcopies)]
-                impls[peer] = ([lambda p=p, b=b: b.linear(x, p, scheme, n, k, None) for p in pp], qbytes)
+    for peer, why in (peers or {}).items():
+        if why is None:
+            b = get_backend(peer)
+            pp = [b.prepare(r, dtype) for _ in range(qcopies)]
+            impls[peer] = ([lambda p=p, b=b: b.linear(x, p, scheme, n, k, None) for p in pp], qbytes)
     if with_reference:
         ref = ReferenceBackend()
         rp = ref.prepare(r, dtype)
@@ -331,8 +332,9 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
         if args.deadline and time.monotonic() - started > args.deadline:
             print(f"deadline of {args.deadline} s reached: {len(todo) - len(rows)} cases not run", flush=True)
             break
+        reasons = peer_reasons(SCHEMES[name][0], n, k, device, dtype) if args.peers else None
         impls = layer_impls(name, m, n, k, device, dtype, triton_kw, not args.no_reference,
-                            copies=0 if graph else 1, peers=args.peers)
+                            copies=0 if graph else 1, peers=reasons)
         before = _chosen_configs()
         rows.append(measure(name, m, n, k, impls, device, peak, graph))
         chosen = {key: cfg for key, cfg in _chosen_configs().items() if key not in before}
@@ -345,8 +347,7 @@ def run_benchmark(args, device: str, device_name: str, dry: bool) -> list[dict]:
                     key = "rel_err_vs_ref" if label == "quant" else f"{label}_rel_err_vs_ref"
                     rows[-1][key] = float(f"{((y - y_ref).abs().max() / y_ref.abs().max()).item():.3g}")
         if args.peers:
-            rows[-1]["peers_cannot_run"] = {p: w for p, w in
-                                            peer_reasons(SCHEMES[name][0], n, k, device, dtype).items() if w}
+            rows[-1]["peers_cannot_run"] = {p: w for p, w in reasons.items() if w}
             for p in PEERS:
                 if f"{p}_us" in rows[-1]:
                     rows[-1][f"vs_{p}"] = round(rows[-1][f"{p}_us"] / rows[-1]["quant_us"], 3)

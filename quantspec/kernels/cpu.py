@@ -225,8 +225,8 @@ def _dense_ext(ext, x2, p, scheme, n, bits) -> torch.Tensor:
 
 
 def _linear_torch(x2, p, scheme, n, bias) -> torch.Tensor:
-    kind, bits, block, k = p["meta"].tolist()  # one call: iterating a tensor costs ~30 us
-    kp = p["w"].shape[1] * 2 if kind == INT4PACK else p["w"].shape[1]
+    kind = int(p["meta"][0])
+    kp = int4pack.columns(p["w"]) if kind == INT4PACK else p["w"].shape[1]
     sx = None
     if scheme.activations == "int8-token-dynamic":
         qx, sx = quantize_per_token_int8(x2)
