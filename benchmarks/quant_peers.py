@@ -74,13 +74,13 @@ def setup(tools) -> None:
             print(tool, venvs.ensure(TOOLS[tool][0], verify=True), flush=True)
 
 
-def prepare(model_dir: Path, out: Path, samples: int, seqlen: int, windows: int) -> None:
+def prepare(model_dir: Path, out: Path, samples: int, seqlen: int, windows: int, seed: int = 0) -> None:
     from quantspec.data import calibration_samples, load_text
     from quantspec.eval.perplexity import cached_token_ids, window_starts
     from quantspec.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    calib = calibration_samples(tok, str(DATA / "c4" / "c4-validation-2k.jsonl"), samples, seqlen, seed=0)
+    calib = calibration_samples(tok, str(DATA / "c4" / "c4-validation-2k.jsonl"), samples, seqlen, seed=seed)
     ids = cached_token_ids(tok, load_text(str(DATA / "wikitext2" / "wikitext-2-raw-v1.test.txt")))
     ev = torch.stack([ids[s : s + seqlen] for s in window_starts(ids.numel(), seqlen, seqlen, windows)])
     torch.save({"calib": calib, "eval": ev}, out)
@@ -93,7 +93,7 @@ def parse_config(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2) or -1)
 
 
-def run_tool(tool: str, method: str, model_dir: Path, data: Path, config: str, log) -> dict:
+def run_tool(tool: str, method: str, model_dir: Path, data: Path, config: str, log, threads: int) -> dict:
     _, script, env = TOOLS[tool]
     actorder = METHODS[method][tool]
     cmd = [python_of(tool), str(HERE / "peers" / script), str(model_dir), str(data)]
@@ -108,7 +108,8 @@ def run_tool(tool: str, method: str, model_dir: Path, data: Path, config: str, l
         cmd += ["--actorder", actorder]
     if method == "awq":
         cmd += ["--asym"]
-    env = {**os.environ, **env, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **env, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=data.parent)  # peers write logs/ there
     log.write(f"$ {' '.join(cmd)}\n{proc.stderr[-3000:]}\n")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -128,6 +129,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="CPU threads of every tool (OMP_NUM_THREADS; default all): GPTQ's result depends on it "
+                         "(float summation order), so a row reproduces only at the same count")
+    ap.add_argument("--seeds", default="0",
+                    help="calibration draws, e.g. 0,1,2: every tool quantizes with each draw, and the table gives "
+                         "the median perplexity and each draw's (GPTQ's rounding moves by ~1%% with the draw)")
     ap.add_argument("--out", type=Path, default=None, help="results prefix (default results/METHOD-peers)")
     ap.add_argument("--reuse", type=Path, default=None,
                     help="an earlier results .json: its rows of tools not run now, for the configs run now, join the "
@@ -145,14 +152,17 @@ def main() -> None:
             parse_config(c)
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp, open(f"{out}.log", "w") as log:
-        data = Path(tmp) / "data.pt"
-        prepare(Path(args.model), data, args.samples, args.seqlen, args.windows)
+        data = {}
+        for seed in seeds_of(args):
+            data[seed] = Path(tmp) / f"data-{seed}.pt"
+            prepare(Path(args.model), data[seed], args.samples, args.seqlen, args.windows, seed)
         for run in range(args.runs):
-            for config in configs:
-                for tool in tools:
-                    res = run_tool(tool, args.method, Path(args.model), data, config, log)
-                    print(f"run {run} {config} {tool}: {res}", flush=True)
-                    rows.setdefault((config, tool), []).append(res)
+            for seed in seeds_of(args):
+                for config in configs:
+                    for tool in tools:
+                        res = {**run_tool(tool, args.method, Path(args.model), data[seed], config, log, args.threads), "seed": seed}
+                        print(f"run {run} seed {seed} {config} {tool}: {res}", flush=True)
+                        rows.setdefault((config, tool), []).append(res)
     write_tables(out, args, rows, reused(args.reuse, args, rows))
 
 
@@ -164,13 +174,17 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
     old = json.loads(path.read_text())
     meta = old["meta"]
     want = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
-            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows"}
-    if any(meta.get(k) != v for k, v in want.items()):
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args)}
+    if any(meta.get(k, [0] if k == "seeds" else None) != v for k, v in want.items()):
         raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
     configs = {config_label(args.method, config) for config, _ in rows}
     tools = {tool for _, tool in rows}
     return [{**r, "from": r.get("from") or path.name} for r in old["rows"]
             if r["method"] == args.method and r["config"] in configs and r["tool"] not in tools]
+
+
+def seeds_of(args) -> list[int]:
+    return [int(s) for s in str(args.seeds).split(",")]
 
 
 def config_label(method: str, config: str) -> str:
@@ -185,9 +199,14 @@ def config_label(method: str, config: str) -> str:
 def table_row(args, key: tuple, runs: list[dict]) -> dict:
     config, tool = key
     ok = [r for r in runs if "error" not in r]
+    by_seed: dict[int, float] = {}
+    for r in ok:  # a draw's perplexity is the same in every run of it
+        by_seed.setdefault(r.get("seed", 0), r["ppl"])
     return {
         "method": args.method, "tool": tool, "config": config_label(args.method, config),
-        "actorder": METHODS[args.method][tool], "ppl": ok[0]["ppl"] if ok else None,
+        "actorder": METHODS[args.method][tool], "ppl": statistics.median(by_seed.values()) if ok else None,
+        "ppl_by_seed": {str(k): v for k, v in sorted(by_seed.items())},
+        "failed_seeds": sorted({r.get("seed", 0) for r in runs if "error" in r} - set(by_seed)),
         "seconds": [round(r["seconds"], 1) for r in ok],
         "median_s": round(statistics.median(r["seconds"] for r in ok), 1) if ok else None,
         "settings": ok[0].get("settings") if ok else None,
@@ -199,17 +218,25 @@ def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
     table = [table_row(args, k, v) for k, v in rows.items()] + list(earlier)
     table.sort(key=lambda r: r["config"])
     meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
-            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "runs": args.runs,
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args), "runs": args.runs,
+            "threads": args.threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
             "command": "python benchmarks/quant_peers.py " + " ".join(sys.argv[1:])}
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
-    lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; {meta['machine']})", "",
+    lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; "
+             f"{meta['machine']}, {args.threads} threads per tool)", "",
              f"Command: `{meta['command']}`; raw rows: `{Path(out).name}.json`.", "",
              "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) | measured |", "|---|---|---|---|---|---|---|"]
+    draws = len(seeds_of(args)) > 1
+    if draws:
+        lines[-2:] = [f"Calibration draws (seeds) {seeds_of(args)}: ppl is the median over the draws, then each draw's.", "",
+                      lines[-2].replace("| quantize s", "| ppl per draw | quantize s"), "|---" * 8 + "|"]
     for r in table:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] else f"failed: {r['error']}"
+        each = [f"{v:.3f}" for v in r.get("ppl_by_seed", {}).values()] + [f"seed {k} failed" for k in r.get("failed_seeds", [])]
+        each = ("| " + ", ".join(each) + " ") if draws else ""
         when = f"earlier run ({r['from']})" if r.get("from") else "this run"
-        lines.append(f"| {r['config']} | {r['tool']} | {r['actorder'] or '-'} | {ppl} | {r['median_s']} | {r['seconds']} | {when} |")
+        lines.append(f"| {r['config']} | {r['tool']} | {r['actorder'] or '-'} | {ppl} {each}| {r['median_s']} | {r['seconds']} | {when} |")
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -232,3 +232,31 @@ def test_single_pass_needs_samples_that_do_not_mix():
     assert method._single_pass_ok(nn.Sequential(nn.Linear(8, 8)), x, {})
     assert not GPTQMethod(GPTQOptions(single_pass_gb=0))._single_pass_ok(nn.Sequential(nn.Linear(8, 8)), x, {})
 
+
+
+def test_single_pass_limit_follows_free_memory(monkeypatch):
+    """By default the single pass runs while the block's activations fit in half the memory free
+    on its device; a number fixes the limit, 0 forces the per-group path."""
+    from quantspec.quant import block_methods
+    from quantspec.quant.block_methods import single_pass_bytes, single_pass_limit
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(block_methods, "free_memory_bytes", lambda device: 10 * 2**30)
+    assert single_pass_limit(GPTQOptions(), cpu) == 5 * 2**30
+    assert single_pass_limit(GPTQOptions(single_pass_gb=2.0), cpu) == 2 * 2**30
+    monkeypatch.setattr(block_methods, "free_memory_bytes", lambda device: None)
+    assert single_pass_limit(GPTQOptions(), torch.device("meta")) == 2 * 2**30
+
+    torch.manual_seed(0)
+    x, block = torch.randn(4, 5, 8), nn.Sequential(nn.Linear(8, 8))
+    need = single_pass_bytes(dict(block.named_modules()), x)
+    for free, ok in ((2 * need, True), (2 * need - 2, False)):
+        monkeypatch.setattr(block_methods, "free_memory_bytes", lambda device, free=free: free)
+        assert GPTQMethod()._single_pass_ok(block, x, {}) is ok
+    assert block_methods.free_memory_bytes(cpu) > 0  # the host's available memory
+
+
+@pytest.mark.parametrize("bad", [-1.0, "auto", True])
+def test_single_pass_gb_must_be_a_size(bad):
+    with pytest.raises(QuantspecError, match="single_pass_gb"):
+        GPTQOptions(single_pass_gb=bad)

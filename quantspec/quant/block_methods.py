@@ -3,7 +3,7 @@
 GPTQMethod follows the reference GPTQ's ``--true-sequential`` loop, in one of two ways:
 
 - single pass (when the activations of the whole calibration set fit in
-  ``GPTQOptions.single_pass_gb`` and the block treats the samples of a batch independently):
+  ``GPTQOptions.single_pass_gb``, by default half the free memory, and the block treats the samples of a batch independently):
   the block runs once on all samples as one batch; a forward pre-hook on each planned Linear
   forms the Hessian from the input it receives, quantizes the Linear and sets its weight to
   the dequantized values before the Linear runs. Every Linear thus sees
@@ -97,6 +97,27 @@ def single_pass_bytes(modules: dict[str, nn.Module], inputs: torch.Tensor) -> in
     return tokens * (4 * inputs.shape[-1] + 3 * widest) * max(inputs.element_size(), 4)
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now: CUDA/ROCm's free memory, the host's available memory for the
+    CPU; None where it cannot be asked."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    return None
+
+
+def single_pass_limit(options: GPTQOptions, device: torch.device) -> float:
+    """Bytes of block activations up to which the single pass runs: ``options.single_pass_gb``
+    GiB, or (None) half the memory free on ``device`` (2 GiB where that is unknown)."""
+    if options.single_pass_gb is not None:
+        return options.single_pass_gb * 2**30
+    free = free_memory_bytes(device)
+    return free / 2 if free is not None else 2 * 2**30
+
+
 def _never_called(name: str) -> QuantspecError:
     return QuantspecError(
         f"{name} is never called by its block's forward, so GPTQ has no statistics for it.",
@@ -121,7 +142,7 @@ class GPTQMethod(BlockMethod):
         return (reducer or Reducer()).all_true(self._single_pass_fits(block, inputs, kwargs))
 
     def _single_pass_fits(self, block, inputs, kwargs) -> bool:
-        if single_pass_bytes(dict(block.named_modules()), inputs) > self.options.single_pass_gb * 2**30:
+        if single_pass_bytes(dict(block.named_modules()), inputs) > single_pass_limit(self.options, inputs.device):
             return False
         if inputs.shape[0] < 2:
             return True

@@ -51,21 +51,26 @@ class GPTQOptions:
     is quantized inside that forward, just before it is used (true-sequential at no extra
     cost: about 2.5x faster on the CPU); above it (or when the block does not batch) the block
     is re-run per Linear group, one sample at a time, and the peak memory stays at about one
-    sample's activations. 0 forces the per-group path. SmolLM2-135M at 64 x 512 needs ~0.9 GiB,
-    Qwen2.5-0.5B ~2.4 GiB."""
+    sample's activations. ``None`` (the default): half the memory free on the block's device
+    when the block starts (``block_methods.single_pass_limit``); 0 forces the per-group path.
+    SmolLM2-135M at 64 x 512 needs ~0.9 GiB, Qwen2.5-0.5B ~2.4 GiB."""
 
     damp_percent: float = 0.01
     block_size: int = 128
-    single_pass_gb: float = 2.0
+    single_pass_gb: float | None = None
     # a Linear whose Hessian comes from fewer calibration rows than this (a MoE expert the
     # router sent no token, under calibration experts=routed) is rounded to nearest instead,
     # and the report says so: GPTQ has nothing to compensate with
     min_rows: int = 1
 
     def __post_init__(self) -> None:
-        if not self.single_pass_gb >= 0:
+        if self.single_pass_gb is not None and not (
+            isinstance(self.single_pass_gb, (int, float)) and not isinstance(self.single_pass_gb, bool)
+            and self.single_pass_gb >= 0
+        ):
             raise QuantspecError(
-                f"gptq.single_pass_gb={self.single_pass_gb} must be >= 0.", "use e.g. 8."
+                f"gptq.single_pass_gb={self.single_pass_gb!r} must be a number >= 0 (or null: half the free memory).",
+                "use e.g. 8, or leave it out.",
             )
         if not 0 < self.damp_percent < 1:
             raise QuantspecError(
