@@ -90,6 +90,34 @@ def test_calibration_plain_text_deterministic(offline, tok):
     assert any(ids[i : i + 32] == row for i in range(len(ids) - 31))
 
 
+def test_python_stdlib_is_code_one_document_per_file(offline):
+    import sysconfig
+
+    src = load_text("python-stdlib")
+    assert src.label.startswith("python-stdlib ") and len(src.documents) > 100
+    assert src.text == "\n\n".join(src.documents)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert (root / "textwrap.py").read_text(encoding="utf-8") in src.documents
+    suite = root / "test" / "test_textwrap.py"  # test suites are left out (absent in some installs)
+    assert not suite.is_file() or suite.read_text(encoding="utf-8") not in src.documents
+
+
+def test_calibration_mixture_splits_samples_over_its_sources(offline, tmp_path, tok):
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": f"document {i} " + "word " * 60}) for i in range(8)))
+    mixed = calibration_samples(tok, f"pydoc+{jl}", n=5, seqlen=24, seed=2)
+    assert mixed.shape == (5, 24)
+    assert torch.equal(mixed[:3], calibration_samples(tok, "pydoc", n=3, seqlen=24, seed=2))
+    assert torch.equal(mixed[3:], calibration_samples(tok, str(jl), n=2, seqlen=24, seed=2))
+    for bad in ("pydoc+", f"pydoc+{jl}+pydoc"):
+        with pytest.raises(QuantspecError, match="mixture") as err:
+            calibration_samples(tok, bad, n=2, seqlen=24)
+        assert "c4+python-stdlib" in err.value.fix
+    plus = tmp_path / "a+b.txt"  # a file whose name holds + is a file, not a mixture
+    plus.write_text("word " * 400, encoding="utf-8")
+    assert calibration_samples(tok, str(plus), n=2, seqlen=24).shape == (2, 24)
+
+
 def test_calibration_documents(offline, tmp_path, tok):
     long_docs = [f"document {i} " + "word " * 60 for i in range(5)]
     short_docs = ["tiny"] * 20

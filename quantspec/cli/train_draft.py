@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     defaults = TrainConfig()
-    helps = {"data": "training text: c4 (default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl path",
+    helps = {"data": "training text: c4 (default), wikitext2, c4-bundled, pydoc, python-stdlib (code), a .txt/.jsonl path, or a mixture such as c4+python-stdlib",
              "samples": "token windows (a held-out fraction is kept for validation)",
              "unroll": "draft depths trained per window (EAGLE-3's training-time test; 1: none)",
              "draft_vocab": "the head scores the N most frequent next tokens of the training text",

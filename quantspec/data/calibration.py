@@ -5,11 +5,14 @@ datautils.get_c4), each sample is a random window of a random document with at l
 ``seqlen`` tokens (documents drawn without replacement here); when too few documents are that
 long, the rest are random windows of all documents concatenated with "\\n\\n".
 Running text (wikitext2, pydoc, .txt): random windows of the whole tokenized text.
+A mixture ``a+b`` (e.g. ``c4+python-stdlib``): the samples split evenly over its sources, each
+drawn as above with the same seed, in the order written.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -17,6 +20,9 @@ import torch
 from ..errors import QuantspecError
 from .sources import TextSource, load_text
 from .tokens import cached_token_ids, encode_text
+
+
+MIX = "+"  # joins the sources of a mixture
 
 
 def _check(n: int, seqlen: int) -> None:
@@ -84,10 +90,17 @@ def documents_outside_draw(lengths: Sequence[int], n: int, seqlen: int, seed: in
 def calibration_samples(tokenizer, data: str | TextSource, n: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     """Token windows for calibration: LongTensor [n, seqlen]; same (data, n, seqlen, seed) -> same ids.
 
-    ``data`` is a name for ``load_text`` (wikitext2, c4, pydoc, a .txt/.jsonl path) or a
-    TextSource. Too little data raises QuantspecError saying how much there is.
+    ``data`` is a name for ``load_text`` (wikitext2, c4, pydoc, python-stdlib, a .txt/.jsonl
+    path), a mixture of names joined by ``+``, or a TextSource. Too little data raises QuantspecError saying how much there is.
     """
     _check(n, seqlen)
+    if isinstance(data, str) and MIX in data and not Path(data).expanduser().exists():
+        parts = [p.strip() for p in data.split(MIX)]
+        if not all(parts) or n < len(parts):
+            raise QuantspecError(f"calibration data '{data}' is not a mixture of {n} sample(s).",
+                                 "join source names with +, e.g. c4+python-stdlib, with at least one sample each.")
+        counts = [n // len(parts) + (i < n % len(parts)) for i in range(len(parts))]
+        return torch.cat([calibration_samples(tokenizer, p, c, seqlen, seed) for p, c in zip(parts, counts)])
     source = data if isinstance(data, TextSource) else load_text(data)
     gen = torch.Generator().manual_seed(seed)
     if source.documents:

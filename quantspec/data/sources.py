@@ -10,6 +10,8 @@
     ``c4-validation-2k.jsonl``; lines 400-1999 are not shipped and stay free for validation; see
     bundled.py);
   - ``pydoc``: the built-in last-resort corpus, the English text of ``pydoc_data.topics``;
+  - ``python-stdlib``: code, the ``.py`` files of the running interpreter's standard library
+    (one document per file; test suites left out);
   - a path to a ``.txt`` file (one text) or ``.jsonl`` file (one document per line, field "text").
 Local copies come first: ``$QUANTSPEC_DATA/wikitext2/wikitext-2-raw-v1.test.txt`` and
 ``$QUANTSPEC_DATA/c4/c4-validation-2k.jsonl``; then the ``datasets`` hub (skipped at once when
@@ -116,6 +118,30 @@ def _pydoc() -> TextSource:
     return TextSource(text, PYDOC_LABEL, "python:pydoc_data.topics", None)
 
 
+STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+
+
+def _python_stdlib() -> TextSource:
+    import platform
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        if STDLIB_SKIP & set(path.relative_to(root).parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.strip():
+            docs.append(text)
+    if not docs:
+        raise QuantspecError(f"python-stdlib: no .py files under {root}.",
+                             "use another source (c4, pydoc, a .txt/.jsonl file).")
+    return TextSource("\n\n".join(docs), f"python-stdlib {platform.python_version()}", f"python:{root}", docs)
+
+
 def _bundled(name: str) -> TextSource:
     docs = bundled.split_documents(name)
     origin = f"quantspec:data/{bundled.SAMPLE_DIR}/{bundled.SAMPLE_FILE}"
@@ -127,6 +153,8 @@ def load_text(name: str) -> TextSource:
     key = str(name).strip()
     if key.lower() == "pydoc":
         return _pydoc()
+    if key.lower() == "python-stdlib":
+        return _python_stdlib()
     if key.lower() in bundled.SPLITS:
         return _bundled(key.lower())
     if key.lower() in LOCAL_FILES:
@@ -151,5 +179,5 @@ def load_text(name: str) -> TextSource:
     if path.suffix.lower() in {".txt", ".jsonl", ".text", ".md"} or path.exists():
         return _from_file(path)
     raise QuantspecError(f"unknown data source '{name}'.",
-                         "use wikitext2, c4, c4-bundled, c4-bundled-heldout, pydoc, or a path to a .txt or "
-                         ".jsonl file.")
+                         "use wikitext2, c4, c4-bundled, c4-bundled-heldout, pydoc, python-stdlib, or a path to "
+                         "a .txt or .jsonl file.")
