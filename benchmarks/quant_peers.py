@@ -16,7 +16,12 @@ on first use) from a runner in benchmarks/peers/ that prints one JSON line.
     python benchmarks/quant_peers.py --method awq --configs w4g64,w3g64
     python benchmarks/quant_peers.py --method smoothquant --configs w8a8
     python benchmarks/quant_peers.py --method rtn --configs fp8-dynamic,nvfp4,mxfp4 --out results/float-peers-rtn
-    python benchmarks/quant_peers.py --method gptq --configs nvfp4,mxfp4 --out results/float-peers-gptq
+    python benchmarks/quant_peers.py --method gptq --configs nvfp4,mxfp4 --seeds 0,1,2 --out results/float-peers-gptq
+
+GPTQ's rounding is chaotic in float summation order: the same draw at 1 and at 2 threads gave
+SmolLM2 NVFP4 perplexities 34.465 and 34.897. ``--threads`` (OMP_NUM_THREADS of every tool,
+default all cores, in the table) makes a row reproducible; ``--seeds`` repeats the comparison
+over calibration draws, so that a gap is read against the spread of each tool's draws.
 
 Float configs (FP8 / FP4, issue 30) are the names of ``quantspec --scheme`` (fp8-dynamic,
 nvfp4, mxfp4), run as llm-compressor's presets FP8_DYNAMIC, NVFP4A16, MXFP4A16; fp8-dynamic
