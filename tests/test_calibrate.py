@@ -209,6 +209,7 @@ def test_gptq_single_pass_matches_per_group_path(family):
         # summation-order noise flips rare rounding ties; GPTQ's error feedback carries a flip along its row
         assert (a.qweight != b.qweight).float().mean() < 0.05, name
         assert rep1[name]["rel_mse"] == pytest.approx(rep2[name]["rel_mse"], rel=0.1, abs=1e-5)
+        assert (rep1[name]["gptq_pass"], rep2[name]["gptq_pass"]) == ("single", "per-group")  # in the report
     ids = calib(2, 16)
     with torch.no_grad():
         torch.testing.assert_close(m1(ids).logits, m2(ids).logits, rtol=0, atol=2e-2)

@@ -187,6 +187,7 @@ class GPTQMethod(BlockMethod):
         for name in modules:
             if name not in results:
                 raise _never_called(name)
+            self.info[name]["gptq_pass"] = "single"
         return BlockOutput(results, self.info, next_inputs=outputs)
 
     def process_block(self, ctx: BlockContext) -> BlockOutput:
@@ -209,6 +210,7 @@ class GPTQMethod(BlockMethod):
                     if name not in hessians:
                         raise _never_called(name)
                     results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name], rows[name])
+                    self.info[name]["gptq_pass"] = "per-group"
         finally:
             with torch.no_grad():
                 for n, w in dense.items():
