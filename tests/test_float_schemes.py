@@ -269,15 +269,53 @@ def test_scale_rule_flag_reaches_the_recipe():
 
 
 def test_bad_mxfp4_scale_rule_fails_at_once():
-    with pytest.raises(QuantspecError, match=r"scale_rule='floor' is not an MXFP4 scale rule.*ocp.*ceil.*mse"):
+    with pytest.raises(QuantspecError, match=r"scale_rule='floor' is not a scale rule of mxfp4 weights.*ocp.*ceil.*mse"):
         _mx("floor")
-    with pytest.raises(QuantspecError, match="only applies to mxfp4"):
+    with pytest.raises(QuantspecError, match=r"not a scale rule of nvfp4 weights.*amax.*mse"):
         replace(SCHEME_PRESETS["nvfp4"], scale_rule="ocp")
+    with pytest.raises(QuantspecError, match="only applies to mxfp4 and nvfp4"):
+        replace(SCHEME_PRESETS["fp8-weight"], scale_rule="mse")
     with pytest.raises(QuantspecError, match="scale rule"):
         Recipe.from_dict({"method": "rtn", "format": "compressed-tensors",
                           "scheme": {**SCHEME_PRESETS["mxfp4"].to_dict(), "scale_rule": "OCP"}})
     with pytest.raises(ValueError, match="unknown MXFP4 scale rule 'max'"):
         mx_exponents(torch.ones(2, 32), "max")
+
+
+def _nv(rule: str) -> QuantScheme:
+    return replace(SCHEME_PRESETS["nvfp4"], scale_rule=rule)
+
+
+def test_nvfp4_mse_rule_picks_the_best_of_the_nearest_codes():
+    from quantspec.quant.floatgrid import global_scale, nv_group_scales
+
+    w = _weight(n=64, k=512, seed=9)
+    res = {rule: rtn(w, _nv(rule)) for rule in ("auto", "amax", "mse")}
+    assert torch.equal(res["auto"].scales.view(torch.uint8), res["amax"].scales.view(torch.uint8))  # the default
+    assert torch.equal(res["auto"].qweight, res["amax"].qweight)
+    err = {r: (res[r].dequantize() - w).pow(2).reshape(-1, 16).sum(1) for r in ("amax", "mse")}
+    assert (err["mse"] <= err["amax"]).all() and err["mse"].sum() < 0.9 * err["amax"].sum()
+    step = res["mse"].scales.view(torch.uint8).long() - res["amax"].scales.view(torch.uint8).long()
+    assert set(step.unique().tolist()) <= {-2, -1, 0, 1} and (step != 0).any()
+    # the choice is the arg-min over the candidates, ties to the nearest code (a group of equal values)
+    flat = torch.full((1, 16), 0.37)
+    g = global_scale(flat)
+    assert torch.equal(nv_group_scales(flat, flat.abs().amax(1), g, "mse").view(torch.uint8),
+                       nv_group_scales(flat, flat.abs().amax(1), g, "amax").view(torch.uint8))
+    with pytest.raises(ValueError, match="unknown NVFP4 scale rule 'round'"):
+        nv_group_scales(flat, flat.abs().amax(1), g, "round")
+
+
+def test_nvfp4_scale_rule_serialises_when_not_the_default():
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+
+    assert "scale_rule" not in _nv("auto").to_dict() and _nv("mse").to_dict()["scale_rule"] == "mse"
+    assert QuantScheme.from_dict(_nv("mse").to_dict()) == _nv("mse")
+    assert [_nv(r).short_name for r in ("auto", "mse")] == ["nvfp4", "nvfp4-mse"]
+    r = recipe_from_args(build_parser().parse_args(["quantize", "--method", "gptq", "--scheme", "nvfp4",
+                                                    "--scale-rule", "mse"]))
+    assert r.scheme == _nv("mse") and r.name == "gptq-nvfp4-mse"
 
 
 # --------------------------------------------------------------------------- GPTQ

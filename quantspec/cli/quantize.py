@@ -15,7 +15,7 @@ from ._common import write_json
 def add_parser(sub) -> None:
     from ..formats import FORMAT_NAMES
     from ..quant.registry import METHODS
-    from ..core.scheme import MX_SCALE_RULE, MX_SCALE_RULES, SCHEME_PRESETS
+    from ..core.scheme import MX_SCALE_RULE, MX_SCALE_RULES, NV_SCALE_RULES, SCHEME_PRESETS
 
     p = sub.add_parser(
         "quantize",
@@ -38,12 +38,14 @@ def add_parser(sub) -> None:
                         "weight block, FP8 activations per token per 128 columns; layers whose K is not a "
                         "multiple of 128 stay dense), fp8-block-weight (weight-only), nvfp4, mxfp4; "
                         "--bits/--group-size name the integer schemes")
-    p.add_argument("--scale-rule", choices=list(MX_SCALE_RULES),
+    p.add_argument("--scale-rule", choices=list(dict.fromkeys(MX_SCALE_RULES + NV_SCALE_RULES)),
                    help=f"mxfp4: each group's power-of-two scale by the OCP rule floor(log2 amax) - 2 (ocp, may clip "
                         f"the max), the next exponent where that clips (ceil), whichever of the two has the "
                         f"smaller squared error (mse; hmse: weighted by GPTQ's Hessian diagonal), or amax rounded to a "
                         f"power of two as llm-compressor does (round); default {MX_SCALE_RULE}: round for RTN and AWQ, "
-                        f"mse for GPTQ (chosen on a validation split)")
+                        f"mse for GPTQ (chosen on a validation split). nvfp4: each group's E4M3 scale as the nearest "
+                        f"code to amax / 6 (amax, the default) or the one of its neighbours with the smallest squared "
+                        f"error (mse)")
     p.add_argument("--format", choices=list(FORMAT_NAMES))
     p.add_argument("--kv-cache", choices=["fp8", "int8"],
                    help="calibrate KV-cache scales (keys after RoPE, values) on the calibration data and write them "

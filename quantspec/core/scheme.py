@@ -52,6 +52,11 @@ _FP8_ACTIVATIONS_OF = {-1: ("fp8-token-dynamic", "fp8-tensor-static"), FP8_BLOCK
 # "auto" the rule chosen per kind of method on a validation split (``AUTO_SCALE_RULE``)
 MX_SCALE_RULES = ("auto", "ocp", "ceil", "mse", "round", "hmse")
 MX_SCALE_RULE = "auto"  # the default; why: docs/decisions/mxfp4-scale-rule.md
+# NVFP4: each group's E4M3 scale (quant/floatgrid.py ``nv_group_scales``): "amax" E4M3(amax / 6 x global),
+# the cast's nearest (llm-compressor's); "mse" the one of its E4M3 neighbours (one above, two below)
+# with the smallest squared error of the group; "auto" amax (mse is not yet chosen on validation data)
+NV_SCALE_RULES = ("auto", "amax", "mse")
+SCALE_RULES = {"mxfp4": MX_SCALE_RULES, "nvfp4": NV_SCALE_RULES}
 # "auto": data-free rounding (RTN, AWQ's rounding of its scaled weights) -> round; GPTQ -> mse
 AUTO_SCALE_RULE = {False: "round", True: "mse"}
 
@@ -75,7 +80,8 @@ class QuantScheme:
     one scale per 128x128 block (``is_block``), whose activations are weight-only or
     "fp8-group-dynamic" (absmax / 448 per token per 128 input columns, dynamic); per-channel
     fp8 takes "fp8-token-dynamic" or "fp8-tensor-static". scale_rule: how mxfp4 picks each
-    group's power-of-two scale (``MX_SCALE_RULES``); other weight types keep the default. The
+    group's power-of-two scale (``MX_SCALE_RULES``), nvfp4 its E4M3 scale (``NV_SCALE_RULES``);
+    other weight types keep the default. The
     checkpoint's quantization_config cannot tell the rule (the stored exponents mean the same
     whichever chose them): a loaded scheme has the default, the checkpoint's recipe.yaml the rule.
     """
@@ -94,12 +100,13 @@ class QuantScheme:
             raise QuantspecError(
                 f"weights={self.weights!r} is not a weight type.", f"use one of {list(WEIGHT_TYPES)}."
             )
-        if self.scale_rule not in MX_SCALE_RULES:
-            raise QuantspecError(f"scale_rule={self.scale_rule!r} is not an MXFP4 scale rule.",
-                                 f"use one of {list(MX_SCALE_RULES)} (default {MX_SCALE_RULE!r}).")
-        if self.scale_rule != MX_SCALE_RULE and self.weights != "mxfp4":
-            raise QuantspecError(f"scale_rule={self.scale_rule!r} only applies to mxfp4 weights (E8M0 group scales).",
-                                 "drop scale_rule, or use --scheme mxfp4.")
+        rules = SCALE_RULES.get(self.weights)
+        if self.scale_rule != MX_SCALE_RULE and rules is None:
+            raise QuantspecError(f"scale_rule={self.scale_rule!r} only applies to mxfp4 and nvfp4 weights (group scales).",
+                                 "drop scale_rule, or use --scheme mxfp4 or nvfp4.")
+        if rules is not None and self.scale_rule not in rules:
+            raise QuantspecError(f"scale_rule={self.scale_rule!r} is not a scale rule of {self.weights} weights.",
+                                 f"use one of {list(rules)} (default {MX_SCALE_RULE!r}).")
         if self.is_float:
             self._check_float()
             return
@@ -202,7 +209,7 @@ class QuantScheme:
             return name + ("-actorder" if self.act_order else "")
         if self.is_float:
             name = self.weights + {None: "", "fp8-token-dynamic": "-dynamic", "fp8-tensor-static": "-static"}[self.activations]
-            if self.weights == "mxfp4" and self.scale_rule != MX_SCALE_RULE:
+            if self.weights in SCALE_RULES and self.scale_rule != MX_SCALE_RULE:
                 name += f"-{self.scale_rule}"
             return name + ("-actorder" if self.act_order else "")
         if self.activations:
@@ -217,11 +224,12 @@ class QuantScheme:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict; ``weights`` only when not "int" and ``scale_rule`` only for mxfp4
-        (always there, so a recipe or journal says which rule made it even if the default moves),
+        (always there, so a recipe or journal says which rule made it even if the default moves)
+        and for nvfp4 when not the default,
         so that other schemes read (recipes, reports, resume and scales-file fingerprints) as they
         did before these fields."""
         d = asdict(self)
-        if d["weights"] != "mxfp4":
+        if d["weights"] != "mxfp4" and not (d["weights"] == "nvfp4" and self.scale_rule != MX_SCALE_RULE):
             del d["scale_rule"]
         if d["weights"] == "int":
             del d["weights"]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..core.floatcodes import E8M0_BIAS, FP4_MAX, FP8_MAX, code_values, decode_scales, encode
-from ..core.scheme import MX_SCALE_RULES, QuantResult, QuantScheme, mx_scale_rule
+from ..core.scheme import MX_SCALE_RULES, NV_SCALE_RULES, QuantResult, QuantScheme, mx_scale_rule
 
 
 def global_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -75,11 +75,38 @@ def group_scales(
         scale = amax / FP8_MAX
         return torch.where(scale > 0, scale, torch.ones_like(scale))
     if scheme.weights == "nvfp4":
-        tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
-        scaled = (amax / FP4_MAX * gscale.to(torch.float32)).clamp(tiny, FP8_MAX)
-        return scaled.to(torch.float8_e4m3fn)
+        return nv_group_scales(w, amax, gscale.to(device=w.device, dtype=torch.float32), scheme.scale_rule)
     rule = mx_scale_rule(scheme.scale_rule, calibrated)
     return (mx_exponents(w, rule, importance) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+
+
+NV_STEPS = (0, -1, 1, -2)  # E4M3 codes tried by "mse", from amax's: the nearest first (it wins ties)
+
+
+def nv_group_scales(w: torch.Tensor, amax: torch.Tensor, gscale: torch.Tensor, rule: str) -> torch.Tensor:
+    """NVFP4's stored E4M3 scale of each row of ``w`` ([R, 16] fp32 groups, ``amax`` [R]) under
+    the tensor's ``gscale`` by ``rule`` (``core.scheme.NV_SCALE_RULES``; "auto" is amax): the cast of
+    amax / 6 x gscale, or ("mse") of that code and its neighbours one above and two below, the
+    one with the smallest squared error of the group."""
+    if rule not in NV_SCALE_RULES:
+        raise ValueError(f"unknown NVFP4 scale rule {rule!r}: use one of {NV_SCALE_RULES}")
+    tiny = 2.0**-9  # the smallest E4M3 subnormal: a zero group still gets a usable scale
+    nearest = (amax / FP4_MAX * gscale).clamp(tiny, FP8_MAX).to(torch.float8_e4m3fn)
+    if rule != "mse":
+        return nearest
+    top = int(torch.tensor(FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))  # 448's code, the largest finite
+    codes = nearest.view(torch.uint8).to(torch.int16)  # positive E4M3 codes order as their values
+    best, best_err = nearest, None
+    for step in NV_STEPS:
+        cand = (codes + step).clamp(1, top).to(torch.uint8).view(torch.float8_e4m3fn)
+        err = (on_grid(w, (cand.to(torch.float32) / gscale).unsqueeze(1), "nvfp4") - w).pow(2).sum(dim=1)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best, best_err = torch.where(better, cand.view(torch.uint8), best.view(torch.uint8)).view(torch.float8_e4m3fn), \
+            torch.where(better, err, best_err)
+    return best
 
 
 def mx_exponents(w: torch.Tensor, rule: str, importance: torch.Tensor | None = None) -> torch.Tensor:
