@@ -16,7 +16,8 @@ Scales (element codes and rounding: ``floatcodes.py``):
 ``fp8`` amax / 448 of the channel, or of the 128x128 block (``block_scales``; the last block of
 rows may be shorter, K must be a multiple of 128); ``nvfp4`` the global scale
 ``448 * 6 / amax(W)`` maps the largest group scale to E4M3's top, each group's ``amax / 6`` is
-stored as ``E4M3(amax / 6 * global)``; ``mxfp4`` picks each group's power-of-two exponent by the
+stored as ``E4M3(amax / 6 * global)`` (scale rule ``amax``, the default; ``mse`` tries that code's
+neighbours too, ``nv_group_scales``); ``mxfp4`` picks each group's power-of-two exponent by the
 scheme's ``scale_rule`` (``mx_exponents``) from two candidates: the OCP rule ``floor(log2 amax) - 2``
 (``"ocp"``; the group max may exceed ``6 * 2**e`` and saturate, up to 25% of it clipped) and the
 next exponent, which never clips. ``"ceil"`` takes the smaller one that does not clip the max
