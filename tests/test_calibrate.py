@@ -253,7 +253,10 @@ def test_single_pass_limit_follows_free_memory(monkeypatch):
     need = single_pass_bytes(dict(block.named_modules()), x)
     for free, ok in ((2 * need, True), (2 * need - 2, False)):
         monkeypatch.setattr(block_methods, "free_memory_bytes", lambda device, free=free: free)
-        assert GPTQMethod()._single_pass_ok(block, x, {}) is ok
+        method = GPTQMethod()
+        assert method._single_pass_ok(block, x, {}) is ok
+        monkeypatch.setattr(block_methods, "free_memory_bytes", lambda device, free=free: (4 * need) if not ok else 0)
+        assert method._single_pass_ok(block, x, {}) is ok  # the limit of the run's first block holds
     assert block_methods.free_memory_bytes(cpu) > 0  # the host's available memory
 
 

@@ -3,7 +3,8 @@
 GPTQMethod follows the reference GPTQ's ``--true-sequential`` loop, in one of two ways:
 
 - single pass (when the activations of the whole calibration set fit in
-  ``GPTQOptions.single_pass_gb``, by default half the free memory, and the block treats the samples of a batch independently):
+  ``GPTQOptions.single_pass_gb``, by default half the memory free when the first block starts,
+  and the block treats the samples of a batch independently):
   the block runs once on all samples as one batch; a forward pre-hook on each planned Linear
   forms the Hessian from the input it receives, quantizes the Linear and sets its weight to
   the dequantized values before the Linear runs. Every Linear thus sees
@@ -136,13 +137,16 @@ class GPTQMethod(BlockMethod):
         self.info: dict[str, dict] = {}
         self._batches: dict[tuple, bool] = {}
         self._gscales: dict[str, torch.Tensor] = {}  # the block's NVFP4 global scales (fused_scales.py)
+        self._limit: float | None = None  # single_pass_limit, fixed at the first block of a run
 
     def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
         """Whether the single pass applies (the same answer in every process)."""
         return (reducer or Reducer()).all_true(self._single_pass_fits(block, inputs, kwargs))
 
     def _single_pass_fits(self, block, inputs, kwargs) -> bool:
-        if single_pass_bytes(dict(block.named_modules()), inputs) > single_pass_limit(self.options, inputs.device):
+        if self._limit is None:  # once: a run does not switch paths as its memory use moves
+            self._limit = single_pass_limit(self.options, inputs.device)
+        if single_pass_bytes(dict(block.named_modules()), inputs) > self._limit:
             return False
         if inputs.shape[0] < 2:
             return True

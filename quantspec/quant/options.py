@@ -51,8 +51,9 @@ class GPTQOptions:
     is quantized inside that forward, just before it is used (true-sequential at no extra
     cost: about 2.5x faster on the CPU); above it (or when the block does not batch) the block
     is re-run per Linear group, one sample at a time, and the peak memory stays at about one
-    sample's activations. ``None`` (the default): half the memory free on the block's device
-    when the block starts (``block_methods.single_pass_limit``); 0 forces the per-group path.
+    sample's activations. ``None`` (the default): half the memory free on the blocks' device
+    when the first block starts (``block_methods.single_pass_limit``; the same limit for every
+    block of the run); 0 forces the per-group path.
     SmolLM2-135M at 64 x 512 needs ~0.9 GiB, Qwen2.5-0.5B ~2.4 GiB."""
 
     damp_percent: float = 0.01
