@@ -54,7 +54,8 @@ MX_SCALE_RULES = ("auto", "ocp", "ceil", "mse", "round", "hmse")
 MX_SCALE_RULE = "auto"  # the default; why: docs/decisions/mxfp4-scale-rule.md
 # NVFP4: each group's E4M3 scale (quant/floatgrid.py ``nv_group_scales``): "amax" E4M3(amax / 6 x global),
 # the cast's nearest (llm-compressor's); "mse" the one of its E4M3 neighbours (one above, two below)
-# with the smallest squared error of the group; "auto" amax (mse is not yet chosen on validation data)
+# with the smallest squared error of the group; "auto" amax (mse lost on the validation split:
+# docs/decisions/nvfp4-scale-rule.md)
 NV_SCALE_RULES = ("auto", "amax", "mse")
 SCALE_RULES = {"mxfp4": MX_SCALE_RULES, "nvfp4": NV_SCALE_RULES}
 # "auto": data-free rounding (RTN, AWQ's rounding of its scaled weights) -> round; GPTQ -> mse

@@ -97,17 +97,17 @@ def nv_group_scales(w: torch.Tensor, amax: torch.Tensor, gscale: torch.Tensor, r
         return nearest
     top = int(torch.tensor(FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))  # 448's code, the largest finite
     codes = nearest.view(torch.uint8).to(torch.int16)  # positive E4M3 codes order as their values
-    best, best_err = nearest, None
+    best, best_err = None, None
     for step in NV_STEPS:
-        cand = (codes + step).clamp(1, top).to(torch.uint8).view(torch.float8_e4m3fn)
-        err = (on_grid(w, (cand.to(torch.float32) / gscale).unsqueeze(1), "nvfp4") - w).pow(2).sum(dim=1)
-        if best_err is None:
-            best_err = err
+        cand = (codes + step).clamp(1, top).to(torch.uint8)
+        scale = cand.view(torch.float8_e4m3fn).to(torch.float32) / gscale
+        err = (on_grid(w, scale.unsqueeze(1), "nvfp4") - w).pow(2).sum(dim=1)
+        if best is None:
+            best, best_err = cand, err
             continue
         better = err < best_err
-        best, best_err = torch.where(better, cand.view(torch.uint8), best.view(torch.uint8)).view(torch.float8_e4m3fn), \
-            torch.where(better, err, best_err)
-    return best
+        best, best_err = torch.where(better, cand, best), torch.where(better, err, best_err)
+    return best.view(torch.float8_e4m3fn)
 
 
 def mx_exponents(w: torch.Tensor, rule: str, importance: torch.Tensor | None = None) -> torch.Tensor:
