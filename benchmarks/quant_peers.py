@@ -180,6 +180,8 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
     meta = old["meta"]
     want = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args)}
+    if meta.get("threads", args.threads) != args.threads:  # GPTQ's rows move with the thread count
+        want["threads"] = args.threads
     if any(meta.get(k, [0] if k == "seeds" else None) != v for k, v in want.items()):
         raise SystemExit(f"{path} was measured on another protocol ({meta}), not {want}")
     configs = {config_label(args.method, config) for config, _ in rows}
