@@ -232,12 +232,13 @@ def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
     lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; "
              f"{meta['machine']}, {args.threads} threads per tool)", "",
-             f"Command: `{meta['command']}`; raw rows: `{Path(out).name}.json`.", "",
-             "| config | tool | act-order | wikitext2 ppl | quantize s (median) | runs (s) | measured |", "|---|---|---|---|---|---|---|"]
+             f"Command: `{meta['command']}`; raw rows: `{Path(out).name}.json`.", ""]
     draws = len(seeds_of(args)) > 1
     if draws:
-        lines[-2:] = [f"Calibration draws (seeds) {seeds_of(args)}: ppl is the median over the draws, then each draw's.", "",
-                      lines[-2].replace("| quantize s", "| ppl per draw | quantize s"), "|---" * 8 + "|"]
+        lines += [f"Calibration draws (seeds) {seeds_of(args)}: ppl is the median over the draws, then each draw's.", ""]
+    cols = ["config", "tool", "act-order", "wikitext2 ppl"] + (["ppl per draw"] if draws else []) + \
+        ["quantize s (median)", "runs (s)", "measured"]
+    lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for r in table:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] else f"failed: {r['error']}"
         each = [f"{v:.3f}" for v in r.get("ppl_by_seed", {}).values()] + [f"seed {k} failed" for k in r.get("failed_seeds", [])]

@@ -33,6 +33,7 @@ from ..errors import QuantspecError
 from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
 from .distributed import Reducer
 from .fused_scales import block_global_scales
+from .heap import available_memory_bytes
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
@@ -104,9 +105,7 @@ def free_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "cpu":
-        import psutil
-
-        return int(psutil.virtual_memory().available)
+        return available_memory_bytes()
     return None
 
 
