@@ -67,6 +67,21 @@ def test_e2m1_nearest_ties_to_even():
     assert torch.equal(code_values("nvfp4")[e2m1_codes(r).long()] != 0, nearest != 0)
 
 
+def test_e2m1_round_by_search_equals_the_comparisons():
+    from quantspec.core.floatcodes import e2m1_round, e2m1_search_table
+
+    table = e2m1_search_table()
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    mids = torch.cat([mids, -mids])
+    inf = torch.tensor(float("inf"))
+    x = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf),  # each tie and its neighbours
+                   torch.tensor([0.0, -0.0, 6.0, -6.0, 1e9, -1e9, float("inf"), -float("inf"), float("nan")]),
+                   torch.empty(20000).uniform_(-8, 8, generator=torch.Generator().manual_seed(3))])
+    codes, values = e2m1_round(x, table)
+    assert codes.dtype == torch.uint8 and torch.equal(codes, e2m1_codes(x))
+    assert torch.equal(values, code_values("nvfp4")[e2m1_codes(x).long()])
+
+
 def test_fnuz_conversion_exact_for_every_byte():
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)[None, :]
     scales = torch.tensor([[0.37]])

@@ -170,3 +170,36 @@ def test_gram_by_blocks_matches_the_full_product():
     for k in (8, TRI_MIN_K, TRI_MIN_K + 7):  # below the threshold, on it, not a multiple of the blocks
         x = torch.randn(300, k, dtype=torch.float64)
         torch.testing.assert_close(gram(x), x.t() @ x, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("k", [96, 600, 1031])  # one triangular solve; halves of halves; odd halves
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(k):
+    from quantspec.quant.gptq import inverse_hessian_factor
+
+    H = hessian_of(correlated_inputs(4 * k, k, seed=k))
+    U, damp, retries = inverse_hessian_factor(H, 0.01)
+    Hd = H.double() + damp * torch.diagonal(H).double().mean() * torch.eye(k, dtype=torch.float64)
+    ref = torch.linalg.cholesky(torch.linalg.inv(Hd), upper=True)  # fp64, the unique factor
+    assert retries == 0 and torch.equal(U, U.triu()) and bool((torch.diagonal(U) > 0).all())
+    assert float((U.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp4_column_loop_search_gives_the_comparison_codes(preset, static, monkeypatch):
+    """GPTQ's FP4 rounding by one search (``e2m1_round``) writes what ``e2m1_codes`` wrote."""
+    from dataclasses import replace
+
+    import quantspec.quant.gptq as gptq_mod
+    from quantspec.core.scheme import SCHEME_PRESETS
+
+    scheme = replace(SCHEME_PRESETS[preset], act_order=static, static_groups=static)
+    torch.manual_seed(2)
+    W = torch.randn(40, 160) * 0.05
+    W[:, :16] = 0  # an all-zero group: NVFP4's scale 0, where w / s is NaN
+    H = hessian_of(correlated_inputs(1000, 160))
+    fast, fast_deq, _ = gptq_quantize_with_values(W, H, scheme, block_size=64)
+    monkeypatch.setattr(gptq_mod, "e2m1_search_table", lambda device=None: None)  # the comparisons
+    slow, slow_deq, _ = gptq_quantize_with_values(W, H, scheme, block_size=64)
+    assert torch.equal(fast.qweight, slow.qweight) and torch.equal(fast.scales, slow.scales)
+    assert torch.equal(fast_deq, slow_deq)

@@ -42,6 +42,34 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return idx | (negative << 3)
 
 
+def e2m1_search_table(device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bounds fp32 [14], codes uint8 [15], values fp32 [15]) for ``e2m1_round``: the signed E2M1
+    grid in ascending order, its codes, and the 14 midpoints between neighbours, each moved one
+    fp32 step down where its tie belongs to the upper neighbour (so that a search counting the
+    bounds strictly below x rounds ties to even, as ``e2m1_codes`` does)."""
+    mags = E2M1_MAGNITUDES
+    grid = [-m for m in reversed(mags[1:])] + list(mags)
+    codes = [8 + i for i in range(7, 0, -1)] + list(range(8))
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(grid, grid[1:])], dtype=torch.float32)
+    # the tie goes to the value of even mantissa: the upper neighbour has it when its magnitude
+    # index is even (|values| 1, 2, 4 ... on the positive side; 0, 1, 2, 4 ... below zero)
+    upper_even = torch.tensor([codes[i + 1] % 2 == 0 for i in range(14)])
+    bounds = torch.where(upper_even, torch.nextafter(mids, torch.tensor(-float("inf"))), mids)
+    return (bounds.to(device), torch.tensor(codes, dtype=torch.uint8, device=device),
+            torch.tensor(grid, dtype=torch.float32, device=device))
+
+
+def e2m1_round(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, values fp32) of the nearest E2M1 value of each element of fp32 ``x``: the
+    codes of ``e2m1_codes`` (NaN too: code 0), by one search in ``e2m1_search_table()``. On short
+    vectors (GPTQ's column loop) that is ~6x faster than the seven comparisons; on whole
+    tensors, slower."""
+    bounds, codes, values = table
+    idx = torch.bucketize(x.nan_to_num(nan=0.0), bounds)
+    return codes[idx], values[idx]
+
+
 def round_fp8(x: torch.Tensor) -> torch.Tensor:
     """``x`` (in units of its scale) rounded to the nearest E4M3FN value, saturating at 448; fp32."""
     return x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
