@@ -264,3 +264,42 @@ def test_single_pass_limit_follows_free_memory(monkeypatch):
 def test_single_pass_gb_must_be_a_size(bad):
     with pytest.raises(QuantspecError, match="single_pass_gb"):
         GPTQOptions(single_pass_gb=bad)
+
+
+@pytest.mark.parametrize("gb", [2.0, 0.0])  # single pass, per-group path
+def test_gptq_bf16_hessian_is_used_and_reported(gb, monkeypatch):
+    """hessian_dtype=bfloat16 feeds GPTQ the bf16 Gram (the report says so) and lands near
+    the fp32 Hessian's result; auto takes bf16 only on a CPU with native bf16."""
+    import quantspec.quant.hessian as hessian_mod
+
+    calls = []
+    real = hessian_mod.gram_bf16
+    monkeypatch.setattr(hessian_mod, "gram_bf16", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    model = tiny_llama()
+    arch = get_arch(model)
+    plan = full_plan(model, arch)
+    reps = {}
+    for dtype in ("float32", "bfloat16"):
+        report: dict = {}
+        run_blockwise(copy.deepcopy(model), arch, calib(6, 20), GPTQMethod(GPTQOptions(single_pass_gb=gb, hessian_dtype=dtype)),
+                      plan, progress=False, report=report)
+        reps[dtype] = report
+        assert bool(calls) == (dtype == "bfloat16")
+    for name in plan:
+        assert (reps["float32"][name]["hessian_dtype"], reps["bfloat16"][name]["hessian_dtype"]) == ("float32", "bfloat16")
+    # single layers move either way (a different rounding here and there); over the model, nothing is lost
+    total = {d: sum(reps[d][n]["rel_mse"] for n in plan) for d in reps}
+    assert total["bfloat16"] == pytest.approx(total["float32"], rel=0.05)
+
+
+def test_hessian_dtype_auto_follows_the_cpu(monkeypatch):
+    import quantspec.quant.block_methods as bm
+
+    for native in (True, False):
+        monkeypatch.setattr(bm, "cpu_has_native_bf16", lambda: native)
+        assert bm.hessian_bf16(GPTQOptions(hessian_dtype="auto"), torch.device("cpu")) is native
+        assert bm.hessian_bf16(GPTQOptions(hessian_dtype="auto"), torch.device("cuda")) is False
+        assert bm.hessian_bf16(GPTQOptions(hessian_dtype="bfloat16"), torch.device("cuda")) is True
+        assert bm.hessian_bf16(GPTQOptions(hessian_dtype="float32"), torch.device("cpu")) is False
+    with pytest.raises(QuantspecError, match="hessian_dtype"):
+        GPTQOptions(hessian_dtype="fp16")

@@ -203,3 +203,16 @@ def test_fp4_column_loop_search_gives_the_comparison_codes(preset, static, monke
     slow, slow_deq, _ = gptq_quantize_with_values(W, H, scheme, block_size=64)
     assert torch.equal(fast.qweight, slow.qweight) and torch.equal(fast.scales, slow.scales)
     assert torch.equal(fast_deq, slow_deq)
+
+
+def test_bf16_gram_is_the_gram_of_the_bf16_inputs_summed_in_fp32():
+    from quantspec.quant.hessian import gram, gram_bf16
+
+    x = correlated_inputs(3000, 520, seed=5)
+    xb = x.to(torch.bfloat16).double()
+    exact = xb.t() @ xb  # what bf16 inputs stand for
+    by_chunks, at_once = gram_bf16(x, 500), gram_bf16(x, 3000)
+    err = lambda g: float((g.double() - exact).norm() / exact.norm())  # noqa: E731
+    # each chunk's sums come back rounded to bf16 (2**-9 relative): chunks summed in fp32 halve it
+    assert by_chunks.dtype == torch.float32 and err(by_chunks) < 1.5e-3 and err(by_chunks) < err(at_once)
+    assert err(gram(x.double())) > 1e-4  # the bf16 rounding of the inputs is what it measures

@@ -34,6 +34,7 @@ from .block_ops import block_groups, block_outputs, check_finite, planned_linear
 from .distributed import Reducer
 from .fused_scales import block_global_scales
 from .heap import available_memory_bytes
+from ..kernels.cpu_ext import cpu_has_native_bf16
 from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
@@ -51,9 +52,11 @@ def collect_hessians(
     kwargs: dict[str, Any],
     modules: dict[str, nn.Linear],
     rows: dict[str, int] | None = None,
+    bf16: bool = False,
 ) -> dict[str, torch.Tensor]:
     """fp32 [K, K] Hessian of each Linear in ``modules`` over the block's calibration inputs;
-    ``rows`` (if given) receives how many input rows made each.
+    ``rows`` (if given) receives how many input rows made each; ``bf16``: products of inputs
+    rounded to bf16 (``hessian.gram_bf16``).
 
     Linears that read the same tensor (q/k/v, gate/up) share one Hessian (computed once; the
     returned dict holds the same tensor under each of their names).
@@ -71,7 +74,7 @@ def collect_hessians(
         owner[name] = name
         if name not in acc:
             acc[name] = [make_empty_hessian(x.shape[-1], device), 0]
-        acc[name][0], acc[name][1] = accumulate_hessian(acc[name][0], x, acc[name][1])
+        acc[name][0], acc[name][1] = accumulate_hessian(acc[name][0], x, acc[name][1], bf16)
 
     run_linear_inputs(block, block_name, inputs, kwargs, modules, add)
     if rows is not None:
@@ -118,6 +121,14 @@ def single_pass_limit(options: GPTQOptions, device: torch.device) -> float:
     return free / 2 if free is not None else 2 * 2**30
 
 
+def hessian_bf16(options: GPTQOptions, device: torch.device) -> bool:
+    """Whether the Hessians' products run in bf16: ``options.hessian_dtype``, where ``auto`` is
+    bf16 on a CPU that multiplies bf16 natively and fp32 elsewhere (a GPU's fp32 Gram is cheap)."""
+    if options.hessian_dtype == "auto":
+        return device.type == "cpu" and cpu_has_native_bf16()
+    return options.hessian_dtype == "bfloat16"
+
+
 def _never_called(name: str) -> QuantspecError:
     return QuantspecError(
         f"{name} is never called by its block's forward, so GPTQ has no statistics for it.",
@@ -137,6 +148,7 @@ class GPTQMethod(BlockMethod):
         self._batches: dict[tuple, bool] = {}
         self._gscales: dict[str, torch.Tensor] = {}  # the block's NVFP4 global scales (fused_scales.py)
         self._limit: float | None = None  # single_pass_limit, fixed at the first block of a run
+        self._bf16: bool | None = None  # hessian_bf16, fixed at the first block of a run
 
     def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
         """Whether the single pass applies (the same answer in every process)."""
@@ -171,7 +183,7 @@ class GPTQMethod(BlockMethod):
                     return
                 x = args[0]
                 if last[0] is not x:
-                    H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0)
+                    H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0, self._bf16)
                     if not torch.isfinite(H).all():  # cheaper than scanning x; NaN/Inf in x reach H
                         check_finite(x, block_name, f"the input of {name}")
                     last[0] = x
@@ -199,6 +211,8 @@ class GPTQMethod(BlockMethod):
         modules = planned_linears(block, block_name, plan)
         dense = {n: m.weight.detach().clone() for n, m in modules.items()}
         self._gscales = block_global_scales(block, block_name, plan, ctx.arch)  # NVFP4: one per fused siblings
+        if self._bf16 is None:
+            self._bf16 = hessian_bf16(self.options, inputs.device)
         results: dict[str, QuantResult] = {}
         try:
             if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
@@ -206,7 +220,7 @@ class GPTQMethod(BlockMethod):
             for group in block_groups(block, block_name, plan, ctx.arch):
                 rows: dict[str, int] = {}
                 hessians = collect_hessians(
-                    block, block_name, inputs, kwargs, {n: modules[n] for n in group}, rows
+                    block, block_name, inputs, kwargs, {n: modules[n] for n in group}, rows, self._bf16
                 )
                 hessians, rows = _reduced(hessians, rows, group, ctx.reducer)
                 for name in group:
@@ -243,7 +257,8 @@ class GPTQMethod(BlockMethod):
         info["rel_mse"] = relative_output_error(mod.weight, deq, H)
         with torch.no_grad():
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
-        self.info[name] = {**info, "seconds": time.perf_counter() - t0}
+        self.info[name] = {**info, "hessian_dtype": "bfloat16" if self._bf16 else "float32",
+                           "seconds": time.perf_counter() - t0}
         return res
 
 

@@ -32,25 +32,43 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# bf16 Gram: rows per bf16 product. Each product's fp32 sums come back rounded to bf16 (torch's CPU
+# matmul has no bf16 -> fp32 output), so the rows go by chunks whose products are summed in fp32:
+# 8192 rows keep the error at ~8e-4 of the Gram's norm (32768 rows at once: 1.6e-3) at 2.3x the
+# speed of the fp32 product (32768 x 4864, 2 threads of an AVX-512 BF16 CPU: 1.62 s vs 3.76 s).
+BF16_CHUNK_ROWS = 8192
+HESSIAN_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def gram_bf16(x: torch.Tensor, chunk_rows: int = BF16_CHUNK_ROWS) -> torch.Tensor:
+    """``x^T x`` (fp32 [K, K]) of ``x`` [T, K] rounded to bf16: bf16 products of ``chunk_rows``
+    rows at a time, summed in fp32."""
+    k = x.shape[1]
+    out = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+    for i in range(0, x.shape[0], chunk_rows):
+        out.add_(gram(x[i : i + chunk_rows].to(torch.bfloat16)))
+    return out
+
+
 def make_empty_hessian(in_features: int, device: torch.device | str | None = None) -> torch.Tensor:
     """fp32 [K, K] zeros."""
     return torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
 
 
 def accumulate_hessian(
-    H: torch.Tensor, x: torch.Tensor, nsamples: int
+    H: torch.Tensor, x: torch.Tensor, nsamples: int, bf16: bool = False
 ) -> tuple[torch.Tensor, int]:
     """Fold the rows of ``x`` ([..., K], any float dtype) into the running mean ``H``.
 
     ``H`` (fp32 [K, K], updated in place and returned) is ``2/n * X^T X`` over the ``nsamples``
-    rows seen so far; each row of ``x`` (every token) counts as one sample. Returns
-    ``(H, nsamples + rows)``.
+    rows seen so far; each row of ``x`` (every token) counts as one sample. ``bf16``: the
+    products from ``x`` rounded to bf16 (``gram_bf16``). Returns ``(H, nsamples + rows)``.
     """
-    x = x.reshape(-1, x.shape[-1]).to(device=H.device, dtype=torch.float32)
+    x = x.reshape(-1, x.shape[-1]).to(device=H.device)
     rows = x.shape[0]
     if rows == 0:
         return H, nsamples
     total = nsamples + rows
     H.mul_(nsamples / total)
-    H.add_(gram(x), alpha=2.0 / total)
+    H.add_(gram_bf16(x) if bf16 else gram(x.to(torch.float32)), alpha=2.0 / total)
     return H, total
