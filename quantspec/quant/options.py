@@ -67,7 +67,7 @@ class GPTQOptions:
     # the dtype of the Hessian's products (the sums are fp32 either way; hessian.py):
     # "bfloat16" rounds the inputs to bf16 (2.3x faster on a CPU with native bf16 dot products),
     # "auto" takes it there (block_methods.hessian_bf16) and "float32" everywhere else
-    hessian_dtype: str = "float32"
+    hessian_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.hessian_dtype not in HESSIAN_DTYPES:
