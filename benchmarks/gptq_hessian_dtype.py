@@ -91,13 +91,13 @@ def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, dtype
 
 def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"# GPTQ Hessian products in float32 vs bfloat16 ({meta['model']})", "",
-             f"Command: `{meta['command']}`; raw: {path.with_suffix('.json').name}; {meta['machine']}, "
+             f"Command: `{meta['command']}`; raw: {path.name[:-3]}.json; {meta['machine']}, "
              f"{meta['threads']} threads; {meta['when']}.", "",
              "GPTQ weight-only, static act-order, float32 model, 64 C4 x 512 calibration per draw (the dtypes "
              "interleaved within each draw). Validation: the first "
              f"{meta['windows']} windows of 512 of the C4 documents from {VAL_FIRST_DOC} on outside every draw "
              f"({meta['val_docs']} documents); test: wikitext2's first {meta['windows']} windows of 512, never used "
-             "to choose. Medians over the draws (each draw's value in brackets).", "",
+             "to choose. Medians over the draws (each draw's value in parentheses).", "",
              "| config | Hessian products | C4 val ppl | wikitext2 ppl | quantize s |", "|---|---|---|---|---|"]
     for config in dict.fromkeys(r["config"] for r in rows):
         for dtype in DTYPES:
@@ -141,8 +141,9 @@ def main() -> None:
                        **measure(model_dir, data["calib"][seed], data, config, dtype)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-                write_md(out.with_suffix(".md"), meta, rows)
+                # (not with_suffix: a model name like qwen2.5-coder-0.5b has a dot of its own)
+                Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+                write_md(Path(f"{out}.md"), meta, rows)
 
 
 if __name__ == "__main__":
