@@ -41,8 +41,14 @@ def _quantize(folder: Path, out: Path, calib: Path, method: str, processes: int)
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
         f"--master-port={_free_port()}", "-m", "quantspec"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [*launcher, "quantize", str(folder), "--method", method, "--out", str(out), "--calib", str(calib), *ARGS,
-           "--calib-samples", "4"]
+    # fp32 Hessians: bf16 products (the default on a CPU with native bf16) round each process's
+    # chunk of rows apart, so two processes would differ from one by more than summation order
+    recipe = []
+    if method == "gptq":
+        (out.parent / f"{out.name}-recipe.yaml").write_text("method: gptq\ngptq: {hessian_dtype: float32}\n")
+        recipe = ["--recipe", str(out.parent / f"{out.name}-recipe.yaml")]
+    cmd = [*launcher, "quantize", str(folder), *recipe, "--method", method, "--out", str(out), "--calib", str(calib),
+           *ARGS, "--calib-samples", "4"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
