@@ -144,9 +144,12 @@ def _quantize_columns(
     starts = _group_starts(k, glen, block_size, static is None)
     diag = torch.diagonal(U).tolist()
     scale = zero = None
-    decode = lambda sc, zr: (  # noqa: E731  (fp32 scale, zero point) that a group's stored pair stands for
-        decode_scales(sc, scheme.weights, gscale) if values is not None else sc.to(torch.float32),
-        float(scheme.sym_zero) if zr is None else zr.to(torch.float32))
+
+    def decode(sc: torch.Tensor, zr: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The fp32 (scale, zero point) that a group's stored pair stands for."""
+        return (decode_scales(sc, scheme.weights, gscale) if scheme.is_float else sc.to(torch.float32),
+                float(scheme.sym_zero) if zr is None else zr.to(torch.float32))
+
     if static is not None:  # decoded once; act-order visits the groups in any order
         static_fp = [decode(sc, zr) for sc, zr in static]
         group_of = [c // glen for c in (perm.tolist() if perm is not None else range(k))]
