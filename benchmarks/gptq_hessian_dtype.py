@@ -1,13 +1,6 @@
 """GPTQ's Hessian products in float32 or bfloat16 (``gptq.hessian_dtype``), side by side on a
-validation split, with wikitext2 (the text of the published tables) beside it and never used to
-choose.
-
-Weight-only GPTQ with static act-order (quant_peers.py's protocol: float32 model, 64 C4 x 512
-calibration, the same recipe, plan, method and block driver as ``quantspec quantize``) for each
-config and calibration draw, the two dtypes interleaved per draw; perplexity of the
-fake-quantized model. Validation: the first windows of 512 of the C4 documents from 1800 on
-that none of the draws reads; test: wikitext2's first windows of 512. Quantize seconds are the
-block driver's wall time at --threads (the machine otherwise idle).
+validation split: ``gptq_options.py --option hessian_dtype --values float32,bfloat16`` (its
+protocol), writing results/gptq-hessian-dtype-MODEL.
 
     python benchmarks/gptq_hessian_dtype.py --model smollm2-135m --configs nvfp4,mxfp4 --seeds 0,1,2
     python benchmarks/gptq_hessian_dtype.py --model qwen2.5-coder-0.5b --configs nvfp4 --seeds 0,1
@@ -15,136 +8,12 @@ block driver's wall time at --threads (the machine otherwise idle).
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "peers"))
-
-from peer_common import perplexity  # noqa: E402
-from quant_peers import DATA, RESULTS  # noqa: E402
-
-from quantspec.core.scheme import SCHEME_PRESETS  # noqa: E402
-from quantspec.data import calibration_samples, cached_token_ids, load_text  # noqa: E402
-from quantspec.data.calibration import documents_outside_draw  # noqa: E402
-from quantspec.data.tokens import encode_text  # noqa: E402
-from quantspec.eval.machine import describe_machine, machine_line  # noqa: E402
-from quantspec.eval.perplexity import window_starts  # noqa: E402
-from quantspec.formats import get_format  # noqa: E402
-from quantspec.models import load_dense, load_tokenizer  # noqa: E402
-from quantspec.models.source import dense_folder  # noqa: E402
-from quantspec.quant.arch_infer import get_arch  # noqa: E402
-from quantspec.quant.calibrate import run_blockwise  # noqa: E402
-from quantspec.quant.plan import make_plan  # noqa: E402
-from quantspec.quant.recipe import Recipe  # noqa: E402
-from quantspec.quant.registry import build_method  # noqa: E402
-
-SAMPLES, SEQLEN, VAL_FIRST_DOC = 64, 512, 1800
-C4 = DATA / "c4" / "c4-validation-2k.jsonl"
-DTYPES = ("float32", "bfloat16")
-
-
-def windows_of(ids: torch.Tensor, n: int) -> torch.Tensor:
-    starts = window_starts(ids.numel(), SEQLEN, SEQLEN, n)
-    if len(starts) < n:
-        raise SystemExit(f"the split holds {len(starts)} windows of {SEQLEN} tokens, not {n}")
-    return torch.stack([ids[s : s + SEQLEN] for s in starts])
-
-
-def load_data(model_dir: Path, seeds: list[int], windows: int) -> dict:
-    tok = load_tokenizer(model_dir)
-    docs = load_text(str(C4)).documents
-    lengths = [encode_text(tok, d).numel() for d in docs]
-    outside = set(range(VAL_FIRST_DOC, len(docs)))
-    for seed in seeds:
-        outside &= set(documents_outside_draw(lengths, SAMPLES, SEQLEN, seed))
-    val_text = "\n\n".join(docs[i] for i in sorted(outside))
-    wiki = cached_token_ids(tok, load_text(str(DATA / "wikitext2" / "wikitext-2-raw-v1.test.txt")))
-    return {"calib": {s: calibration_samples(tok, str(C4), SAMPLES, SEQLEN, seed=s) for s in seeds},
-            "val": windows_of(encode_text(tok, val_text), windows), "test": windows_of(wiki, windows),
-            "val_docs": len(outside)}
-
-
-def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, dtype: str) -> dict:
-    model, _, _ = load_dense(str(model_dir), dtype="float32")
-    scheme = {**SCHEME_PRESETS[config].to_dict(), "act_order": True, "static_groups": True}
-    recipe = Recipe.from_dict({"method": "gptq", "format": "compressed-tensors", "scheme": scheme,
-                               "gptq": {"hessian_dtype": dtype}})
-    plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
-    report: dict = {}
-    t0 = time.perf_counter()
-    run_blockwise(model, get_arch(model), calib, build_method(recipe), plan.quantize, progress=False, report=report)
-    seconds = round(time.perf_counter() - t0, 1)
-    used = {r.get("hessian_dtype") for r in report.values() if isinstance(r, dict)} - {None}
-    if used != {dtype}:
-        raise SystemExit(f"the run used Hessians in {used}, not {dtype}")
-    return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds}
-
-
-def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
-    lines = [f"# GPTQ Hessian products in float32 vs bfloat16 ({meta['model']})", "",
-             f"Command: `{meta['command']}`; raw: {path.name[:-3]}.json; {meta['machine']}, "
-             f"{meta['threads']} threads; {meta['when']}.", "",
-             "GPTQ weight-only, static act-order, float32 model, 64 C4 x 512 calibration per draw (the dtypes "
-             "interleaved within each draw). Validation: the first "
-             f"{meta['windows']} windows of 512 of the C4 documents from {VAL_FIRST_DOC} on outside every draw "
-             f"({meta['val_docs']} documents); test: wikitext2's first {meta['windows']} windows of 512, never used "
-             "to choose. Medians over the draws (each draw's value in parentheses).", "",
-             "| config | Hessian products | C4 val ppl | wikitext2 ppl | quantize s |", "|---|---|---|---|---|"]
-    for config in dict.fromkeys(r["config"] for r in rows):
-        for dtype in DTYPES:
-            sel = [r for r in rows if r["config"] == config and r["dtype"] == dtype]
-            if not sel:
-                continue
-
-            def cell(k, fmt="{:.3f}"):
-                vals = [r[k] for r in sel]
-                return fmt.format(statistics.median(vals)) + " (" + ", ".join(fmt.format(v) for v in vals) + ")"
-            lines.append(f"| {config} | {dtype} | {cell('val_ppl')} | {cell('test_ppl')} | {cell('seconds', '{:.1f}')} |")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="alias or local HF folder")
-    ap.add_argument("--configs", default="nvfp4,mxfp4", help="comma list of float presets (nvfp4, mxfp4, ...)")
-    ap.add_argument("--seeds", default="0,1,2", help="calibration draws")
-    ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--out", type=Path, default=None, help="result stem (default results/gptq-hessian-dtype-MODEL)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    model_dir = dense_folder(args.model)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    configs = args.configs.split(",")
-    for c in configs:
-        if c not in SCHEME_PRESETS:
-            raise SystemExit(f"unknown config {c!r}: use one of {sorted(SCHEME_PRESETS)}")
-    out = args.out or RESULTS / f"gptq-hessian-dtype-{Path(str(model_dir)).name}"
-    data = load_data(model_dir, seeds, args.windows)
-    meta = {"model": Path(str(model_dir)).name, "command": "python benchmarks/gptq_hessian_dtype.py " + shlex.join(sys.argv[1:]),
-            "machine": machine_line(describe_machine()), "threads": args.threads, "windows": args.windows, "val_docs": data["val_docs"],
-            "when": time.strftime("%Y-%m-%d")}
-    rows: list[dict] = []
-    for seed in seeds:
-        for config in configs:
-            for dtype in (DTYPES if seed % 2 == 0 else DTYPES[::-1]):  # alternate which runs first
-                row = {"config": config, "dtype": dtype, "seed": seed,
-                       **measure(model_dir, data["calib"][seed], data, config, dtype)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                # (not with_suffix: a model name like qwen2.5-coder-0.5b has a dot of its own)
-                Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-                write_md(Path(f"{out}.md"), meta, rows)
-
+from gptq_options import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(["--option", "hessian_dtype", "--values", "float32,bfloat16", *sys.argv[1:]], script="gptq_hessian_dtype.py")

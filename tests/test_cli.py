@@ -7,6 +7,7 @@ import json
 import pytest
 
 from quantspec.cli.main import main
+from quantspec.errors import QuantspecError
 
 from helpers import make_tiny_model
 
@@ -133,6 +134,18 @@ def test_awq_flags_reach_the_recipe():
     assert r.awq.clip is True and r.awq.duo_scaling is False and r.awq.save_scales == "s.safetensors"
     assert r.awq.search_dtype == "bfloat16" and r.awq.clip_min_gain == 0.0
     assert r.scheme == base.scheme and r.awq.grid == base.awq.grid
+
+
+def test_asymmetric_flag_reaches_gptq_options_and_is_refused_without_gptq():
+    from quantspec.cli.main import build_parser
+    from quantspec.cli.quantize import recipe_from_args
+
+    parse = build_parser().parse_args
+    assert recipe_from_args(parse(["quantize", "--method", "gptq"])).gptq.asymmetric is False
+    assert recipe_from_args(parse(["quantize", "--method", "gptq", "--scheme", "nvfp4", "--asymmetric"])).gptq.asymmetric is True
+    assert recipe_from_args(parse(["quantize", "--method", "awq+gptq", "--asymmetric"])).gptq.asymmetric is True
+    with pytest.raises(QuantspecError, match="--asymmetric is a GPTQ setting"):
+        recipe_from_args(parse(["quantize", "--method", "rtn", "--asymmetric"]))
 
 
 def test_no_act_order_alone_turns_static_groups_off_and_experts_flag_reaches_the_recipe():

@@ -35,7 +35,8 @@ from .distributed import Reducer
 from .fused_scales import block_global_scales
 from .heap import available_memory_bytes
 from ..kernels.cpu_ext import cpu_has_native_bf16
-from .gptq import accumulate_hessian, gptq_quantize_with_values, make_empty_hessian
+from .gptq import accumulate_hessian, asymmetric_target, gptq_quantize_with_values, make_empty_hessian
+from .hessian import cross_term
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
 from .rtn import rtn
@@ -149,6 +150,19 @@ class GPTQMethod(BlockMethod):
         self._gscales: dict[str, torch.Tensor] = {}  # the block's NVFP4 global scales (fused_scales.py)
         self._limit: float | None = None  # single_pass_limit, fixed at the first block of a run
         self._bf16: bool | None = None  # hessian_bf16, fixed at the first block of a run
+        # asymmetric: the float model's hidden states entering block _fp_next (None: none yet;
+        # block 0's inputs are the float model's)
+        self._fp_stream: torch.Tensor | None = None
+        self._fp_next = 0
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        if self._fp_stream is None:
+            return {}
+        return {"fp_stream": self._fp_stream, "fp_next": torch.tensor(self._fp_next)}
+
+    def restore_carry(self, state: dict[str, torch.Tensor]) -> None:
+        self._fp_stream = state.get("fp_stream")
+        self._fp_next = int(state["fp_next"]) if "fp_next" in state else 0
 
     def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
         """Whether the single pass applies (the same answer in every process)."""
@@ -173,9 +187,35 @@ class GPTQMethod(BlockMethod):
             self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))
         return self._batches[key]
 
-    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer) -> BlockOutput:
+    def _float_pass(self, block, inputs, kwargs, modules, index: int) -> tuple[dict[str, torch.Tensor], bool]:
+        """Asymmetric calibration: run the block with its float weights on the float model's
+        hidden states; returns each planned Linear's input there (its first call) and whether
+        the float stream restarted here, and keeps the block's output as the next block's
+        float stream. The stream restarts from the quantized model's inputs where the block
+        before had nothing planned (the engine, not the method, ran it)."""
+        follows = self._fp_stream is not None and self._fp_next == index
+        fp_in = self._fp_stream.to(inputs.device) if follows else inputs
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(name: str):
+            def pre(mod, args):
+                seen.setdefault(name, args[0])
+
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+        try:
+            self._fp_stream = block_outputs(block, fp_in, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        self._fp_next = index + 1
+        return seen, not follows and index > 0
+
+    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer, index) -> BlockOutput:
         results: dict[str, QuantResult] = {}
-        last: list = [None, None, 0]  # (input tensor, its Hessian, rows): kept alive, shared by q/k/v
+        last: list = [None, None, 0, None]  # (input, its Hessian, rows, cross term): kept alive, shared by q/k/v
+        fp_inputs, restarted = self._float_pass(block, inputs, kwargs, modules, index) if self.options.asymmetric else ({}, False)
 
         def hook(name: str):
             def pre(mod, args):
@@ -188,7 +228,16 @@ class GPTQMethod(BlockMethod):
                         check_finite(x, block_name, f"the input of {name}")
                     last[0] = x
                     last[1], last[2] = reducer.hessian(H, x.numel() // max(x.shape[-1], 1))
-                results[name] = self._quantize(name, mod, last[1], plan[name], last[2])
+                    xf = fp_inputs.get(name)
+                    last[3] = cross_term(xf, x) if xf is not None and xf.shape == x.shape else None
+                cross = last[3] if self.options.asymmetric else None
+                results[name] = self._quantize(name, mod, last[1], plan[name], last[2], cross)
+                if self.options.asymmetric and cross is None:
+                    self.info[name]["asymmetric"] = (
+                        "off: the float and quantized forwards gave it different rows (routing)"
+                        if name in fp_inputs else "off: the float forward did not call it")
+                elif restarted:
+                    self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
 
             return pre
 
@@ -213,10 +262,18 @@ class GPTQMethod(BlockMethod):
         self._gscales = block_global_scales(block, block_name, plan, ctx.arch)  # NVFP4: one per fused siblings
         if self._bf16 is None:
             self._bf16 = hessian_bf16(self.options, inputs.device)
+        if self.options.asymmetric and ctx.reducer.active:
+            raise QuantspecError("gptq.asymmetric does not split its calibration across processes.",
+                                 "run it in one process (without torchrun), or drop gptq.asymmetric.")
         results: dict[str, QuantResult] = {}
         try:
             if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
-                return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer)
+                return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer, ctx.index)
+            if self.options.asymmetric:
+                raise QuantspecError(
+                    f"gptq.asymmetric needs the single pass, and {block_name} takes the per-group path "
+                    f"(its activations exceed gptq.single_pass_gb, or the block does not batch).",
+                    "raise gptq.single_pass_gb (or give fewer calibration samples), or drop gptq.asymmetric.")
             for group in block_groups(block, block_name, plan, ctx.arch):
                 rows: dict[str, int] = {}
                 hessians = collect_hessians(
@@ -234,7 +291,8 @@ class GPTQMethod(BlockMethod):
                     modules[n].weight.copy_(w)
         return BlockOutput(results, self.info)
 
-    def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int) -> QuantResult:
+    def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int,
+                  cross: torch.Tensor | None = None) -> QuantResult:
         t0 = time.perf_counter()
         gscale = self._gscales.get(name)
         if rows < self.options.min_rows:  # e.g. a MoE expert the router sent no token
@@ -245,8 +303,9 @@ class GPTQMethod(BlockMethod):
                                            f"{self.options.min_rows}", "seconds": time.perf_counter() - t0}
             return res
         try:
+            target = mod.weight if cross is None else asymmetric_target(mod.weight, H, cross, self.options.damp_percent)
             res, deq, info = gptq_quantize_with_values(
-                mod.weight, H, scheme,
+                target, H, scheme,
                 damp_percent=self.options.damp_percent,
                 block_size=self.options.block_size,
                 scale_dtype=self.scale_dtype,
@@ -258,6 +317,7 @@ class GPTQMethod(BlockMethod):
         with torch.no_grad():
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
         self.info[name] = {**info, "hessian_dtype": "bfloat16" if self._bf16 else "float32",
+                           **({"asymmetric": "on"} if cross is not None else {}),
                            "seconds": time.perf_counter() - t0}
         return res
 

@@ -29,6 +29,7 @@ from ..core.scheme import QuantResult, QuantScheme
 
 __all__ = [
     "accumulate_hessian",
+    "asymmetric_target",
     "make_empty_hessian",
     "gptq_quantize",
     "inverse_hessian_factor",
@@ -82,6 +83,27 @@ def inverse_hessian_factor(
         f"the GPTQ Hessian is not positive definite even with damp_percent={damp / 10:g}.",
         "use more calibration samples, or a larger gptq.damp_percent.",
     )
+
+
+def asymmetric_target(
+    weight: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp_percent: float
+) -> torch.Tensor:
+    """The fp32 [N, K] weight whose GPTQ rounding minimizes the asymmetric objective
+    ``||W X - Q Xq||^2 + damp ||Q - W||^2`` (X: the Linear's inputs in the float model, Xq: in
+    the model quantized so far; the idea of GPTAQ, Li et al. 2025, arXiv 2504.02692).
+
+    With ``H = 2/n Xq Xq^T``, ``C = 2/n (X - Xq) Xq^T`` (``hessian.cross_term``) and Hd = H
+    damped as GPTQ damps it, the objective's minimizer is ``W* = W + W C Hd^-1``, and for any Q
+    the objective equals ``tr((W* - Q) Hd (W* - Q)^T)`` plus a constant, which is what GPTQ
+    minimizes when it rounds W* under Hd. Dead inputs (``H[k, k] == 0``) are treated as GPTQ
+    treats them (their column is zero)."""
+    W = weight.detach().to(torch.float32).clone()
+    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    U, _, _ = inverse_hessian_factor(H, damp_percent)  # Hd^-1 = U^T U
+    return W + ((W @ C.to(device=W.device, dtype=torch.float32)) @ U.t()) @ U
 
 
 def _group_starts(k: int, glen: int, block_size: int, dynamic_groups: bool) -> list[int]:

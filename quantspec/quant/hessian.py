@@ -50,6 +50,16 @@ def gram_bf16(x: torch.Tensor, chunk_rows: int = BF16_CHUNK_ROWS) -> torch.Tenso
     return out
 
 
+def cross_term(x_fp: torch.Tensor, x_q: torch.Tensor) -> torch.Tensor:
+    """``2/n * (X - Xq)^T Xq`` (fp32 [K, K]) over the n rows of a Linear's float-model inputs
+    ``x_fp`` and quantized-model inputs ``x_q`` ([..., K], the same rows in the same order): the
+    term by which asymmetric calibration (``gptq.asymmetric_target``) moves the weight that GPTQ
+    rounds. Scaled as ``accumulate_hessian``'s H of the same rows."""
+    xq = x_q.reshape(-1, x_q.shape[-1]).to(torch.float32)
+    delta = x_fp.reshape(-1, x_fp.shape[-1]).to(device=xq.device, dtype=torch.float32) - xq
+    return (delta.t() @ xq).mul_(2.0 / max(xq.shape[0], 1))
+
+
 def make_empty_hessian(in_features: int, device: torch.device | str | None = None) -> torch.Tensor:
     """fp32 [K, K] zeros."""
     return torch.zeros(in_features, in_features, dtype=torch.float32, device=device)

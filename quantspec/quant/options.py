@@ -68,8 +68,17 @@ class GPTQOptions:
     # "bfloat16" rounds the inputs to bf16 (2.3x faster on a CPU with native bf16 dot products),
     # "auto" takes it there (block_methods.hessian_bf16) and "float32" everywhere else
     hessian_dtype: str = "auto"
+    # asymmetric calibration (GPTAQ's objective, gptq.asymmetric_target): each Linear's rounding
+    # aims at the float model's output on the float model's inputs, ||W X - Q Xq||, instead of
+    # its own weight on the quantized model's inputs, ||(W - Q) Xq||, so a layer also corrects
+    # the error the quantized layers before it left in its input. Costs one more float forward
+    # of each block and one more K x K product per Linear input; the single pass only
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.asymmetric, bool):
+            raise QuantspecError(f"gptq.asymmetric={self.asymmetric!r} is not true or false.",
+                                 "use true (asymmetric calibration) or false (GPTQ's own objective).")
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise QuantspecError(f"gptq.hessian_dtype={self.hessian_dtype!r} is not one of {', '.join(HESSIAN_DTYPES)}.",
                                  "use auto, float32 or bfloat16.")

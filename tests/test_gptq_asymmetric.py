@@ -1,0 +1,163 @@
+"""Asymmetric calibration (``gptq.asymmetric``): GPTQ rounds the weight that minimizes
+||W X - Q Xq|| (float inputs X, quantized-model inputs Xq) instead of W itself."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from quantspec.core.scheme import QuantScheme
+from quantspec.errors import QuantspecError
+from quantspec.quant.arch import block_linears
+from quantspec.quant.arch_infer import get_arch
+from quantspec.quant.block_methods import GPTQMethod
+from quantspec.quant.block_ops import block_forward
+from quantspec.quant.calibrate import run_blockwise
+from quantspec.quant.capture import capture_inputs
+from quantspec.quant.gptq import asymmetric_target
+from quantspec.quant.hessian import accumulate_hessian, cross_term, make_empty_hessian
+from quantspec.quant.recipe import GPTQOptions
+
+from helpers import tiny_model
+
+SCHEME = QuantScheme(bits=3, group_size=32)
+SMALL = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_llama(layers: int = 3):
+    return tiny_model("llama", num_hidden_layers=layers, **SMALL)
+
+
+def calib(n: int = 6, L: int = 24) -> torch.Tensor:
+    return torch.randint(0, 128, (n, L), generator=torch.Generator().manual_seed(1))
+
+
+def _objective(W, Q, x, xq, lam):
+    """(2/T) ||x W^T - xq Q^T||^2 + lam ||Q - W||^2, fp64."""
+    T = x.shape[0]
+    return (2.0 / T) * (x @ W.T - xq @ Q.T).pow(2).sum() + lam * (Q - W).pow(2).sum()
+
+
+def test_asymmetric_target_minimizes_the_damped_objective():
+    g = torch.Generator().manual_seed(0)
+    T, K, N, damp = 300, 24, 16, 0.01
+    x = torch.randn(T, K, generator=g, dtype=torch.float64)
+    xq = x + 0.3 * torch.randn(T, K, generator=g, dtype=torch.float64)
+    W = torch.randn(N, K, generator=g, dtype=torch.float64)
+    H, _ = accumulate_hessian(make_empty_hessian(K), xq.float(), 0)
+    C = cross_term(x.float(), xq.float())
+    torch.testing.assert_close(C.double(), (2.0 / T) * (x - xq).T @ xq, rtol=1e-5, atol=1e-5)
+    Wstar = asymmetric_target(W.float(), H, C, damp).double()
+
+    Hd = (2.0 / T) * xq.T @ xq
+    lam = damp * Hd.diagonal().mean()
+    exact = ((2.0 / T) * W @ x.T @ xq + lam * W) @ torch.linalg.inv(Hd + lam * torch.eye(K, dtype=torch.float64))
+    torch.testing.assert_close(Wstar, exact, rtol=1e-4, atol=1e-4)
+    # for any Q the objective is tr((W* - Q) Hd (W* - Q)^T) plus a constant: GPTQ's own objective on W*
+    base = _objective(W, exact, x, xq, lam)
+    Hdamped = Hd + lam * torch.eye(K, dtype=torch.float64)
+    for _ in range(3):
+        Q = exact + 0.5 * torch.randn(N, K, generator=g, dtype=torch.float64)
+        D = exact - Q
+        torch.testing.assert_close(_objective(W, Q, x, xq, lam) - base, ((D @ Hdamped) * D).sum(), rtol=1e-8, atol=1e-8)
+
+
+def test_equal_inputs_leave_the_weight_unchanged():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 12, generator=g)
+    x[:, 3] = 0  # a dead input: its column is zero, as GPTQ makes it
+    W = torch.randn(5, 12, generator=g)
+    H, _ = accumulate_hessian(make_empty_hessian(12), x, 0)
+    Wstar = asymmetric_target(W, H, cross_term(x, x), 0.01)
+    expected = W.clone()
+    expected[:, 3] = 0
+    assert torch.equal(Wstar, expected)
+
+
+def _run(model, options, plan=None, **kw):
+    arch = get_arch(model)
+    plan = plan if plan is not None else {n: SCHEME for n in block_linears(model, arch)}
+    report: dict = {}
+    res = run_blockwise(model, arch, calib(), GPTQMethod(options), plan, progress=False, report=report, **kw)
+    return res, report
+
+
+def _final_error(base, quantized, ids) -> float:
+    """Relative error of the last block's output of ``quantized`` against the float ``base``."""
+    arch = get_arch(base)
+    with torch.no_grad():
+        outs = []
+        for m in (base, quantized):
+            h, kwargs = capture_inputs(m, arch, ids, torch.device("cpu"))
+            for i, block in enumerate(arch.block_list(m)):
+                h = block_forward(block, h, kwargs[i])
+            outs.append(h)
+    return float((outs[1] - outs[0]).norm() / outs[0].norm())
+
+
+def test_asymmetric_gptq_reports_and_lowers_the_model_error():
+    base = tiny_llama()
+    opts = GPTQOptions(block_size=16, hessian_dtype="float32")
+    plain_model, asym_model = copy.deepcopy(base), copy.deepcopy(base)
+    plain, plain_report = _run(plain_model, opts)
+    asym, report = _run(asym_model, GPTQOptions(block_size=16, hessian_dtype="float32", asymmetric=True))
+    assert all(report[n]["asymmetric"] == "on" for n in asym), report
+    assert all("asymmetric" not in plain_report[n] for n in plain)
+    # block 0's q/k/v read the embeddings, the same in both models: nothing to correct
+    for n in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"):
+        assert plain[n].equal(asym[n]), n
+    assert not plain["model.layers.0.self_attn.o_proj"].equal(asym["model.layers.0.self_attn.o_proj"])
+    # on the calibration tokens (what both minimize; a model this small overfits 144 rows, so
+    # held-out text is the real-model benchmark's job: benchmarks/gptq_asymmetric.py)
+    e_plain, e_asym = _final_error(base, plain_model, calib()), _final_error(base, asym_model, calib())
+    assert e_asym < 0.5 * e_plain, (e_asym, e_plain)
+
+
+def test_a_block_with_nothing_planned_restarts_the_float_stream():
+    base = tiny_llama()
+    arch = get_arch(base)
+    plan = {n: SCHEME for n in block_linears(base, arch) if not n.startswith("model.layers.1.")}
+    _, report = _run(base, GPTQOptions(asymmetric=True), plan)
+    assert report["model.layers.0.mlp.down_proj"]["asymmetric"] == "on"
+    assert report["model.layers.2.mlp.down_proj"]["asymmetric"].startswith("on, from this block's quantized inputs")
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _raise(*_):
+    raise _Interrupt
+
+
+def test_resume_carries_the_float_stream(tmp_path):
+    base = tiny_llama()
+    opts = GPTQOptions(block_size=16, asymmetric=True)
+    clean, _ = _run(copy.deepcopy(base), opts)
+    interrupted = copy.deepcopy(base)
+    interrupted.model.layers[2].register_forward_pre_hook(_raise)  # dies inside block 2
+    with pytest.raises(_Interrupt):
+        _run(interrupted, opts, resume_dir=tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["done"] == 2
+    resumed, report = _run(copy.deepcopy(base), opts, resume_dir=tmp_path)
+    for name in clean:
+        assert clean[name].equal(resumed[name]), name
+    assert report["model.layers.2.mlp.down_proj"]["asymmetric"] == "on"
+
+
+def test_asymmetric_refuses_the_per_group_path_and_bad_values():
+    with pytest.raises(QuantspecError, match="gptq.asymmetric needs the single pass"):
+        _run(tiny_llama(), GPTQOptions(single_pass_gb=0, asymmetric=True))
+    with pytest.raises(QuantspecError, match="gptq.asymmetric="):
+        GPTQOptions(asymmetric="yes")
