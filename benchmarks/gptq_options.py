@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -32,7 +33,7 @@ sys.path.insert(0, str(HERE / "peers"))
 from peer_common import perplexity  # noqa: E402
 from quant_peers import DATA, RESULTS  # noqa: E402
 
-from quantspec.core.scheme import SCHEME_PRESETS  # noqa: E402
+from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme  # noqa: E402
 from quantspec.data import calibration_samples, cached_token_ids, load_text  # noqa: E402
 from quantspec.data.calibration import documents_outside_draw  # noqa: E402
 from quantspec.data.tokens import encode_text  # noqa: E402
@@ -88,9 +89,22 @@ def load_data(model_dir: Path, seeds: list[int], windows: int) -> dict:
             "val_docs": len(outside)}
 
 
+def scheme_of(config: str) -> dict:
+    """A float preset (nvfp4, mxfp4, ...) or an integer ``wNgM`` (symmetric, as gptq-w4g128), with
+    static act-order."""
+    m = re.fullmatch(r"w(\d)g(\d+|-1)", config)
+    if config in SCHEME_PRESETS:
+        base = SCHEME_PRESETS[config].to_dict()
+    elif m:
+        base = QuantScheme(bits=int(m[1]), group_size=int(m[2])).to_dict()
+    else:
+        raise SystemExit(f"unknown config {config!r}: use one of {sorted(SCHEME_PRESETS)} or wNgM (w4g128)")
+    return {**base, "act_order": True, "static_groups": True}
+
+
 def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, option: str, value) -> dict:
     model, _, _ = load_dense(str(model_dir), dtype="float32")
-    scheme = {**SCHEME_PRESETS[config].to_dict(), "act_order": True, "static_groups": True}
+    scheme = scheme_of(config)
     recipe = Recipe.from_dict({"method": "gptq", "format": "compressed-tensors", "scheme": scheme,
                                "gptq": {option: value}})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
@@ -147,8 +161,7 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = args.configs.split(",")
     for c in configs:
-        if c not in SCHEME_PRESETS:
-            raise SystemExit(f"unknown config {c!r}: use one of {sorted(SCHEME_PRESETS)}")
+        scheme_of(c)
     out = args.out or RESULTS / f"{stem.format(option=args.option.replace('_', '-'))}-{Path(str(model_dir)).name}"
     data = load_data(model_dir, seeds, args.windows)
     meta = {"model": Path(str(model_dir)).name, "command": f"python benchmarks/{script} " + shlex.join(sys.argv[1:]),

@@ -55,12 +55,14 @@ DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"
 # tool -> (its venv in tests/interop/venvs.py, or None for ours; runner; extra environment)
 TOOLS = {
     "ours": (None, "ours.py", {}),
+    "ours-asym": (None, "ours.py", {}),  # GPTQ with gptq.asymmetric (TOOL_ARGS)
     "llmc": ("llmcompressor", "llmc.py", {}),
     "gptqmodel": ("gptqmodel", "gptqmodel_gptq.py", {"GPTQMODEL_CPU_WORKERS": "2"}),
 }
+TOOL_ARGS = {"ours-asym": ["--asymmetric"]}
 # method -> tools that run it, and each tool's default act-order (GPTQ only)
 METHODS = {
-    "gptq": {"ours": "static", "llmc": "static", "gptqmodel": "default"},
+    "gptq": {"ours": "static", "ours-asym": "static", "llmc": "static", "gptqmodel": "default"},
     "awq": {"ours": None, "llmc": None},
     "smoothquant": {"ours": None, "llmc": None},
     "rtn": {"ours": None, "llmc": None},
@@ -113,6 +115,7 @@ def run_tool(tool: str, method: str, model_dir: Path, data: Path, config: str, l
         cmd += ["--actorder", actorder]
     if method == "awq":
         cmd += ["--asym"]
+    cmd += TOOL_ARGS.get(tool, [])
     env = {**os.environ, **env, "PYTHONPATH": str(HERE / "peers"), "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=data.parent)  # peers write logs/ there

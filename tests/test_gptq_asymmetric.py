@@ -18,13 +18,14 @@ from quantspec.quant.block_ops import block_forward
 from quantspec.quant.calibrate import run_blockwise
 from quantspec.quant.capture import capture_inputs
 from quantspec.quant.gptq import asymmetric_target
-from quantspec.quant.hessian import accumulate_hessian, cross_term, make_empty_hessian
+from quantspec.quant.hessian import accumulate_hessian, cross_term, make_empty_hessian, weight_cross_term
 from quantspec.quant.recipe import GPTQOptions
 
 from helpers import tiny_model
 
 SCHEME = QuantScheme(bits=3, group_size=32)
-SMALL = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=64)
+# intermediate 160 > 2 x hidden 64: down_proj takes weight_cross_term, the others cross_term
+SMALL = dict(vocab_size=128, intermediate_size=160, max_position_embeddings=64)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,7 +59,7 @@ def test_asymmetric_target_minimizes_the_damped_objective():
     H, _ = accumulate_hessian(make_empty_hessian(K), xq.float(), 0)
     C = cross_term(x.float(), xq.float())
     torch.testing.assert_close(C.double(), (2.0 / T) * (x - xq).T @ xq, rtol=1e-5, atol=1e-5)
-    Wstar = asymmetric_target(W.float(), H, C, damp).double()
+    Wstar = asymmetric_target(W.float(), H, W.float() @ C, damp).double()
 
     Hd = (2.0 / T) * xq.T @ xq
     lam = damp * Hd.diagonal().mean()
@@ -73,13 +74,39 @@ def test_asymmetric_target_minimizes_the_damped_objective():
         torch.testing.assert_close(_objective(W, Q, x, xq, lam) - base, ((D @ Hdamped) * D).sum(), rtol=1e-8, atol=1e-8)
 
 
+def test_bf16_cross_term_is_that_of_the_bf16_rounded_operands():
+    g = torch.Generator().manual_seed(3)
+    xq = torch.randn(3000, 96, generator=g)
+    x = xq + 0.05 * torch.randn(3000, 96, generator=g)
+    d = (x - xq).to(torch.bfloat16).double()
+    exact = (2.0 / 3000) * d.t() @ xq.to(torch.bfloat16).double()
+    fast = cross_term(x, xq, bf16=True, chunk_rows=500)
+    err = float((fast.double() - exact).norm() / exact.norm())
+    assert fast.dtype == torch.float32 and err < 2e-3, err
+    # and the rounding is all it changes: fp32 lies within bf16's rounding of the operands
+    full = cross_term(x, xq).double()
+    assert float((fast.double() - full).norm() / full.norm()) < 2e-2
+
+
+def test_weight_cross_term_is_w_times_the_cross_term():
+    g = torch.Generator().manual_seed(4)
+    xq = torch.randn(2000, 160, generator=g)
+    x = xq + 0.1 * torch.randn(2000, 160, generator=g)
+    W = torch.randn(40, 160, generator=g)
+    exact = W.double() @ ((2.0 / 2000) * (x - xq).double().t() @ xq.double())
+    rel = lambda a: float((a.double() - exact).norm() / exact.norm())  # noqa: E731
+    assert rel(weight_cross_term(W, x, xq)) < 1e-5
+    assert rel(W @ cross_term(x, xq)) < 1e-5
+    assert rel(weight_cross_term(W, x, xq, bf16=True, chunk_rows=700)) < 2e-2  # bf16 operands
+
+
 def test_equal_inputs_leave_the_weight_unchanged():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(50, 12, generator=g)
     x[:, 3] = 0  # a dead input: its column is zero, as GPTQ makes it
     W = torch.randn(5, 12, generator=g)
     H, _ = accumulate_hessian(make_empty_hessian(12), x, 0)
-    Wstar = asymmetric_target(W, H, cross_term(x, x), 0.01)
+    Wstar = asymmetric_target(W, H, W @ cross_term(x, x), 0.01)
     expected = W.clone()
     expected[:, 3] = 0
     assert torch.equal(Wstar, expected)
@@ -106,12 +133,21 @@ def _final_error(base, quantized, ids) -> float:
     return float((outs[1] - outs[0]).norm() / outs[0].norm())
 
 
-def test_asymmetric_gptq_reports_and_lowers_the_model_error():
+def test_asymmetric_gptq_reports_and_lowers_the_model_error(monkeypatch):
+    import quantspec.quant.block_methods as bm
+
+    wide: list[tuple] = []
+    real = bm.weight_cross_term
+    monkeypatch.setattr(bm, "weight_cross_term", lambda w, *a: wide.append(tuple(w.shape)) or real(w, *a))
     base = tiny_llama()
     opts = GPTQOptions(block_size=16, hessian_dtype="float32")
     plain_model, asym_model = copy.deepcopy(base), copy.deepcopy(base)
     plain, plain_report = _run(plain_model, opts)
-    asym, report = _run(asym_model, GPTQOptions(block_size=16, hessian_dtype="float32", asymmetric=True))
+    # the whole correction (alpha 1) and no bound: the objective as derived
+    full = GPTQOptions(block_size=16, hessian_dtype="float32", asymmetric=True, asymmetric_alpha=1.0,
+                       asymmetric_max_shift=1e9)
+    asym, report = _run(asym_model, full)
+    assert wide == [(64, 160)] * 3  # the down_projs
     assert all(report[n]["asymmetric"] == "on" for n in asym), report
     assert all("asymmetric" not in plain_report[n] for n in plain)
     # block 0's q/k/v read the embeddings, the same in both models: nothing to correct
@@ -124,11 +160,27 @@ def test_asymmetric_gptq_reports_and_lowers_the_model_error():
     assert e_asym < 0.5 * e_plain, (e_asym, e_plain)
 
 
+def test_a_correction_beyond_max_shift_keeps_gptqs_target():
+    base = tiny_llama()
+    plain, _ = _run(copy.deepcopy(base), GPTQOptions(block_size=16))
+    bounded, report = _run(copy.deepcopy(base), GPTQOptions(block_size=16, asymmetric=True, asymmetric_max_shift=1e-9))
+    for name in plain:
+        assert plain[name].equal(bounded[name]), name
+    o = report["model.layers.1.self_attn.o_proj"]
+    assert o["asymmetric"].startswith("off: the correction would move the weight by") and o["asymmetric_shift"] > 1e-9
+    # at the default alpha the correction is a quarter of the full one
+    _, quarter = _run(copy.deepcopy(base), GPTQOptions(block_size=16, asymmetric=True, asymmetric_max_shift=1e9))
+    _, whole = _run(copy.deepcopy(base), GPTQOptions(block_size=16, asymmetric=True, asymmetric_alpha=1.0,
+                                                     asymmetric_max_shift=1e9))
+    n = "model.layers.0.self_attn.o_proj"  # the first layer whose inputs (hence H and C) are the same in both runs
+    assert quarter[n]["asymmetric_shift"] == pytest.approx(whole[n]["asymmetric_shift"] / 4, rel=1e-4)
+
+
 def test_a_block_with_nothing_planned_restarts_the_float_stream():
     base = tiny_llama()
     arch = get_arch(base)
     plan = {n: SCHEME for n in block_linears(base, arch) if not n.startswith("model.layers.1.")}
-    _, report = _run(base, GPTQOptions(asymmetric=True), plan)
+    _, report = _run(base, GPTQOptions(asymmetric=True, asymmetric_max_shift=1e9), plan)
     assert report["model.layers.0.mlp.down_proj"]["asymmetric"] == "on"
     assert report["model.layers.2.mlp.down_proj"]["asymmetric"].startswith("on, from this block's quantized inputs")
 
@@ -143,7 +195,7 @@ def _raise(*_):
 
 def test_resume_carries_the_float_stream(tmp_path):
     base = tiny_llama()
-    opts = GPTQOptions(block_size=16, asymmetric=True)
+    opts = GPTQOptions(block_size=16, asymmetric=True, asymmetric_max_shift=1e9)
     clean, _ = _run(copy.deepcopy(base), opts)
     interrupted = copy.deepcopy(base)
     interrupted.model.layers[2].register_forward_pre_hook(_raise)  # dies inside block 2
@@ -161,3 +213,7 @@ def test_asymmetric_refuses_the_per_group_path_and_bad_values():
         _run(tiny_llama(), GPTQOptions(single_pass_gb=0, asymmetric=True))
     with pytest.raises(QuantspecError, match="gptq.asymmetric="):
         GPTQOptions(asymmetric="yes")
+    with pytest.raises(QuantspecError, match="gptq.asymmetric_alpha="):
+        GPTQOptions(asymmetric_alpha=0)
+    with pytest.raises(QuantspecError, match="gptq.asymmetric_max_shift="):
+        GPTQOptions(asymmetric_max_shift=-1)

@@ -36,7 +36,7 @@ from .fused_scales import block_global_scales
 from .heap import available_memory_bytes
 from ..kernels.cpu_ext import cpu_has_native_bf16
 from .gptq import accumulate_hessian, asymmetric_target, gptq_quantize_with_values, make_empty_hessian
-from .hessian import cross_term
+from .hessian import cross_term, weight_cross_term
 from .method import BlockContext, BlockMethod, BlockOutput
 from .options import GPTQOptions
 from .rtn import rtn
@@ -228,9 +228,16 @@ class GPTQMethod(BlockMethod):
                         check_finite(x, block_name, f"the input of {name}")
                     last[0] = x
                     last[1], last[2] = reducer.hessian(H, x.numel() // max(x.shape[-1], 1))
-                    xf = fp_inputs.get(name)
-                    last[3] = cross_term(xf, x) if xf is not None and xf.shape == x.shape else None
-                cross = last[3] if self.options.asymmetric else None
+                    last[3] = None  # the cross term, computed for the first Linear that needs it
+                xf = fp_inputs.get(name)
+                cross = None
+                if xf is not None and xf.shape == x.shape:
+                    if 2 * mod.out_features < x.shape[-1]:  # W C directly: cheaper than C for a wide K
+                        cross = weight_cross_term(mod.weight, xf, x, self._bf16)
+                    else:
+                        if last[3] is None:
+                            last[3] = cross_term(xf, x, self._bf16)
+                        cross = mod.weight.detach().float() @ last[3]
                 results[name] = self._quantize(name, mod, last[1], plan[name], last[2], cross)
                 if self.options.asymmetric and cross is None:
                     self.info[name]["asymmetric"] = (
@@ -293,6 +300,8 @@ class GPTQMethod(BlockMethod):
 
     def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int,
                   cross: torch.Tensor | None = None) -> QuantResult:
+        """GPTQ of ``mod`` under ``H``; ``cross`` (asymmetric): W C, which moves the weight rounded
+        (``gptq.asymmetric_target``)."""
         t0 = time.perf_counter()
         gscale = self._gscales.get(name)
         if rows < self.options.min_rows:  # e.g. a MoE expert the router sent no token
@@ -303,7 +312,12 @@ class GPTQMethod(BlockMethod):
                                            f"{self.options.min_rows}", "seconds": time.perf_counter() - t0}
             return res
         try:
-            target = mod.weight if cross is None else asymmetric_target(mod.weight, H, cross, self.options.damp_percent)
+            target, shift = mod.weight, None
+            if cross is not None:
+                target = asymmetric_target(mod.weight, H, cross * self.options.asymmetric_alpha, self.options.damp_percent)
+                shift = float((target - mod.weight.float()).norm() / mod.weight.float().norm().clamp(min=1e-30))
+                if shift > self.options.asymmetric_max_shift:
+                    target = mod.weight
             res, deq, info = gptq_quantize_with_values(
                 target, H, scheme,
                 damp_percent=self.options.damp_percent,
@@ -317,7 +331,9 @@ class GPTQMethod(BlockMethod):
         with torch.no_grad():
             mod.weight.copy_(res.dequantize(mod.weight.dtype).to(mod.weight.device))
         self.info[name] = {**info, "hessian_dtype": "bfloat16" if self._bf16 else "float32",
-                           **({"asymmetric": "on"} if cross is not None else {}),
+                           **({} if shift is None else {"asymmetric_shift": shift, "asymmetric": "on" if target is not mod.weight else
+                                  f"off: the correction would move the weight by {shift:.3g} of its norm "
+                                  f"(gptq.asymmetric_max_shift={self.options.asymmetric_max_shift:g})"}),
                            "seconds": time.perf_counter() - t0}
         return res
 

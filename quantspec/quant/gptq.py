@@ -86,7 +86,7 @@ def inverse_hessian_factor(
 
 
 def asymmetric_target(
-    weight: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp_percent: float
+    weight: torch.Tensor, H: torch.Tensor, WC: torch.Tensor, damp_percent: float
 ) -> torch.Tensor:
     """The fp32 [N, K] weight whose GPTQ rounding minimizes the asymmetric objective
     ``||W X - Q Xq||^2 + damp ||Q - W||^2`` (X: the Linear's inputs in the float model, Xq: in
@@ -95,15 +95,18 @@ def asymmetric_target(
     With ``H = 2/n Xq Xq^T``, ``C = 2/n (X - Xq) Xq^T`` (``hessian.cross_term``) and Hd = H
     damped as GPTQ damps it, the objective's minimizer is ``W* = W + W C Hd^-1``, and for any Q
     the objective equals ``tr((W* - Q) Hd (W* - Q)^T)`` plus a constant, which is what GPTQ
-    minimizes when it rounds W* under Hd. Dead inputs (``H[k, k] == 0``) are treated as GPTQ
-    treats them (their column is zero)."""
+    minimizes when it rounds W* under Hd. ``WC``: the fp32 [N, K] product ``W C``
+    (``W @ cross_term`` or ``hessian.weight_cross_term``). Dead inputs (``H[k, k] == 0``) are
+    treated as GPTQ treats them (their column is zero)."""
     W = weight.detach().to(torch.float32).clone()
     H = H.detach().to(device=W.device, dtype=torch.float32).clone()
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     U, _, _ = inverse_hessian_factor(H, damp_percent)  # Hd^-1 = U^T U
-    return W + ((W @ C.to(device=W.device, dtype=torch.float32)) @ U.t()) @ U
+    WC = WC.to(device=W.device, dtype=torch.float32).clone()
+    WC[:, dead] = 0.0  # an input GPTQ treats as dead adds nothing
+    return W + (WC @ U.t()) @ U
 
 
 def _group_starts(k: int, glen: int, block_size: int, dynamic_groups: bool) -> list[int]:

@@ -72,10 +72,24 @@ class GPTQOptions:
     # aims at the float model's output on the float model's inputs, ||W X - Q Xq||, instead of
     # its own weight on the quantized model's inputs, ||(W - Q) Xq||, so a layer also corrects
     # the error the quantized layers before it left in its input. Costs one more float forward
-    # of each block and one more K x K product per Linear input; the single pass only
+    # of each block and one more K x K product per Linear input (in hessian_dtype); the single
+    # pass only
     asymmetric: bool = False
+    # the share of the asymmetric correction applied (W + alpha * W C Hd^-1): the full one
+    # (1) overshoots where the quantized inputs have little variance (GPTAQ's code uses 0.25)
+    asymmetric_alpha: float = 0.25
+    # a layer whose corrected weight would move by more than this share of its norm keeps GPTQ's
+    # own target (reported): there the quantized inputs lack variance the float ones have, and
+    # the correction blows up instead of compensating
+    asymmetric_max_shift: float = 0.5
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.asymmetric_alpha, (int, float)) and 0 < self.asymmetric_alpha <= 1):
+            raise QuantspecError(f"gptq.asymmetric_alpha={self.asymmetric_alpha!r} is not in (0, 1].",
+                                 "use e.g. 0.25.")
+        if not (isinstance(self.asymmetric_max_shift, (int, float)) and self.asymmetric_max_shift > 0):
+            raise QuantspecError(f"gptq.asymmetric_max_shift={self.asymmetric_max_shift!r} is not a positive number.",
+                                 "use e.g. 0.5.")
         if not isinstance(self.asymmetric, bool):
             raise QuantspecError(f"gptq.asymmetric={self.asymmetric!r} is not true or false.",
                                  "use true (asymmetric calibration) or false (GPTQ's own objective).")
