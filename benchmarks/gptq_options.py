@@ -50,9 +50,9 @@ from quantspec.quant.registry import build_method  # noqa: E402
 
 SAMPLES, SEQLEN, VAL_FIRST_DOC = 64, 512, 1800
 C4 = DATA / "c4" / "c4-validation-2k.jsonl"
-# what each option's value shows in the per-layer report, to check that the run used it
-REPORTED = {"hessian_dtype": lambda value: {value},
-            "asymmetric": lambda value: {"on"} if value else set()}
+# whether the per-layer report's values of an option show that the run used the value given
+REPORTED = {"hessian_dtype": lambda used, value: used == {value},
+            "asymmetric": lambda used, value: ("on" in used) if value else not used}
 
 
 def parse_value(text: str):
@@ -114,7 +114,7 @@ def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, optio
     seconds = round(time.perf_counter() - t0, 1)
     if option in REPORTED:
         used = {r.get(option) for r in report.values() if isinstance(r, dict)} - {None}
-        if used != REPORTED[option](value):
+        if not REPORTED[option](used, value):
             raise SystemExit(f"the report says {option} {used}, not {value!r}")
     return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds}
 

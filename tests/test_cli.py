@@ -142,10 +142,10 @@ def test_asymmetric_flag_reaches_gptq_options_and_is_refused_without_gptq():
 
     parse = build_parser().parse_args
     assert recipe_from_args(parse(["quantize", "--method", "gptq"])).gptq.asymmetric is False
-    assert recipe_from_args(parse(["quantize", "--method", "gptq", "--scheme", "nvfp4", "--asymmetric"])).gptq.asymmetric is True
-    assert recipe_from_args(parse(["quantize", "--method", "awq+gptq", "--asymmetric"])).gptq.asymmetric is True
-    with pytest.raises(QuantspecError, match="--asymmetric is a GPTQ setting"):
-        recipe_from_args(parse(["quantize", "--method", "rtn", "--asymmetric"]))
+    assert recipe_from_args(parse(["quantize", "--method", "gptq", "--scheme", "nvfp4", "--asymmetric-calibration"])).gptq.asymmetric is True
+    assert recipe_from_args(parse(["quantize", "--method", "awq+gptq", "--asymmetric-calibration"])).gptq.asymmetric is True
+    with pytest.raises(QuantspecError, match="--asymmetric-calibration is a GPTQ setting"):
+        recipe_from_args(parse(["quantize", "--method", "rtn", "--asymmetric-calibration"]))
 
 
 def test_no_act_order_alone_turns_static_groups_off_and_experts_flag_reaches_the_recipe():

@@ -217,3 +217,4 @@ def test_asymmetric_refuses_the_per_group_path_and_bad_values():
         GPTQOptions(asymmetric_alpha=0)
     with pytest.raises(QuantspecError, match="gptq.asymmetric_max_shift="):
         GPTQOptions(asymmetric_max_shift=-1)
+

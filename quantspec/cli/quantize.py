@@ -74,9 +74,10 @@ def add_parser(sub) -> None:
     p.add_argument("--awq-search-dtype", choices=["float32", "bfloat16", "auto"],
                    help="AWQ: precision of the searches' forward passes over an fp32 model (default float32; "
                         "bfloat16 about halves the search on CPUs with AMX; auto: bfloat16 where native)")
-    p.add_argument("--asymmetric", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ: asymmetric calibration, each layer rounded toward the float model's output "
-                        "on the float model's inputs (gptq.asymmetric; default off)")
+    p.add_argument("--asymmetric-calibration", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: round each layer toward the float model's output on the float model's inputs "
+                        "(GPTAQ; recipe gptq.asymmetric; about twice GPTQ's time; default off). Not --no-sym, "
+                        "which is asymmetric quantization (zero points)")
     p.add_argument("--out", help="output folder (default: ./quantspec-out/<model>-<recipe>/)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last finished block")
@@ -153,7 +154,7 @@ def recipe_from_args(args):
         top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor"}
         if not args.format:
             top["format"] = "compressed-tensors"
-    gptq = {"asymmetric": args.asymmetric} if args.asymmetric is not None else {}
+    gptq = {"asymmetric": args.asymmetric_calibration} if args.asymmetric_calibration is not None else {}
     if changes or top or calib or args.alpha is not None or awq or gptq:
         data = recipe.to_dict()
         if "method" in top and args.recipe is None:  # the new method's own default scheme
@@ -172,8 +173,8 @@ def recipe_from_args(args):
             data["gptq"] = {**data["gptq"], **gptq}
         recipe = type(recipe).from_dict(data)
         if gptq.get("asymmetric") and not METHODS[recipe.method].hessian:
-            raise QuantspecError(f"--asymmetric is a GPTQ setting and --method {recipe.method} does not run GPTQ.",
-                                 "use --method gptq (or awq+gptq), or drop --asymmetric.")
+            raise QuantspecError(f"--asymmetric-calibration is a GPTQ setting and --method {recipe.method} does not run GPTQ.",
+                                 "use --method gptq (or awq+gptq), or drop --asymmetric-calibration.")
         if changes or top:
             recipe = replace(recipe, name=default_recipe_name(recipe.method, recipe.scheme))
     return recipe

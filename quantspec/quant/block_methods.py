@@ -243,7 +243,7 @@ class GPTQMethod(BlockMethod):
                     self.info[name]["asymmetric"] = (
                         "off: the float and quantized forwards gave it different rows (routing)"
                         if name in fp_inputs else "off: the float forward did not call it")
-                elif restarted:
+                elif restarted and self.info[name].get("asymmetric") == "on":
                     self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
 
             return pre
