@@ -198,3 +198,11 @@ def act_order_result(w: torch.Tensor, scheme, seed: int = 0):
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // scheme.group_len(k)).to(torch.int32)
     return QuantResult(codes, r.scales, r.zeros, g_idx, scheme)
+
+
+class Interrupt(Exception):
+    """Raised by ``raise_interrupt`` (a forward pre-hook) to stop a calibration run midway."""
+
+
+def raise_interrupt(*_):
+    raise Interrupt

@@ -19,7 +19,7 @@ from quantspec.quant.capture import capture_inputs
 from quantspec.quant.recipe import GPTQOptions
 from quantspec.core.scheme import QuantScheme
 
-from helpers import tiny_model
+from helpers import Interrupt, raise_interrupt, tiny_model
 
 SCHEME = QuantScheme(bits=4, group_size=32)
 # 96-wide MLPs, 128 tokens, 64 positions
@@ -95,14 +95,6 @@ def test_gptq_beats_rtn_and_unplanned_layers_stay_dense():
     assert errs["GPTQMethod"] < 0.8 * errs["RTNMethod"], errs
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def _raise(*_):
-    raise _Interrupt
-
-
 def test_resume_is_bit_identical(tmp_path):
     base = tiny_llama()
     arch = get_arch(base)
@@ -114,8 +106,8 @@ def test_resume_is_bit_identical(tmp_path):
     )
 
     interrupted = copy.deepcopy(base)
-    interrupted.model.layers[1].register_forward_pre_hook(_raise)  # dies inside block 1
-    with pytest.raises(_Interrupt):
+    interrupted.model.layers[1].register_forward_pre_hook(raise_interrupt)  # dies inside block 1
+    with pytest.raises(Interrupt):
         run_blockwise(interrupted, arch, calib(), GPTQMethod(options), plan,
                       progress=False, resume_dir=tmp_path)
     assert json.loads((tmp_path / "manifest.json").read_text())["done"] == 1

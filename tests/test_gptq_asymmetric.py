@@ -21,19 +21,14 @@ from quantspec.quant.gptq import asymmetric_target
 from quantspec.quant.hessian import accumulate_hessian, cross_term, make_empty_hessian, weight_cross_term
 from quantspec.quant.recipe import GPTQOptions
 
-from helpers import tiny_model
+from helpers import Interrupt, raise_interrupt, tiny_model
 
 SCHEME = QuantScheme(bits=3, group_size=32)
 # intermediate 160 > 2 x hidden 64: down_proj takes weight_cross_term, the others cross_term
 SMALL = dict(vocab_size=128, intermediate_size=160, max_position_embeddings=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
 
 def tiny_llama(layers: int = 3):
@@ -185,21 +180,13 @@ def test_a_block_with_nothing_planned_restarts_the_float_stream():
     assert report["model.layers.2.mlp.down_proj"]["asymmetric"].startswith("on, from this block's quantized inputs")
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def _raise(*_):
-    raise _Interrupt
-
-
 def test_resume_carries_the_float_stream(tmp_path):
     base = tiny_llama()
     opts = GPTQOptions(block_size=16, asymmetric=True, asymmetric_max_shift=1e9)
     clean, _ = _run(copy.deepcopy(base), opts)
     interrupted = copy.deepcopy(base)
-    interrupted.model.layers[2].register_forward_pre_hook(_raise)  # dies inside block 2
-    with pytest.raises(_Interrupt):
+    interrupted.model.layers[2].register_forward_pre_hook(raise_interrupt)  # dies inside block 2
+    with pytest.raises(Interrupt):
         _run(interrupted, opts, resume_dir=tmp_path)
     assert json.loads((tmp_path / "manifest.json").read_text())["done"] == 2
     resumed, report = _run(copy.deepcopy(base), opts, resume_dir=tmp_path)

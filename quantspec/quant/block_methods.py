@@ -315,7 +315,8 @@ class GPTQMethod(BlockMethod):
             target, shift = mod.weight, None
             if cross is not None:
                 target = asymmetric_target(mod.weight, H, cross * self.options.asymmetric_alpha, self.options.damp_percent)
-                shift = float((target - mod.weight.float()).norm() / mod.weight.float().norm().clamp(min=1e-30))
+                w32 = mod.weight.detach().float()
+                shift = float((target - w32).norm() / w32.norm().clamp(min=1e-30))
                 if shift > self.options.asymmetric_max_shift:
                     target = mod.weight
             res, deq, info = gptq_quantize_with_values(

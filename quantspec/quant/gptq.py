@@ -85,6 +85,17 @@ def inverse_hessian_factor(
     )
 
 
+def _without_dead_inputs(weight: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 copies of ``weight`` and ``H`` with each dead input (``H[k, k] == 0``) given
+    ``H[k, k] = 1`` and a zero weight column, and the mask of the dead inputs."""
+    W = weight.detach().to(torch.float32).clone()
+    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    return W, H, dead
+
+
 def asymmetric_target(
     weight: torch.Tensor, H: torch.Tensor, WC: torch.Tensor, damp_percent: float
 ) -> torch.Tensor:
@@ -98,11 +109,7 @@ def asymmetric_target(
     minimizes when it rounds W* under Hd. ``WC``: the fp32 [N, K] product ``W C``
     (``W @ cross_term`` or ``hessian.weight_cross_term``). Dead inputs (``H[k, k] == 0``) are
     treated as GPTQ treats them (their column is zero)."""
-    W = weight.detach().to(torch.float32).clone()
-    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    W, H, dead = _without_dead_inputs(weight, H)
     U, _, _ = inverse_hessian_factor(H, damp_percent)  # Hd^-1 = U^T U
     WC = WC.to(device=W.device, dtype=torch.float32).clone()
     WC[:, dead] = 0.0  # an input GPTQ treats as dead adds nothing
@@ -232,11 +239,7 @@ def gptq_quantize_with_values(
     n, k = weight.shape
     if H.shape != (k, k):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match K={k}")
-    W = weight.detach().to(torch.float32).clone()
-    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    W, H, dead = _without_dead_inputs(weight, H)
     glen = scheme.group_len(k)
     gscale = tensor_global_scale(W, scheme, gscale)
     hdiag = torch.diagonal(H).clone() if scheme.scale_rule == "hmse" and scheme.weights == "mxfp4" else None

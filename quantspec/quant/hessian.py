@@ -50,6 +50,12 @@ def gram_bf16(x: torch.Tensor, chunk_rows: int = BF16_CHUNK_ROWS) -> torch.Tenso
     return out
 
 
+def _difference_rows(x_fp: torch.Tensor, x_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows [n, K] of ``x_fp - x_q`` and of ``x_q``."""
+    xq = x_q.reshape(-1, x_q.shape[-1]).to(torch.float32)
+    return x_fp.reshape(-1, x_fp.shape[-1]).to(device=xq.device, dtype=torch.float32) - xq, xq
+
+
 def cross_term(x_fp: torch.Tensor, x_q: torch.Tensor, bf16: bool = False,
                chunk_rows: int = BF16_CHUNK_ROWS) -> torch.Tensor:
     """``2/n * (X - Xq)^T Xq`` (fp32 [K, K]) over the n rows of a Linear's float-model inputs
@@ -58,8 +64,7 @@ def cross_term(x_fp: torch.Tensor, x_q: torch.Tensor, bf16: bool = False,
     rounds. Scaled as ``accumulate_hessian``'s H of the same rows. ``bf16``: the difference and
     ``Xq`` rounded to bf16, multiplied ``chunk_rows`` rows at a time and summed in fp32 (as
     ``gram_bf16``)."""
-    xq = x_q.reshape(-1, x_q.shape[-1]).to(torch.float32)
-    delta = x_fp.reshape(-1, x_fp.shape[-1]).to(device=xq.device, dtype=torch.float32) - xq
+    delta, xq = _difference_rows(x_fp, x_q)
     if not bf16:
         return (delta.t() @ xq).mul_(2.0 / max(xq.shape[0], 1))
     out = torch.zeros(xq.shape[1], xq.shape[1], dtype=torch.float32, device=xq.device)
@@ -73,8 +78,7 @@ def weight_cross_term(weight: torch.Tensor, x_fp: torch.Tensor, x_q: torch.Tenso
     """``W @ cross_term(x_fp, x_q)`` (fp32 [N, K]) as ``2/n * (D W^T)^T Xq`` with D = X - Xq: 4nNK
     multiply-adds instead of 2nK^2, the cheaper way when K > 2N (a down_proj). ``bf16``: the
     products in bf16 by ``chunk_rows`` rows, summed in fp32."""
-    xq = x_q.reshape(-1, x_q.shape[-1]).to(torch.float32)
-    delta = x_fp.reshape(-1, x_fp.shape[-1]).to(device=xq.device, dtype=torch.float32) - xq
+    delta, xq = _difference_rows(x_fp, x_q)
     W = weight.detach().to(device=xq.device, dtype=torch.float32)
     dtype = torch.bfloat16 if bf16 else torch.float32
     Wt = W.t().to(dtype)
