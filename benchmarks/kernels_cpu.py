@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from quantspec.kernels.cpu import CpuBackend, panels_supported, prepare_ext
-from quantspec.kernels.cpu_ext import compile_flags
+from quantspec.kernels.cpu_ext import build_lock, compile_flags
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.rtn import rtn
 from quantspec.models.paths import cache_root
@@ -93,11 +93,11 @@ def stream_read() -> Callable[[torch.Tensor], int] | None:
     from torch.utils import cpp_extension
 
     build = cache_root() / "ext" / "bench_stream_read"
-    build.mkdir(parents=True, exist_ok=True)
     try:
-        module = cpp_extension.load_inline(
-            "quantspec_bench_stream_read", cpp_sources=READ_SOURCE, functions=["stream_read"],
-            extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(build))
+        with build_lock(build):
+            module = cpp_extension.load_inline(
+                "quantspec_bench_stream_read", cpp_sources=READ_SOURCE, functions=["stream_read"],
+                extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(build))
     except Exception as exc:  # noqa: BLE001 - any build failure only drops the column
         print(f"no read floor: building its loop failed ({type(exc).__name__}: {exc})")
         return None

@@ -12,6 +12,8 @@ Tolerances (relative Frobenius error of y against the reference):
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -278,6 +280,54 @@ def test_extension_builds_where_a_compiler_exists():
     if not cpu_ext.compiler_available():
         pytest.skip("no C++ compiler on this machine: the torch-ops fallback is what runs")
     assert load_cpu_ext() is not None, "the C++ extension failed to build: see the RuntimeWarning"
+
+
+@needs_ext
+def test_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build guard is a plain ``lock`` file that a killed build leaves behind; the next
+    load must not wait on it forever (it did: the whole suite hung on one). The built extension
+    is copied into a fresh cache with such a file, and a new process must load it in time."""
+    import shutil
+    import subprocess
+    import sys
+
+    from quantspec.kernels import cpu_ext
+    from quantspec.models.paths import cache_root
+
+    name = cpu_ext.build_name()
+    shutil.copytree(cache_root() / "ext" / name, tmp_path / "ext" / name)
+    (tmp_path / "ext" / name / "lock").write_text("")  # what a killed build leaves
+    code = "from quantspec.kernels.cpu_ext import load_cpu_ext; assert load_cpu_ext() is not None"
+    env = {**os.environ, "QUANTSPEC_CACHE": str(tmp_path)}
+    try:
+        done = subprocess.run([sys.executable, "-c", code], check=False, env=env, timeout=120, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading the extension waited on a dead build's lock file")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "ext" / name / "lock").exists()
+
+
+def test_build_lock_is_released_when_its_holder_dies(tmp_path):
+    """The OS lock that replaces trust in the file: a holder killed mid-build frees it."""
+    import fcntl
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         ("import sys, time; from pathlib import Path; from quantspec.kernels.cpu_ext import build_lock\n"
+          "with build_lock(Path(sys.argv[1])):\n print('held', flush=True); time.sleep(600)"), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / ".quantspec-build.flock", "a+") as handle:
+            with pytest.raises(BlockingIOError):  # held while the holder lives
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait(timeout=30)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once it died
+    finally:
+        holder.kill()
 
 
 def test_falls_back_to_torch_ops_without_compiler(monkeypatch):

@@ -10,12 +10,14 @@ the source, the torch version and this CPU's flags, so a shared home directory n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -71,6 +73,30 @@ def extension_enabled() -> bool:
     return os.environ.get("QUANTSPEC_CPU_EXT", "1") not in ("0", "false", "off")
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir`` for one build, safe against a build killed half-way.
+
+    torch's ``cpp_extension`` guards a build with a plain ``lock`` file that a killed process
+    leaves behind, and every later load then waits on it forever. Here an OS lock
+    (``flock``, released by the kernel when its holder dies) serializes the builds of
+    quantspec's processes, so a ``lock`` file found while holding it is a dead build's and is
+    removed. Without ``fcntl`` (Windows) only torch's own file guards the build."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(build_dir / ".quantspec-build.flock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_cpu_ext() -> ModuleType | None:
     """The compiled module (``qgemm``, ``qgemm_panel``, ``dequant_rows``, ``dequant_panel_rows``,
@@ -94,16 +120,16 @@ def load_cpu_ext() -> ModuleType | None:
 
     name = build_name()
     build_dir = cache_root() / "ext" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=compile_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # any build failure: fall back, once, loudly
         warnings.warn(
             f"quantspec: building the cpu kernel failed ({type(exc).__name__}: {exc}); "
