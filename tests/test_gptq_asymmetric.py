@@ -150,7 +150,7 @@ def test_asymmetric_gptq_reports_and_lowers_the_model_error(monkeypatch):
         assert plain[n].equal(asym[n]), n
     assert not plain["model.layers.0.self_attn.o_proj"].equal(asym["model.layers.0.self_attn.o_proj"])
     # on the calibration tokens (what both minimize; a model this small overfits 144 rows, so
-    # held-out text is the real-model benchmark's job: benchmarks/gptq_asymmetric.py)
+    # held-out text is the real-model benchmark's job: benchmarks/gptq_options.py)
     e_plain, e_asym = _final_error(base, plain_model, calib()), _final_error(base, asym_model, calib())
     assert e_asym < 0.5 * e_plain, (e_asym, e_plain)
 
