@@ -195,6 +195,26 @@ def test_resume_carries_the_float_stream(tmp_path):
     assert report["model.layers.2.mlp.down_proj"]["asymmetric"] == "on"
 
 
+def test_the_float_stream_counts_against_the_single_pass_limit():
+    """A block whose activations fit the single pass but not with the float stream beside them
+    is refused under asymmetric calibration (before, it ran and could run out of memory)."""
+    from quantspec.quant.block_methods import float_stream_bytes, single_pass_bytes
+
+    model = tiny_llama(layers=1)
+    arch = get_arch(model)
+    h, _ = capture_inputs(model, arch, calib(), torch.device("cpu"))
+    modules = dict(arch.block_list(model)[0].named_modules())
+    plain, extra = single_pass_bytes(modules, h), float_stream_bytes(modules, h)
+    assert extra == h.shape[0] * h.shape[1] * (2 * 64 + 64 + 160) * 4  # hidden 64 (q/k/v/gate/up and o_proj), down 160
+    gb = (plain + extra / 2) / 2**30
+    _, report = _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb))
+    assert report["model.layers.0.mlp.down_proj"]["gptq_pass"] == "single"  # plain GPTQ: the single pass fits
+    with pytest.raises(QuantspecError, match="float stream exceed gptq.single_pass_gb"):
+        _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb, asymmetric=True))
+    _, report = _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=(plain + extra) / 2**30, asymmetric=True))
+    assert report["model.layers.0.mlp.down_proj"]["gptq_pass"] == "single"
+
+
 def test_asymmetric_refuses_the_per_group_path_and_bad_values():
     with pytest.raises(QuantspecError, match="gptq.asymmetric needs the single pass"):
         _run(tiny_llama(), GPTQOptions(single_pass_gb=0, asymmetric=True))

@@ -103,6 +103,16 @@ def single_pass_bytes(modules: dict[str, nn.Module], inputs: torch.Tensor) -> in
     return tokens * (4 * inputs.shape[-1] + 3 * widest) * max(inputs.element_size(), 4)
 
 
+def float_stream_bytes(modules: dict[str, nn.Module], inputs: torch.Tensor) -> int:
+    """Rough bytes that asymmetric calibration keeps alive on top of ``single_pass_bytes``: the
+    float model's hidden states after the block and the float input of each planned Linear
+    (one per distinct input width, plus a second hidden-size one: attention and MLP read
+    different tensors of that width)."""
+    tokens = inputs.shape[0] * inputs.shape[1]
+    widths = {m.in_features for m in modules.values() if isinstance(m, nn.Linear)}
+    return tokens * (2 * inputs.shape[-1] + sum(widths)) * max(inputs.element_size(), 4)
+
+
 def free_memory_bytes(device: torch.device) -> int | None:
     """Bytes free on ``device`` now: CUDA/ROCm's free memory, the host's available memory for the
     CPU; None where it cannot be asked."""
@@ -171,7 +181,10 @@ class GPTQMethod(BlockMethod):
     def _single_pass_fits(self, block, inputs, kwargs) -> bool:
         if self._limit is None:  # once: a run does not switch paths as its memory use moves
             self._limit = single_pass_limit(self.options, inputs.device)
-        if single_pass_bytes(dict(block.named_modules()), inputs) > self._limit:
+        need = single_pass_bytes(dict(block.named_modules()), inputs)
+        if self.options.asymmetric:  # the float stream and the float inputs it keeps
+            need += float_stream_bytes(dict(block.named_modules()), inputs)
+        if need > self._limit:
             return False
         if inputs.shape[0] < 2:
             return True
@@ -279,7 +292,7 @@ class GPTQMethod(BlockMethod):
             if self.options.asymmetric:
                 raise QuantspecError(
                     f"gptq.asymmetric needs the single pass, and {block_name} takes the per-group path "
-                    f"(its activations exceed gptq.single_pass_gb, or the block does not batch).",
+                    f"(its activations and the float stream exceed gptq.single_pass_gb, or the block does not batch).",
                     "raise gptq.single_pass_gb (or give fewer calibration samples), or drop gptq.asymmetric.")
             for group in block_groups(block, block_name, plan, ctx.arch):
                 rows: dict[str, int] = {}

@@ -73,7 +73,7 @@ class GPTQOptions:
     # its own weight on the quantized model's inputs, ||(W - Q) Xq||, so a layer also corrects
     # the error the quantized layers before it left in its input. Costs one more float forward
     # of each block and one more K x K product per Linear input (in hessian_dtype); the single
-    # pass only
+    # pass only, whose memory limit (single_pass_gb) then counts the float stream too
     asymmetric: bool = False
     # the share of the asymmetric correction applied (W + alpha * W C Hd^-1): the full one
     # (1) overshoots where the quantized inputs have little variance (GPTAQ's code uses 0.25)
