@@ -181,9 +181,10 @@ class GPTQMethod(BlockMethod):
     def _single_pass_fits(self, block, inputs, kwargs) -> bool:
         if self._limit is None:  # once: a run does not switch paths as its memory use moves
             self._limit = single_pass_limit(self.options, inputs.device)
-        need = single_pass_bytes(dict(block.named_modules()), inputs)
+        mods = dict(block.named_modules())
+        need = single_pass_bytes(mods, inputs)
         if self.options.asymmetric:  # the float stream and the float inputs it keeps
-            need += float_stream_bytes(dict(block.named_modules()), inputs)
+            need += float_stream_bytes(mods, inputs)
         if need > self._limit:
             return False
         if inputs.shape[0] < 2:
