@@ -51,7 +51,7 @@ from quantspec.quant.registry import build_method  # noqa: E402
 SAMPLES, SEQLEN, VAL_FIRST_DOC = 64, 512, 1800
 C4 = DATA / "c4" / "c4-validation-2k.jsonl"
 # whether the per-layer report's values of an option show that the run used the value given
-REPORTED = {"hessian_dtype": lambda used, value: used == {value},
+REPORTED = {"hessian_dtype": lambda used, value: used == {value}, "forward_dtype": lambda used, value: used == {value},
             "asymmetric": lambda used, value: ("on" in used) if value else not used}
 
 
@@ -102,11 +102,12 @@ def scheme_of(config: str) -> dict:
     return {**base, "act_order": True, "static_groups": True}
 
 
-def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, option: str, value) -> dict:
+def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, option: str, value,
+            fixed: dict | None = None) -> dict:
     model, _, _ = load_dense(str(model_dir), dtype="float32")
     scheme = scheme_of(config)
     recipe = Recipe.from_dict({"method": "gptq", "format": "compressed-tensors", "scheme": scheme,
-                               "gptq": {option: value}})
+                               "gptq": {**(fixed or {}), option: value}})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
     report: dict = {}
     t0 = time.perf_counter()
@@ -121,7 +122,8 @@ def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, optio
 
 def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
     option, values = meta["option"], meta["values"]
-    lines = [f"# GPTQ {option} = {' vs '.join(map(str, values))} ({meta['model']})", "",
+    held = ", ".join(f"{k} = {v}" for k, v in meta.get("fixed", {}).items())
+    lines = [f"# GPTQ {option} = {' vs '.join(map(str, values))} ({meta['model']}{'; ' + held if held else ''})", "",
              f"Command: `{meta['command']}`; raw: {path.name[:-3]}.json; {meta['machine']}, "
              f"{meta['threads']} threads; {meta['when']}.", "",
              "GPTQ weight-only, static act-order, float32 model, 64 C4 x 512 calibration per draw (the values "
@@ -150,12 +152,17 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
     ap.add_argument("--model", default="smollm2-135m", help="alias or local HF folder")
     ap.add_argument("--configs", default="nvfp4,mxfp4", help="comma list of float presets (nvfp4, mxfp4, ...)")
     ap.add_argument("--seeds", default="0,1,2", help="calibration draws")
+    ap.add_argument("--fixed", default="", help="other gptq keys held at one value in every run: KEY=VALUE,... "
+                                                 "(asymmetric=true)")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=None, help="result stem (default results/gptq-OPTION-MODEL)")
     args = ap.parse_args(argv)
     values = [parse_value(v) for v in args.values.split(",")]
-    Recipe.from_dict({"method": "gptq", "gptq": {args.option: values[0]}})  # an unknown key or a bad value: now
+    fixed = {k: parse_value(v) for k, v in (item.split("=", 1) for item in args.fixed.split(",") if item)}
+    if args.option in fixed:
+        raise SystemExit(f"--fixed holds {args.option}, the option compared")
+    Recipe.from_dict({"method": "gptq", "gptq": {**fixed, args.option: values[0]}})  # an unknown key or a bad value: now
     torch.set_num_threads(args.threads)
     model_dir = dense_folder(args.model)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
     out = args.out or RESULTS / f"{stem.format(option=args.option.replace('_', '-'))}-{Path(str(model_dir)).name}"
     data = load_data(model_dir, seeds, args.windows)
     meta = {"model": Path(str(model_dir)).name, "command": f"python benchmarks/{script} " + shlex.join(sys.argv[1:]),
-            "option": args.option, "values": values,
+            "option": args.option, "values": values, "fixed": fixed,
             "machine": machine_line(describe_machine()), "threads": args.threads, "windows": args.windows, "val_docs": data["val_docs"],
             "when": time.strftime("%Y-%m-%d")}
     rows: list[dict] = []
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
         for config in configs:
             for value in (values if seed % 2 == 0 else values[::-1]):  # alternate which runs first
                 row = {"config": config, "value": value, "seed": seed,
-                       **measure(model_dir, data["calib"][seed], data, config, args.option, value)}
+                       **measure(model_dir, data["calib"][seed], data, config, args.option, value, fixed)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 # (not with_suffix: a model name like qwen2.5-coder-0.5b has a dot of its own)

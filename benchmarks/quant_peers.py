@@ -56,13 +56,17 @@ DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"
 TOOLS = {
     "ours": (None, "ours.py", {}),
     "ours-asym": (None, "ours.py", {}),  # GPTQ with gptq.asymmetric (TOOL_ARGS)
+    "ours-bf16": (None, "ours.py", {}),  # GPTQ with gptq.forward_dtype bfloat16
+    "ours-asym-bf16": (None, "ours.py", {}),  # both
     "llmc": ("llmcompressor", "llmc.py", {}),
     "gptqmodel": ("gptqmodel", "gptqmodel_gptq.py", {"GPTQMODEL_CPU_WORKERS": "2"}),
 }
-TOOL_ARGS = {"ours-asym": ["--asymmetric"]}
+TOOL_ARGS = {"ours-asym": ["--asymmetric"], "ours-bf16": ["--forward-dtype", "bfloat16"],
+             "ours-asym-bf16": ["--asymmetric", "--forward-dtype", "bfloat16"]}
 # method -> tools that run it, and each tool's default act-order (GPTQ only)
 METHODS = {
-    "gptq": {"ours": "static", "ours-asym": "static", "llmc": "static", "gptqmodel": "default"},
+    "gptq": {"ours": "static", "ours-asym": "static", "ours-bf16": "static", "ours-asym-bf16": "static",
+             "llmc": "static", "gptqmodel": "default"},
     "awq": {"ours": None, "llmc": None},
     "smoothquant": {"ours": None, "llmc": None},
     "rtn": {"ours": None, "llmc": None},

@@ -3,7 +3,7 @@ runners): a calibrated method on the calibration ids of DATA.pt, perplexity of t
 fake-quantized model on its eval windows.
 
     python ours.py MODEL_DIR DATA.pt --method gptq|awq|smoothquant|rtn --bits 4 --group 128 [--asym] [--actorder static|group|none]
-    python ours.py MODEL_DIR DATA.pt --method rtn|gptq --scheme fp8-dynamic|nvfp4|mxfp4 [--asymmetric]
+    python ours.py MODEL_DIR DATA.pt --method rtn|gptq --scheme fp8-dynamic|nvfp4|mxfp4 [--asymmetric] [--forward-dtype bfloat16]
 
 ``seconds`` is the engine's wall time (capture and every block; no load, no save). Layers whose
 K the group size does not divide are regrouped as quantspec's format writes them. W8A8
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--actorder", default="none", choices=sorted(ACT_ORDER))
     ap.add_argument("--scheme", choices=sorted(SCHEME_PRESETS), help="a float scheme instead of --bits/--group")
     ap.add_argument("--asymmetric", action="store_true", help="GPTQ: gptq.asymmetric")
+    ap.add_argument("--forward-dtype", choices=["float32", "bfloat16", "auto"], help="GPTQ: gptq.forward_dtype")
     args = ap.parse_args()
     data = torch.load(args.data)
     model, _, _ = load_dense(args.model, dtype="float32")
@@ -73,7 +74,8 @@ def main() -> None:
         scheme = {**SCHEME_PRESETS[args.scheme].to_dict(), **ACT_ORDER[args.actorder]}
         fmt = "compressed-tensors"
     recipe = Recipe.from_dict({"method": args.method, "format": fmt, "scheme": scheme,
-                               **({"gptq": {"asymmetric": True}} if args.asymmetric else {})})
+                               "gptq": {**({"asymmetric": True} if args.asymmetric else {}),
+                                        **({"forward_dtype": args.forward_dtype} if args.forward_dtype else {})}})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
     method = build_method(recipe)
     # as the pipeline does (job.prepare): calibration data only for a method or scheme that uses it

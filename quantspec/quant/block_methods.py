@@ -23,6 +23,7 @@ the same for Linears outside the decoder blocks).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from .distributed import Reducer
 from .fused_scales import block_global_scales
 from .heap import available_memory_bytes
 from ..kernels.cpu_ext import cpu_has_native_bf16
+from .precision import forward_precision, precision_name
 from .gptq import accumulate_hessian, asymmetric_target, gptq_quantize_with_values, make_empty_hessian
 from .hessian import cross_term, weight_cross_term
 from .method import BlockContext, BlockMethod, BlockOutput
@@ -219,7 +221,8 @@ class GPTQMethod(BlockMethod):
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
-            self._fp_stream = block_outputs(block, fp_in, kwargs)
+            with forward_precision(block, self.options.forward_dtype)():
+                self._fp_stream = block_outputs(block, fp_in, kwargs)
         finally:
             for h in handles:
                 h.remove()
@@ -233,38 +236,45 @@ class GPTQMethod(BlockMethod):
 
         def hook(name: str):
             def pre(mod, args):
-                if name in results:  # called twice in one forward: quantized at the first call
-                    return
-                x = args[0]
-                if last[0] is not x:
-                    H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0, self._bf16)
-                    if not torch.isfinite(H).all():  # cheaper than scanning x; NaN/Inf in x reach H
-                        check_finite(x, block_name, f"the input of {name}")
-                    last[0] = x
-                    last[1], last[2] = reducer.hessian(H, x.numel() // max(x.shape[-1], 1))
-                    last[3] = None  # the cross term, computed for the first Linear that needs it
-                xf = fp_inputs.get(name)
-                cross = None
-                if xf is not None and xf.shape == x.shape:
-                    if 2 * mod.out_features < x.shape[-1]:  # W C directly: cheaper than C for a wide K
-                        cross = weight_cross_term(mod.weight, xf, x, self._bf16)
-                    else:
-                        if last[3] is None:
-                            last[3] = cross_term(xf, x, self._bf16)
-                        cross = mod.weight.detach().float() @ last[3]
-                results[name] = self._quantize(name, mod, last[1], plan[name], last[2], cross)
-                if self.options.asymmetric and cross is None:
-                    self.info[name]["asymmetric"] = (
-                        "off: the float and quantized forwards gave it different rows (routing)"
-                        if name in fp_inputs else "off: the float forward did not call it")
-                elif restarted and self.info[name].get("asymmetric") == "on":
-                    self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
+                # the forward may run under bf16 autocast (gptq.forward_dtype); the statistics and
+                # the solve never do
+                with torch.autocast(args[0].device.type, enabled=False):
+                    quantize_at_call(name, mod, args[0])
 
             return pre
 
+        def quantize_at_call(name: str, mod: nn.Module, x: torch.Tensor) -> None:
+            if name in results:  # called twice in one forward: quantized at the first call
+                return
+            if last[0] is not x:
+                H, _ = accumulate_hessian(make_empty_hessian(x.shape[-1], x.device), x, 0, self._bf16)
+                if not torch.isfinite(H).all():  # cheaper than scanning x; NaN/Inf in x reach H
+                    check_finite(x, block_name, f"the input of {name}")
+                last[0] = x
+                last[1], last[2] = reducer.hessian(H, x.numel() // max(x.shape[-1], 1))
+                last[3] = None  # the cross term, computed for the first Linear that needs it
+            xf = fp_inputs.get(name)
+            cross = None
+            if xf is not None and xf.shape == x.shape:
+                if 2 * mod.out_features < x.shape[-1]:  # W C directly: cheaper than C for a wide K
+                    cross = weight_cross_term(mod.weight, xf, x, self._bf16)
+                else:
+                    if last[3] is None:
+                        last[3] = cross_term(xf, x, self._bf16)
+                    cross = mod.weight.detach().float() @ last[3]
+            results[name] = self._quantize(name, mod, last[1], plan[name], last[2], cross)
+            if self.options.asymmetric and cross is None:
+                self.info[name]["asymmetric"] = (
+                    "off: the float and quantized forwards gave it different rows (routing)"
+                    if name in fp_inputs else "off: the float forward did not call it")
+            elif restarted and self.info[name].get("asymmetric") == "on":
+                self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
+
+        precision = forward_precision(block, self.options.forward_dtype)
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
-            outputs = block_outputs(block, inputs, kwargs)
+            with precision():
+                outputs = block_outputs(block, inputs, kwargs)
         finally:
             for h in handles:
                 h.remove()
@@ -272,7 +282,7 @@ class GPTQMethod(BlockMethod):
         for name in modules:
             if name not in results:
                 raise _never_called(name)
-            self.info[name]["gptq_pass"] = "single"
+            self.info[name].update(gptq_pass="single", forward_dtype=precision_name(block, precision))
         return BlockOutput(results, self.info, next_inputs=outputs)
 
     def process_block(self, ctx: BlockContext) -> BlockOutput:
@@ -305,7 +315,7 @@ class GPTQMethod(BlockMethod):
                     if name not in hessians:
                         raise _never_called(name)
                     results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name], rows[name])
-                    self.info[name]["gptq_pass"] = "per-group"
+                    self.info[name].update(gptq_pass="per-group", forward_dtype=precision_name(block, contextlib.nullcontext))
         finally:
             with torch.no_grad():
                 for n, w in dense.items():

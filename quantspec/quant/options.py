@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import QuantspecError
 from .hessian import HESSIAN_DTYPES
+from .precision import FORWARD_DTYPES
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,13 @@ class GPTQOptions:
     # "bfloat16" rounds the inputs to bf16 (2.3x faster on a CPU with native bf16 dot products),
     # "auto" takes it there (block_methods.hessian_bf16) and "float32" everywhere else
     hessian_dtype: str = "auto"
+    # the precision of the single pass's block forwards over an fp32 model (the quantized one,
+    # and asymmetric calibration's float one): "bfloat16" runs their matrix products under bf16
+    # autocast (weights, Hessians, the GPTQ solve and the stream between blocks stay fp32;
+    # a block forward is ~2x faster on a CPU with native bf16), "auto" where the device
+    # multiplies bf16 natively (precision.native_bf16). The per-group path runs fp32.
+    # Why float32 is the default: docs/decisions/gptq-forward-dtype.md
+    forward_dtype: str = "float32"
     # asymmetric calibration (GPTAQ's objective, gptq.asymmetric_target): each Linear's rounding
     # aims at the float model's output on the float model's inputs, ||W X - Q Xq||, instead of
     # its own weight on the quantized model's inputs, ||(W - Q) Xq||, so a layer also corrects
@@ -96,6 +104,9 @@ class GPTQOptions:
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise QuantspecError(f"gptq.hessian_dtype={self.hessian_dtype!r} is not one of {', '.join(HESSIAN_DTYPES)}.",
                                  "use auto, float32 or bfloat16.")
+        if self.forward_dtype not in FORWARD_DTYPES:
+            raise QuantspecError(f"gptq.forward_dtype={self.forward_dtype!r} is not one of {', '.join(FORWARD_DTYPES)}.",
+                                 "use float32, bfloat16 or auto.")
         if self.single_pass_gb is not None and not (
             isinstance(self.single_pass_gb, (int, float)) and not isinstance(self.single_pass_gb, bool)
             and self.single_pass_gb >= 0
@@ -126,7 +137,7 @@ class AWQOptions:
     # precision of the searches' forward passes over an fp32 model: float32 (exact, the
     # default), bfloat16 (matrix products under bf16 autocast; the fake-quantized weights and the
     # errors stay fp32), or auto (bfloat16 where the device multiplies bf16 natively: CPUs with
-    # AMX, CUDA GPUs with bf16). About half the search time on a 2-core AMX Xeon.
+    # AVX-512 BF16 or AMX, CUDA GPUs with bf16). About half the search time on a 2-core AMX Xeon.
     search_dtype: str = "float32"
     # a group's clip is kept only where it lowers the group's output error on the clip sample
     # by more than this fraction (0: any improvement, as the AWQ paper); why 0.3:
@@ -137,7 +148,7 @@ class AWQOptions:
         if not 0.0 <= self.clip_min_gain < 1.0:
             raise QuantspecError(f"awq.clip_min_gain={self.clip_min_gain} is not in [0, 1).",
                                  "use e.g. 0.3 (the default) or 0 to keep every clip that helps at all.")
-        if self.search_dtype not in ("float32", "bfloat16", "auto"):
+        if self.search_dtype not in FORWARD_DTYPES:
             raise QuantspecError(f"awq.search_dtype={self.search_dtype!r} is not float32, bfloat16 or auto.",
                                  "use float32 (the default), bfloat16 or auto.")
         if self.duo_scaling not in (True, False, "both"):

@@ -39,13 +39,13 @@ from ..distributed import Reducer, Share
 from ..fused_scales import block_global_scales
 from ..method import BlockContext, BlockOutput, Finish, FinishContext, Smoother
 from ..options import AWQOptions
+from ..precision import forward_precision
 from ..resume import result_tensors, results_from_tensors
 from ...core.scheme import QuantResult, QuantScheme
 from ..smoothing import ResolvedPair, collect_input_stats, fold_scales, resolve_pairs
 from .clip import CLIP_SKIP, awq_quantize, clip_error_curve, clip_wanted, pick_clip
 from .model_check import ModelClipCheck
-from .objective import (PairObjective, block_errors, capture_parents, held_out, keep_helpful_clips,
-                        search_precision, spread)
+from .objective import PairObjective, block_errors, capture_parents, held_out, keep_helpful_clips, spread
 from .scales_file import ScalesFile, write_scales
 from .search import search_scale, weight_group_mean
 
@@ -170,7 +170,7 @@ class AWQMethod(Smoother):
         if self._check.started or self.uses_model_head(rel):
             held = self._held_out(ctx.reducer.share(ctx.inputs.shape[0]), ctx.inputs.shape[1])
             self._check.advance(block, block_name, ctx.inputs[held], ctx.kwargs, rel, clips,
-                                search_precision(block, self.options.awq.search_dtype),
+                                forward_precision(block, self.options.awq.search_dtype),
                                 outputs[held] if outputs is not None else None)
             if clips:
                 unclipped = {n: awq_quantize(block.get_submodule(n[len(block_name) + 1 :]).weight,
@@ -251,7 +251,7 @@ class AWQMethod(Smoother):
         samples = {n: st.sample for n, st in stats.items()}
         parts = {n: st.sample_part for n, st in stats.items()}  # where they lie in all processes' samples
         scales = []
-        precision = search_precision(block, opts.awq.search_dtype)
+        precision = forward_precision(block, opts.awq.search_dtype)
         for p, parent in zip(pairs, parents):
             key = f"{block_name}.{p.linear_names[0]}"
             x = spread(samples[key], opts.search_tokens, parts[key]) if parent is None else None

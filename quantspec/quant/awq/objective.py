@@ -10,7 +10,6 @@ division.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -26,25 +25,6 @@ from .clip import apply_clip, fake_quantize
 # tokens per part of a Linear-output objective: a candidate scale's error is summed part by part
 # and the search drops it once the sum passes the best candidate's (search_scale's ``bounded``)
 PART_TOKENS = 512
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bf16 matrices in hardware (CPU: AMX tiles; CUDA: bf16)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return device.type == "cpu" and is_amx is not None and bool(is_amx())
-
-
-def search_precision(block: nn.Module, choice: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of contexts for a search's forward passes over ``block``: bf16 autocast for an
-    fp32 block when ``choice`` is bfloat16, or auto on a device with native bf16 products; else
-    no change. Enter a fresh one per evaluation: autocast caches each weight's bf16 copy until
-    its outermost context exits, and the searches write every candidate into the same weights."""
-    param = next(block.parameters())
-    if param.dtype == torch.float32 and (choice == "bfloat16" or (choice == "auto" and native_bf16(param.device))):
-        return functools.partial(torch.autocast, param.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def parent_name(linear_names: tuple[str, ...]) -> str:
@@ -137,7 +117,7 @@ class PairObjective:
     there is none) with ``Q(W*s)/s`` weights, against the float output. ``in_scale``: the
     pair's folded scale, when its Linears already hold ``W*s`` (the recorded inputs are then
     divided by it, so the float output is unchanged). ``precision``: a factory of the context
-    that each evaluation runs in (``search_precision``). ``reducer``: the calls or tokens are
+    that each evaluation runs in (``precision.forward_precision``). ``reducer``: the calls or tokens are
     this process's share; the squared errors and their count are summed over every process."""
 
     def __init__(self, pair: ResolvedPair, planned: dict[str, QuantScheme], x: torch.Tensor | None,
