@@ -222,7 +222,7 @@ class GPTQMethod(BlockMethod):
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
             with forward_precision(block, self.options.forward_dtype)():
-                self._fp_stream = block_outputs(block, fp_in, kwargs)
+                self._fp_stream = block_outputs(block, fp_in, kwargs).to(fp_in.dtype)  # the stream stays fp32
         finally:
             for h in handles:
                 h.remove()
@@ -274,7 +274,7 @@ class GPTQMethod(BlockMethod):
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
             with precision():
-                outputs = block_outputs(block, inputs, kwargs)
+                outputs = block_outputs(block, inputs, kwargs).to(inputs.dtype)  # the stream stays fp32
         finally:
             for h in handles:
                 h.remove()
