@@ -718,3 +718,26 @@ def test_cpu_fp8_kernel_decodes_every_byte():
     cpu = CpuBackend()
     y = cpu.linear(torch.eye(256), cpu.prepare(r, torch.float32), scheme, 2, 256, None)
     assert torch.equal(y.T, r.dequantize())
+
+
+@pytest.mark.parametrize("preset,rule", [("mxfp4", r) for r in ("mse", "round", "ocp", "ceil", "hmse")]
+                         + [("nvfp4", r) for r in ("amax", "mse")])
+def test_static_scales_of_all_groups_at_once_equal_the_per_group_ones(preset, rule):
+    """GPTQ's static group scales come from one call over every whole group; they must be the
+    scales the per-group call gives, bit for bit (checkpoints stay byte-identical)."""
+    from quantspec.quant.floatgrid import tensor_global_scale
+    from quantspec.quant.gptq import _params, _static_params
+
+    scheme = replace(SCHEME_PRESETS[preset], scale_rule=rule, act_order=True, static_groups=True)
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((64, 256), (40, 96), (7, 1536)):
+        W = torch.randn(n, k, generator=gen) * torch.rand(1, k, generator=gen).mul(4).exp()  # uneven columns
+        hdiag = torch.rand(k, generator=gen) + 0.01
+        glen = scheme.group_len(k)
+        gscale = tensor_global_scale(W, scheme)
+        got = _static_params(W, scheme, glen, torch.float16, gscale, hdiag)
+        want = [_params(W[:, s : s + glen], scheme, torch.float16, gscale, hdiag[s : s + glen]) for s in range(0, k, glen)]
+        assert len(got) == len(want) == k // glen
+        for (gs, gz), (ws, wz) in zip(got, want):
+            assert gz is None and wz is None
+            assert gs.dtype == ws.dtype and gs.view(torch.uint8).equal(ws.view(torch.uint8))

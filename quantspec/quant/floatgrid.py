@@ -67,7 +67,7 @@ def group_scales(
     importance: torch.Tensor | None = None, calibrated: bool = False,
 ) -> torch.Tensor:
     """The stored scale of each row of ``w`` ([R, L] groups -> [R]) for a float scheme;
-    ``importance`` [L] (fp32 >= 0, e.g. GPTQ's Hessian diagonal of the group's columns) weights
+    ``importance`` [L] or [R, L] (fp32 >= 0, e.g. GPTQ's Hessian diagonal of the group's columns) weights
     the squared error of MXFP4's ``hmse`` rule; ``calibrated``: GPTQ asks (MXFP4's "auto" rule
     is then mse, else round: ``core.scheme.mx_scale_rule``)."""
     w = w.to(torch.float32)
@@ -113,7 +113,7 @@ def nv_group_scales(w: torch.Tensor, amax: torch.Tensor, gscale: torch.Tensor, r
 def mx_exponents(w: torch.Tensor, rule: str, importance: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4's unbiased exponent ``e`` (scale ``2**e``) of each row of ``w`` ([R, 32] groups ->
     fp32 [R]) by ``rule`` (``core.scheme.MX_SCALE_RULES``; module docstring; "auto" is the data-free
-    one, round); ``hmse`` weights each column's squared error by ``importance`` [32] (None: the
+    one, round); ``hmse`` weights each column's squared error by ``importance`` [32] or [R, 32] (None: the
     ``mse`` rule). An all-zero group gets -2 under every rule."""
     rule = mx_scale_rule(rule)
     w = w.to(torch.float32)
