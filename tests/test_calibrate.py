@@ -67,11 +67,16 @@ def test_captured_inputs_replay_the_model(family):
 
 
 def test_gptq_engine_results_weights_and_report():
+    # fp32 Hessians: with bf16 products (hessian_dtype auto on a CPU with native bf16) the
+    # near-singular Hessian of layer 2's o_proj (96 calibration rows) fails its Cholesky at 1%
+    # damping on an AMX host's kernels (one retry) and not on others'; the bf16 Hessian has its
+    # own test (test_gptq_bf16_hessian_is_used_and_reported)
     model = tiny_llama()
     arch = get_arch(model)
     plan = full_plan(model, arch)
     report: dict = {}
-    res = run_blockwise(model, arch, calib(), GPTQMethod(), plan, progress=False, report=report)
+    res = run_blockwise(model, arch, calib(), GPTQMethod(GPTQOptions(hessian_dtype="float32")), plan,
+                        progress=False, report=report)
     assert set(res) == set(plan) and len(res) == 21
     linears = block_linears(model, arch)
     for name, r in res.items():
