@@ -50,8 +50,12 @@ from quantspec.quant.registry import build_method  # noqa: E402
 
 SAMPLES, SEQLEN, VAL_FIRST_DOC = 64, 512, 1800
 C4 = DATA / "c4" / "c4-validation-2k.jsonl"
+def _reported_alone(used: set, value) -> bool:
+    return used == {value}
+
+
 # whether the per-layer report's values of an option show that the run used the value given
-REPORTED = {"hessian_dtype": lambda used, value: used == {value}, "forward_dtype": lambda used, value: used == {value},
+REPORTED = {"hessian_dtype": _reported_alone, "forward_dtype": _reported_alone,
             "asymmetric": lambda used, value: ("on" in used) if value else not used}
 
 

@@ -292,9 +292,10 @@ def test_gptq_bf16_hessian_is_used_and_reported(gb, monkeypatch):
 
 def test_hessian_dtype_auto_follows_the_cpu(monkeypatch):
     import quantspec.quant.block_methods as bm
+    import quantspec.quant.precision as precision
 
     for native in (True, False):
-        monkeypatch.setattr(bm, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
         assert bm.hessian_bf16(GPTQOptions(hessian_dtype="auto"), torch.device("cpu")) is native
         assert bm.hessian_bf16(GPTQOptions(hessian_dtype="auto"), torch.device("cuda")) is False
         assert bm.hessian_bf16(GPTQOptions(hessian_dtype="bfloat16"), torch.device("cuda")) is True

@@ -35,8 +35,7 @@ from .block_ops import block_groups, block_outputs, check_finite, planned_linear
 from .distributed import Reducer
 from .fused_scales import block_global_scales
 from .heap import available_memory_bytes
-from ..kernels.cpu_ext import cpu_has_native_bf16
-from .precision import forward_precision, precision_name
+from .precision import forward_precision, native_bf16, precision_name
 from .gptq import accumulate_hessian, asymmetric_target, gptq_quantize_with_values, make_empty_hessian
 from .hessian import cross_term, weight_cross_term
 from .method import BlockContext, BlockMethod, BlockOutput
@@ -138,7 +137,7 @@ def hessian_bf16(options: GPTQOptions, device: torch.device) -> bool:
     """Whether the Hessians' products run in bf16: ``options.hessian_dtype``, where ``auto`` is
     bf16 on a CPU that multiplies bf16 natively and fp32 elsewhere (a GPU's fp32 Gram is cheap)."""
     if options.hessian_dtype == "auto":
-        return device.type == "cpu" and cpu_has_native_bf16()
+        return device.type == "cpu" and native_bf16(device)
     return options.hessian_dtype == "bfloat16"
 
 
@@ -203,9 +202,10 @@ class GPTQMethod(BlockMethod):
             self._batches[key] = bool(err < (1e-4 if inputs.dtype == torch.float32 else 1e-2))
         return self._batches[key]
 
-    def _float_pass(self, block, inputs, kwargs, modules, index: int) -> tuple[dict[str, torch.Tensor], bool]:
+    def _float_pass(self, block, inputs, kwargs, modules, index: int,
+                    precision) -> tuple[dict[str, torch.Tensor], bool]:
         """Asymmetric calibration: run the block with its float weights on the float model's
-        hidden states; returns each planned Linear's input there (its first call) and whether
+        hidden states, under ``precision`` (gptq.forward_dtype's context factory); returns each planned Linear's input there (its first call) and whether
         the float stream restarted here, and keeps the block's output as the next block's
         float stream. The stream restarts from the quantized model's inputs where the block
         before had nothing planned (the engine, not the method, ran it)."""
@@ -221,7 +221,7 @@ class GPTQMethod(BlockMethod):
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
-            with forward_precision(block, self.options.forward_dtype)():
+            with precision():
                 self._fp_stream = block_outputs(block, fp_in, kwargs).to(fp_in.dtype)  # the stream stays fp32
         finally:
             for h in handles:
@@ -232,7 +232,9 @@ class GPTQMethod(BlockMethod):
     def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer, index) -> BlockOutput:
         results: dict[str, QuantResult] = {}
         last: list = [None, None, 0, None]  # (input, its Hessian, rows, cross term): kept alive, shared by q/k/v
-        fp_inputs, restarted = self._float_pass(block, inputs, kwargs, modules, index) if self.options.asymmetric else ({}, False)
+        precision = forward_precision(block, self.options.forward_dtype)
+        fp_inputs, restarted = (self._float_pass(block, inputs, kwargs, modules, index, precision)
+                                if self.options.asymmetric else ({}, False))
 
         def hook(name: str):
             def pre(mod, args):
@@ -270,7 +272,6 @@ class GPTQMethod(BlockMethod):
             elif restarted and self.info[name].get("asymmetric") == "on":
                 self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
 
-        precision = forward_precision(block, self.options.forward_dtype)
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:
             with precision():
