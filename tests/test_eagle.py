@@ -45,6 +45,18 @@ def random_head(model, draft_vocab: int, seed: int = 0) -> EagleHead:
     return head.eval()
 
 
+def greedy_reply(model, prompt: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
+    """``generate(do_sample=False)``'s window of ``length`` tokens after ``prompt``, ended at the
+    model's first stop token as self-distillation ends it (the rest that token), and its length."""
+    ref = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.int64),
+                         do_sample=False, max_new_tokens=length - prompt.numel(), eos_token_id=None,
+                         pad_token_id=0)[0][:length]
+    stops = model.generation_config.eos_token_id
+    stops = {stops} if isinstance(stops, int) else set(stops or [])
+    end = next((i + 1 for i in range(prompt.numel(), length) if int(ref[i]) in stops), length)
+    return torch.cat([ref[:end], ref[end - 1].repeat(length - end)]), end
+
+
 def self_windows(model, n: int, length: int, seed: int = 0) -> torch.Tensor:
     """Text the target itself wrote (sampled from its top 4): windows a head can learn."""
     g = torch.Generator().manual_seed(seed)
@@ -174,7 +186,9 @@ def test_training_learns():
     val = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:8]
     feats = model_features(model, windows[val])
     emb = model.get_input_embeddings()(windows[val][:, 1:])
-    untrained = train_mod.agreement(random_head(model, 256), [(feats, emb)], model.get_output_embeddings().weight, 2)
+    every = torch.ones(emb.shape[:2], dtype=torch.bool)
+    untrained = train_mod.agreement(random_head(model, 256), [(feats, emb, every)],
+                                    model.get_output_embeddings().weight, 2)
     assert held[0] >= untrained[0] + 0.03, (held, untrained)
     assert report["history"][-1]["loss"] < report["history"][0]["loss"]
 
@@ -245,6 +259,8 @@ def test_a_head_of_another_target_is_refused(tmp_path):
 def test_bad_training_settings_are_refused(field, value):
     with pytest.raises(QuantspecError, match=field):
         TrainConfig(**{field: value})
+    with pytest.raises(QuantspecError, match="prompts='instructions' with prompt_tokens=8"):
+        TrainConfig(prompts="instructions", prompt_tokens=8)
 
 
 def _cli(*args, cwd=None):
@@ -292,6 +308,15 @@ def test_cli_trains_on_the_quantized_target_and_drafts_with_the_head(tmp_path):
 def test_cli_bad_input_exits_2_before_loading(tmp_path):
     r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--samples", "1")
     assert r.returncode == 2 and "samples=1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
+    for prompts, says in [(bad, "line 2 has no \"prompt\""), (tmp_path / "none.jsonl", "does not exist")]:
+        r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts", str(prompts))
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    bad.write_text(json.dumps({"prompt": "one"}) + "\n")
+    r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts", str(bad),
+             "--samples", "4")
+    assert r.returncode == 2 and "holds 1 prompts, fewer than --samples 4" in r.stderr
     folder = make_tiny_model(tmp_path, "llama")
     r = _cli("generate", str(folder), "--prompt", "hi", "--draft", f"eagle:{tmp_path / 'nothing'}")
     assert r.returncode == 2 and "not an EAGLE head" in r.stderr
@@ -339,30 +364,29 @@ def test_the_vllm_export_is_a_llama_layer_that_computes_what_the_head_does(tmp_p
 
 def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
     """Ragged chat prompts in one batch, each continued as ``generate(do_sample=False)`` would,
-    past the end-of-turn token, to the window's length; train_head writes them once."""
+    to the target's stop token or the window's length; train_head writes them once."""
     from helpers import make_tiny_tokenizer
 
-    from quantspec.specdec.eagle.distill import chat_prompt, self_distilled_windows
+    from quantspec.specdec.eagle.distill import chat_prompt, self_distilled_windows, window_prompts
 
     model = target(vocab=320)
     tok = make_tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
     windows = torch.stack([tok("The quick brown fox jumps over the lazy dog again and again", return_tensors="pt")
                            .input_ids[0][:24], torch.arange(40, 64)])
-    out = self_distilled_windows(model, tok, windows, prompt_tokens=9, batch_size=2, progress=False)
+    out, lengths = self_distilled_windows(model, window_prompts(tok, windows, 9), 24, batch_size=2, progress=False)
     assert out.shape == (2, 24)
-    for w, row in zip(windows, out):
+    for w, row, n in zip(windows, out, lengths):
         prompt = chat_prompt(tok, w[:9])
         assert prompt.numel() != 9 or not torch.equal(prompt, w[:9])  # the template was applied
-        ref = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.int64),
-                             do_sample=False, max_new_tokens=24 - prompt.numel(), eos_token_id=None,
-                             pad_token_id=0)[0]
-        assert torch.equal(row, ref[:24])
+        ref, end = greedy_reply(model, prompt, 24)
+        assert torch.equal(row, ref) and int(n) == end
     cfg = TrainConfig(samples=2, seqlen=24, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.5, prompt_tokens=9)
     train_head(model, windows, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
     from safetensors.torch import load_file
 
-    assert torch.equal(load_file(str(tmp_path / "h" / "features" / "distilled.safetensors"))["windows"], out)
+    held = load_file(str(tmp_path / "h" / "features" / "distilled.safetensors"))
+    assert torch.equal(held["windows"], out) and torch.equal(held["lengths"], lengths)
     assert torch.equal(features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0], out)
 
 
@@ -427,3 +451,106 @@ def test_teacher_forced_agreement_reads_what_the_loop_drafts_first():
     assert forced.tolist() == live
     hits = teacher_forced_matches(prop, seq, seq.numel() - n, model)
     assert hits == (forced == seq[-n:]).tolist()
+
+
+def test_training_on_requests_learns_the_targets_replies(tmp_path):
+    """With ``prompts`` (a JSONL file), the windows are the chat-templated requests and the
+    target's greedy replies; a different file is a different run (the features are refused)."""
+    from helpers import make_tiny_tokenizer
+
+    from quantspec.specdec.bench import encode
+
+    model = target(vocab=320)
+    tok = make_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    requests = ["Explain the fox", "Write a function that adds two numbers", "Summarize the lazy dog"]
+    file = tmp_path / "requests.jsonl"
+    file.write_text("".join(json.dumps({"id": i, "prompt": r}) + "\n" for i, r in enumerate(requests)))
+    cfg = TrainConfig(samples=3, seqlen=64, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.34,
+                      prompts=str(file))
+    report = train_head(model, None, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
+    assert report["features"]["prompts"] == str(file) and report["windows"] == 3
+    tokens = features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0]
+    ends = []
+    for r, row in zip(requests, tokens):
+        prompt = encode(tok, r, chat=True)[0]
+        ref, end = greedy_reply(model, prompt, 64)
+        assert prompt.numel() < 40 and torch.equal(row, ref)
+        ends.append(end)
+    assert report["scored_positions"] == sum(e - 1 for e in ends)
+    file.write_text("".join(json.dumps({"prompt": r + "!"}) + "\n" for r in requests))
+    with pytest.raises(QuantspecError, match="prompts_sha256"):
+        train_head(model, None, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
+
+
+def test_instruction_prompts_are_seeded_mixed_and_not_the_benchmarks():
+    """A third each of prose, write-a-function and edit-a-function requests, from the given
+    documents; the same seed gives the same requests; none is a benchmark or validation prompt."""
+    from pathlib import Path
+
+    from quantspec.specdec.eagle.prompts import EDIT, PROSE, WRITE, instruction_prompts, python_functions
+
+    code = ['import os\n\n\ndef join_all(parts, sep=","):\n    """Join the parts with a separator."""\n'
+            '    total = sep.join(parts)\n    return total\n\n\ndef _private(x):\n    return x\n    # no\n',
+            "def broken(:\n"]
+    funcs = python_functions(code)
+    assert [f["name"] for f in funcs] == ["join_all"]  # private and unparsable left out
+    assert funcs[0]["signature"] == "join_all(parts, sep=',')" and funcs[0]["summary"] == "Join the parts with a separator."
+    assert funcs[0]["names"] == ["parts", "sep", "total"]
+    prose = ["The fox ran far. It was a long way to the river. The river was cold and wide. "
+             "The fox swam across it anyway, because the other side had food. " * 3]
+    a = instruction_prompts(9, 1, prose, code)
+    assert a == instruction_prompts(9, 1, prose, code) and a != instruction_prompts(9, 2, prose, code)
+    heads = lambda ts: [t.split("{")[0] for t in ts]  # noqa: E731
+    kinds = [next(i for i, ts in enumerate((PROSE, WRITE, EDIT)) if any(p.startswith(h) for h in heads(ts)))
+             for p in a]
+    assert kinds == [0, 1, 2] * 3
+    assert all("join_all" in p for p, k in zip(a, kinds) if k)
+    here = Path(__file__).resolve().parents[1] / "benchmarks"
+    bench = [json.loads(x)["prompt"] for f in ("specdec_prompts.jsonl", "specdec_prompts_validation.jsonl")
+             for x in (here / f).read_text().splitlines() if x.strip()]
+    for template in PROSE + WRITE + EDIT:
+        lead = template.split("{")[0].strip()
+        assert lead and not any(b.startswith(lead) for b in bench), lead
+
+
+def test_replies_end_at_the_first_stop_token_and_only_text_is_scored():
+    """``continue_greedily`` ends a row at its first stop token (its length counts it), fills the
+    rest with it, and keeps the other rows' greedy text; the training loss and the held-out
+    agreement ignore every position past a window's length (changing the filler changes
+    nothing; scoring it, as before the lengths existed, does)."""
+    from quantspec.specdec.eagle.distill import continue_greedily
+
+    model = target()
+    prompts = [torch.arange(20, 26), torch.tensor([9, 40, 41])]
+    full, n_full = continue_greedily(model, prompts, 16)
+    assert n_full.tolist() == [16, 16]
+    stop = int(full[0, 8])  # row 0 writes it at position 8 (its 3rd new token)
+    first = [next(i for i in range(len(p), 16) if int(full[b, i]) == stop) if stop in full[b, len(p):].tolist()
+             else None for b, p in enumerate(prompts)]
+    out, lengths = continue_greedily(model, prompts, 16, frozenset({stop}))
+    for b, f in enumerate(first):
+        end = 16 if f is None else f + 1
+        assert int(lengths[b]) == end
+        assert torch.equal(out[b, :end], full[b, :end])
+        assert (out[b, end:] == stop).all()
+    assert int(lengths[0]) <= 9  # row 0 did stop
+
+    head = random_head(model, 256)
+    windows = self_windows(model, 2, 12)
+    feats = model_features(model, windows)
+    emb = model.get_input_embeddings()(windows[:, 1:])
+    valid = train_mod.scored(torch.tensor([7, 12]), 11)
+    assert valid.sum(1).tolist() == [6, 11]
+    other_feats, other_emb = feats.clone(), emb.clone()
+    other_feats[0, 7:] = torch.randn_like(other_feats[0, 7:])
+    other_emb[0, 6:] = torch.randn_like(other_emb[0, 6:])
+    with torch.no_grad():
+        loss, _ = train_mod.unrolled_losses(head, feats, emb, 2, 0.1, valid)
+        same, _ = train_mod.unrolled_losses(head, other_feats, other_emb, 2, 0.1, valid)
+        unmasked, _ = train_mod.unrolled_losses(head, other_feats, other_emb, 2, 0.1)
+    torch.testing.assert_close(same, loss, rtol=1e-6, atol=1e-7)
+    assert abs(float(unmasked) - float(loss)) > 1e-3
+    lm = model.get_output_embeddings().weight
+    assert train_mod.agreement(head, [(feats, emb, valid)], lm, 2) == \
+        train_mod.agreement(head, [(other_feats, other_emb, valid)], lm, 2)

@@ -62,7 +62,8 @@ def _token_ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
-def _stop_ids(target, eos_token_id) -> set[int]:
+def stop_ids(target, eos_token_id=None) -> set[int]:
+    """The token ids that end a generation: ``eos_token_id``, or the target's generation config's."""
     if eos_token_id is None:
         eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     return set(_token_ids(eos_token_id))
@@ -140,7 +141,7 @@ def speculative_generate(
         input_ids = input_ids.unsqueeze(0)
     prompts = _prompts(input_ids, attention_mask)
     device = next(target.parameters()).device
-    stops = _stop_ids(target, eos_token_id)
+    stops = stop_ids(target, eos_token_id)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -1,12 +1,14 @@
 """Self-distilled training text: what the target itself writes after a prompt.
 
 A head drafts for the target's own continuations, so it learns best from them (Medusa-2 and
-EAGLE train on the target's outputs for this reason). ``self_distilled_windows`` turns the first
-``prompt_tokens`` tokens of each text window into a prompt (a user turn of the chat template
-when the tokenizer has one, as ``generate --chat`` and ``bench-specdec`` send prompts) and lets
-the target continue it greedily to ``seqlen`` tokens, in batches through quantspec's decoder.
-The continuation is not stopped at an end-of-turn token: what the target writes after it is
-its text too, and every window keeps the same length.
+EAGLE train on the target's outputs for this reason). ``self_distilled_windows`` lets the target
+continue each prompt greedily to ``seqlen`` tokens, in batches through quantspec's decoder. The
+prompts are user turns of the chat template when the tokenizer has one (as ``generate --chat``
+and ``bench-specdec`` send prompts): requests (``prompts.py``; ``request_prompts``) or the first
+``prompt_tokens`` tokens of each text window (``window_prompts``).
+A reply ends at the target's first stop (end-of-turn) token: what it would write after one is
+not what it drafts for. Every window keeps its length; the tokens after the stop are filler, and
+``lengths`` says where each window's text ends (training scores only the positions before it).
 """
 
 from __future__ import annotations
@@ -28,37 +30,59 @@ def chat_prompt(tokenizer, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def continue_greedily(model: torch.nn.Module, prompts: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Each prompt continued by the target's greedy choice to ``length`` tokens: int64 [B, length]
-    (prompts longer than ``length`` are cut to it)."""
+def continue_greedily(model: torch.nn.Module, prompts: list[torch.Tensor], length: int,
+                      stops: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt continued by the target's greedy choice to ``length`` tokens (prompts longer
+    than ``length`` are cut to it): (int64 [B, length], int64 [B] lengths). A row's length counts
+    its prompt and its continuation up to and including its first token of ``stops`` (``length``
+    without one); once every row has stopped, generation ends and the rest is that stop token."""
     device = next(model.parameters()).device
     rows = [p[:length].to(device) for p in prompts]
-    steps = length - min(int(r.numel()) for r in rows)
-    if steps == 0:
-        return torch.stack(rows).cpu()
-    decoder = fast_decoder(model)
-    logits = decoder.forward(rows, keep=1)[:, -1]
     out = [list(r.tolist()) for r in rows]
+    ends = [length if r.numel() == length else 0 for r in rows]
+    steps = length - min(int(r.numel()) for r in rows)
+    if steps:
+        decoder = fast_decoder(model)
+        logits = decoder.forward(rows, keep=1)[:, -1]
     for i in range(steps):
         nxt = argmax(logits)
         for b, tok in enumerate(nxt.tolist()):
             out[b].append(tok)
-        if i + 1 < steps:
-            logits = decoder.step(nxt.unsqueeze(1), keep=1)[:, -1]
-    return torch.tensor([row[:length] for row in out], dtype=torch.int64)
+            if not ends[b] and (tok in stops or len(out[b]) >= length):
+                ends[b] = len(out[b])
+        if all(ends):
+            break
+        logits = decoder.step(nxt.unsqueeze(1), keep=1)[:, -1]
+    windows = [row[:e] + [row[e - 1]] * (length - e) for row, e in zip(out, ends)]
+    return torch.tensor(windows, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64)
 
 
-def self_distilled_windows(model: torch.nn.Module, tokenizer, windows: torch.Tensor, prompt_tokens: int,
-                           batch_size: int = 16, progress: bool = True) -> torch.Tensor:
-    """int64 [n, L]: for each window [L], its first ``prompt_tokens`` tokens as a (chat) prompt
-    and the target's greedy continuation to L tokens."""
+def window_prompts(tokenizer, windows: torch.Tensor, prompt_tokens: int) -> list[torch.Tensor]:
+    """The first ``prompt_tokens`` tokens of each window [L] as a (chat) prompt."""
+    return [chat_prompt(tokenizer, w[:prompt_tokens]) for w in windows]
+
+
+def request_prompts(tokenizer, texts: list[str]) -> list[torch.Tensor]:
+    """Each request as a user turn of the chat template (as ``bench-specdec`` sends prompts)."""
+    from ..bench import encode
+
+    return [encode(tokenizer, t, chat=True)[0] for t in texts]
+
+
+def self_distilled_windows(model: torch.nn.Module, prompts: list[torch.Tensor], length: int,
+                           batch_size: int = 16, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [n, length], int64 [n] lengths): each prompt (int64 [P]) and the target's greedy
+    reply, to its end-of-turn token (``continue_greedily`` with the target's stop tokens)."""
     from tqdm.auto import tqdm
 
-    n, length = windows.shape
-    prompts = [chat_prompt(tokenizer, w[:prompt_tokens]) for w in windows]
-    out = []
-    with tqdm(total=n, desc="target writes", unit="win", disable=not progress) as bar:
-        for i in range(0, n, batch_size):
-            out.append(continue_greedily(model, prompts[i:i + batch_size], length))
-            bar.update(out[-1].shape[0])
-    return torch.cat(out)
+    from ..loop import stop_ids
+
+    stops = frozenset(stop_ids(model))
+    windows, lengths = [], []
+    with tqdm(total=len(prompts), desc="target writes", unit="win", disable=not progress) as bar:
+        for i in range(0, len(prompts), batch_size):
+            w, n = continue_greedily(model, prompts[i:i + batch_size], length, stops)
+            windows.append(w)
+            lengths.append(n)
+            bar.update(w.shape[0])
+    return torch.cat(windows), torch.cat(lengths)

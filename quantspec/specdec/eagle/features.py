@@ -33,15 +33,9 @@ def _shard_path(folder: Path, i: int) -> Path:
     return folder / f"shard-{i:05d}.safetensors"
 
 
-def extract_features(model: torch.nn.Module, windows: torch.Tensor, folder: str | Path, key: dict,
-                     shard_size: int = 16, batch_size: int = 4, progress: bool = True) -> list[Path]:
-    """Features of every window of ``windows`` (int64 [n, L]) in shards under ``folder``.
-
-    ``key`` (JSON-able) says what they are of; a folder holding features of another key raises
-    QuantspecError. Finished shards are reused. Returns the shard paths in window order.
-    """
-    from tqdm.auto import tqdm
-
+def claim_folder(folder: str | Path, key: dict) -> Path:
+    """Mark ``folder`` as holding what ``key`` (JSON-able) describes; a folder already marked for
+    another key raises QuantspecError (nothing of another run is reused or mixed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     manifest = folder / MANIFEST
@@ -54,6 +48,19 @@ def extract_features(model: torch.nn.Module, windows: torch.Tensor, folder: str 
                                  "use another --out, or --overwrite to start over.")
     else:
         atomic_write_text(manifest, json.dumps(key, indent=1) + "\n")
+    return folder
+
+
+def extract_features(model: torch.nn.Module, windows: torch.Tensor, folder: str | Path, key: dict,
+                     shard_size: int = 16, batch_size: int = 4, progress: bool = True) -> list[Path]:
+    """Features of every window of ``windows`` (int64 [n, L]) in shards under ``folder``.
+
+    ``key`` says what they are of (``claim_folder``). Finished shards are reused. Returns the
+    shard paths in window order.
+    """
+    from tqdm.auto import tqdm
+
+    folder = claim_folder(folder, key)
     n = windows.shape[0]
     paths = [_shard_path(folder, i) for i in range((n + shard_size - 1) // shard_size)]
     done = sum(shard_size if (i + 1) * shard_size <= n else n - i * shard_size

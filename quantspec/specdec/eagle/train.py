@@ -1,9 +1,11 @@
 """Training an EAGLE head on the target's features (``quantspec train-draft``).
 
-Data: ``samples`` windows of ``seqlen`` tokens of local text (``data.calibration_samples``), or
-with ``prompt_tokens`` > 0 the target's own greedy continuation of each window's first tokens as a
-chat prompt (self-distillation, ``distill.py``), and their target features (``features.py``; with ``--quantized``, the quantized target's, so the head
-learns the model that will serve). A seeded ``val_fraction`` of the windows is held out.
+Data: ``samples`` windows of ``seqlen`` tokens of local text (``data.calibration_samples``), or the
+target's own greedy replies (self-distillation, ``distill.py``): to ``samples`` requests with
+``prompts`` (``instructions``, made from local text, or a JSONL file; ``prompts.py``), or to each
+window's first ``prompt_tokens`` tokens as a chat prompt; and their target features
+(``features.py``; with ``--quantized``, the quantized target's, so the head learns the model that
+will serve). A seeded ``val_fraction`` of the windows is held out.
 
 Objective per position t (EAGLE-1): the head reads ``(f_t, x_{t+1})`` and predicts ``f_{t+1}``;
 loss = smooth-L1 to the real ``f_{t+1}`` + ``cls_weight`` x the cross-entropy of the head's
@@ -22,6 +24,7 @@ epoch, the held-out top-1 agreement of the head with the target at depths 1..unr
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -35,8 +38,9 @@ import torch.nn.functional as F
 from ...checkpoint.atomic import atomic_write_bytes, atomic_write_text
 from ...errors import QuantspecError
 from .export import export_vllm
-from .features import extract_features, load_features
+from .features import claim_folder, extract_features, load_features
 from .head import EagleConfig, EagleHead
+from .prompts import training_prompts
 
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "train_report.json"
@@ -59,6 +63,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 50
     prompt_tokens: int = 0  # > 0: train on the target's own greedy text after that many (distill.py)
+    prompts: str = ""  # "instructions" or a JSONL file: train on the target's replies to these requests
 
     def __post_init__(self):
         checks = [
@@ -75,6 +80,8 @@ class TrainConfig:
             (self.save_every >= 1, f"save_every={self.save_every}", "use at least 1 step"),
             (0 <= self.prompt_tokens < self.seqlen, f"prompt_tokens={self.prompt_tokens}",
              "use 0 (the text as it is) or fewer tokens than seqlen"),
+            (not (self.prompts and self.prompt_tokens), f"prompts={self.prompts!r} with prompt_tokens="
+             f"{self.prompt_tokens}", "use one of them: requests (--prompts) or window prompts (--prompt-tokens)"),
         ]
         for ok, what, fix in checks:
             if not ok:
@@ -96,20 +103,30 @@ def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     return head.weight.detach().to(torch.float32)
 
 
+def scored(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: position t of a window predicts feature t + 1, which is text (not the
+    filler after a self-distilled reply's end) when t + 1 < the window's length."""
+    return torch.arange(1, width + 1).unsqueeze(0) < lengths.unsqueeze(1)
+
+
 def unrolled_losses(head: EagleHead, feats: torch.Tensor, emb: torch.Tensor, unroll: int,
-                    cls_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The training loss of windows (features [B, L, H], next-token embeddings [B, L-1, H]) and
-    the head's predictions [B, L-1, H] of each pass (pass d predicts at depth d)."""
+                    cls_weight: float, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The training loss of windows (features [B, L, H], next-token embeddings [B, L-1, H]; the
+    positions ``valid`` [B, L-1] scores, default all) and the head's predictions [B, L-1, H] of
+    each pass (pass d predicts at depth d)."""
     real_in, target = feats[:, :-1], feats[:, 1:]
     pos = torch.arange(real_in.shape[1], device=feats.device).unsqueeze(0).expand(feats.shape[0], -1)
+    weight = torch.ones(real_in.shape[:2], device=feats.device) if valid is None else valid.to(feats.dtype)
     with torch.no_grad():
         p = F.softmax(head.logits(target), dim=-1)
     total, preds, inputs = feats.new_zeros(()), [], real_in
     for d in range(unroll):
         pred, _ = head(inputs, emb, pos)
         sl = slice(d, None)  # positions before d read only real features: pass d-1 scored them
-        reg = F.smooth_l1_loss(pred[:, sl], target[:, sl])
-        ce = -(p[:, sl] * F.log_softmax(head.logits(pred[:, sl]), dim=-1)).sum(-1).mean()
+        w = weight[:, sl]
+        count = w.sum().clamp(min=1.0)
+        reg = (F.smooth_l1_loss(pred[:, sl], target[:, sl], reduction="none").mean(-1) * w).sum() / count
+        ce = (-(p[:, sl] * F.log_softmax(head.logits(pred[:, sl]), dim=-1)).sum(-1) * w).sum() / count
         total = total + reg + cls_weight * ce
         preds.append(pred)
         inputs = torch.cat([real_in[:, :1], pred[:, :-1]], dim=1)
@@ -118,35 +135,40 @@ def unrolled_losses(head: EagleHead, feats: torch.Tensor, emb: torch.Tensor, unr
 
 @torch.no_grad()
 def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) -> list[float]:
-    """Held-out top-1 agreement at depth 1..unroll over ``batches`` of (features, embeddings):
-    the head's draft (as a target id) equals the target's argmax next token, over the
-    positions each depth scores."""
+    """Held-out top-1 agreement at depth 1..unroll over ``batches`` of (features, embeddings,
+    valid positions): the head's draft (as a target id) equals the target's argmax next token,
+    over the valid positions each depth scores."""
     hits, counts = [0.0] * unroll, [0] * unroll
-    for feats, emb in batches:
-        _, preds = unrolled_losses(head, feats, emb, unroll, 0.0)
+    for feats, emb, valid in batches:
+        _, preds = unrolled_losses(head, feats, emb, unroll, 0.0, valid)
         truth = F.linear(feats[:, 1:], full_head).argmax(-1)
         for d, pred in enumerate(preds):
             same = (head.token_ids[head.logits(pred).argmax(-1)] == truth)[:, d:]
-            hits[d] += float(same.sum())
-            counts[d] += same.numel()
+            hits[d] += float(same[valid[:, d:]].sum())
+            counts[d] += int(valid[:, d:].sum())
     return [h / max(1, c) for h, c in zip(hits, counts)]
 
 
-def _distilled(model, tokenizer, windows, cfg: TrainConfig, folder: Path, progress: bool) -> torch.Tensor:
-    """The target's own text (``distill.py``), written once beside the features."""
+def _distilled(model, tokenizer, windows, requests, cfg: TrainConfig, folder: Path, progress: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own text and each window's length (``distill.py``), written once beside the
+    features."""
     from safetensors.torch import load_file
 
     from ...checkpoint.atomic import atomic_save_file
-    from .distill import self_distilled_windows
+    from .distill import request_prompts, self_distilled_windows, window_prompts
 
     path = folder / "distilled.safetensors"
     if path.is_file():
-        return load_file(str(path))["windows"]
+        held = load_file(str(path))
+        return held["windows"], held["lengths"]
     if tokenizer is None:
-        raise ValueError("prompt_tokens needs the target's tokenizer")
-    text = self_distilled_windows(model, tokenizer, windows, cfg.prompt_tokens, progress=progress)
-    atomic_save_file({"windows": text.contiguous()}, path)
-    return text
+        raise ValueError("self-distillation (prompts, prompt_tokens) needs the target's tokenizer")
+    prompts = request_prompts(tokenizer, requests) if requests is not None \
+        else window_prompts(tokenizer, windows, cfg.prompt_tokens)
+    text, lengths = self_distilled_windows(model, prompts, cfg.seqlen, progress=progress)
+    atomic_save_file({"windows": text.contiguous(), "lengths": lengths.contiguous()}, path)
+    return text, lengths
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:
@@ -161,27 +183,38 @@ def _save_state(path: Path, **state) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, out: str | Path,
+def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainConfig, out: str | Path,
                key: dict, progress: bool = True, tokenizer=None) -> dict:
-    """Train an EAGLE head for ``model`` on ``windows`` (int64 [n, L]); write it to ``out``.
+    """Train an EAGLE head for ``model`` on ``windows`` (int64 [n, L]; None with ``cfg.prompts``,
+    whose requests are read here); write it to ``out``.
 
     ``key``: what the features are of (target, data, quantized checkpoint), for the feature
-    cache and the resume check. ``tokenizer``: the target's, needed with ``cfg.prompt_tokens``
-    (the prompts go through its chat template). Returns the report (also written to
-    ``train_report.json``).
+    cache and the resume check. ``tokenizer``: the target's, needed with ``cfg.prompts`` and
+    ``cfg.prompt_tokens`` (the prompts go through its chat template). Returns the report (also
+    written to ``train_report.json``).
     """
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if cfg.prompt_tokens:
-        windows = _distilled(model, tokenizer, windows, cfg, out / "features", progress)
-    paths = extract_features(model, windows, out / "features", {**key, "prompt_tokens": cfg.prompt_tokens},
-                             progress=progress)
+    key = {**key, "prompt_tokens": cfg.prompt_tokens}
+    requests = None
+    if cfg.prompts:
+        requests = training_prompts(cfg.prompts, cfg.samples, cfg.seed, prose=cfg.data)
+        digest = hashlib.sha256(json.dumps(requests).encode()).hexdigest()[:16]
+        key = {**key, "prompts": cfg.prompts, "prompts_sha256": digest}
+    elif windows is None:
+        raise ValueError("train_head needs token windows unless cfg.prompts names the requests")
+    lengths = None
+    if cfg.prompts or cfg.prompt_tokens:
+        claim_folder(out / "features", key)  # before the distilled text is reused or written
+        windows, lengths = _distilled(model, tokenizer, windows, requests, cfg, out / "features", progress)
+    paths = extract_features(model, windows, out / "features", key, progress=progress)
     t_feat = time.perf_counter() - t0
     tokens, feats16 = load_features(paths)
     n = tokens.shape[0]
+    valid = scored(torch.full((n,), tokens.shape[1]) if lengths is None else lengths, tokens.shape[1] - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
     n_val = max(1, round(n * cfg.val_fraction))
     val, train = order[:n_val], order[n_val:]
@@ -217,8 +250,8 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, 
         sched.load_state_dict(state["sched"])
         step, history = state["step"], state["history"]
 
-    def batch_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table)
+    def batch_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table), valid[idx]
 
     def save() -> None:
         _save_state(state_path, key=run_key, head=head.state_dict(), opt=opt.state_dict(),
@@ -231,7 +264,8 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, 
             perm = train[torch.randperm(train.numel(), generator=torch.Generator().manual_seed(cfg.seed + 1 + epoch))]
             idx = perm[within * cfg.batch_size:(within + 1) * cfg.batch_size]
             head.train()
-            loss, _ = unrolled_losses(head, *batch_of(idx), cfg.unroll, cfg.cls_weight)
+            feats, emb, ok = batch_of(idx)
+            loss, _ = unrolled_losses(head, feats, emb, cfg.unroll, cfg.cls_weight, ok)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -252,9 +286,10 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor, cfg: TrainConfig, 
     head.eval()
     head.save(out)
     export_vllm(head, model.config, out / VLLM_FOLDER, overwrite=True)
-    val_tokens = tokens[val][:, 1:]
+    val_tokens = tokens[val][:, 1:][valid[val]]
     report = {
         "head": asdict(hcfg), "train": asdict(cfg), "features": key, "windows": n, "held_out": n_val,
+        "scored_positions": int(valid.sum()),
         "history": history, "draft_vocab_coverage": round(float(torch.isin(val_tokens, ids).float().mean()), 4),
         "feature_seconds": round(t_feat, 1), "train_seconds_this_run": round(time.perf_counter() - t1, 1),
     }
