@@ -28,7 +28,6 @@ from quantspec.specdec.eagle.head import EagleConfig, EagleHead, load_head
 from quantspec.specdec.eagle.proposer import EagleProposer, eagle_proposer
 from quantspec.specdec.eagle.train import TrainConfig, draft_vocabulary, train_head
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
 
@@ -367,7 +366,11 @@ def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
     to the target's stop token or the window's length; train_head writes them once."""
     from helpers import make_tiny_tokenizer
 
-    from quantspec.specdec.eagle.distill import chat_prompt, self_distilled_windows, window_prompts
+    from quantspec.specdec.eagle.distill import (
+        chat_prompt,
+        self_distilled_windows,
+        window_prompts,
+    )
 
     model = target(vocab=320)
     tok = make_tiny_tokenizer()
@@ -488,10 +491,16 @@ def test_instruction_prompts_are_seeded_mixed_and_not_the_benchmarks():
     documents; the same seed gives the same requests; none is a benchmark or validation prompt."""
     from pathlib import Path
 
-    from quantspec.specdec.eagle.prompts import EDIT, PROSE, WRITE, instruction_prompts, python_functions
+    from quantspec.specdec.eagle.prompts import (
+        EDIT,
+        PROSE,
+        WRITE,
+        instruction_prompts,
+        python_functions,
+    )
 
-    code = ['import os\n\n\ndef join_all(parts, sep=","):\n    """Join the parts with a separator."""\n'
-            '    total = sep.join(parts)\n    return total\n\n\ndef _private(x):\n    return x\n    # no\n',
+    code = [('import os\n\n\ndef join_all(parts, sep=","):\n    """Join the parts with a separator."""\n'
+             '    total = sep.join(parts)\n    return total\n\n\ndef _private(x):\n    return x\n    # no\n'),
             "def broken(:\n"]
     funcs = python_functions(code)
     assert [f["name"] for f in funcs] == ["join_all"]  # private and unparsable left out
@@ -501,9 +510,8 @@ def test_instruction_prompts_are_seeded_mixed_and_not_the_benchmarks():
              "The fox swam across it anyway, because the other side had food. " * 3]
     a = instruction_prompts(9, 1, prose, code)
     assert a == instruction_prompts(9, 1, prose, code) and a != instruction_prompts(9, 2, prose, code)
-    heads = lambda ts: [t.split("{")[0] for t in ts]  # noqa: E731
-    kinds = [next(i for i, ts in enumerate((PROSE, WRITE, EDIT)) if any(p.startswith(h) for h in heads(ts)))
-             for p in a]
+    leads = [[t.split("{")[0] for t in ts] for ts in (PROSE, WRITE, EDIT)]
+    kinds = [next(i for i, hs in enumerate(leads) if any(p.startswith(h) for h in hs)) for p in a]
     assert kinds == [0, 1, 2] * 3
     assert all("join_all" in p for p, k in zip(a, kinds) if k)
     here = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -41,11 +41,11 @@ WRITE = (
 EDIT = (
     "Add Python type annotations to the function below. Reply with the complete code.\n\n```python\n{code}\n```",
     "Write a docstring for this function and give back the whole function:\n\n```python\n{code}\n```",
-    "In the code below, rename `{var}` to `{new_var}` wherever it appears, and show the updated function:\n\n"
-    "```python\n{code}\n```",
+    ("In the code below, rename `{var}` to `{new_var}` wherever it appears, and show the updated function:\n\n"
+     "```python\n{code}\n```"),
     "Explain step by step what this Python function does:\n\n```python\n{code}\n```",
-    "Make this function shorter and easier to read without changing its behaviour. Give the full new "
-    "version.\n\n```python\n{code}\n```",
+    ("Make this function shorter and easier to read without changing its behaviour. Give the full new "
+     "version.\n\n```python\n{code}\n```"),
     "Find a possible bug or edge case in this function and show a corrected version:\n\n```python\n{code}\n```",
 )
 

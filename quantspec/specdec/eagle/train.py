@@ -80,8 +80,8 @@ class TrainConfig:
             (self.save_every >= 1, f"save_every={self.save_every}", "use at least 1 step"),
             (0 <= self.prompt_tokens < self.seqlen, f"prompt_tokens={self.prompt_tokens}",
              "use 0 (the text as it is) or fewer tokens than seqlen"),
-            (not (self.prompts and self.prompt_tokens), f"prompts={self.prompts!r} with prompt_tokens="
-             f"{self.prompt_tokens}", "use one of them: requests (--prompts) or window prompts (--prompt-tokens)"),
+            (not (self.prompts and self.prompt_tokens), f"prompts={self.prompts!r} with prompt_tokens={self.prompt_tokens}",
+             "use one of them: requests (--prompts) or window prompts (--prompt-tokens)"),
         ]
         for ok, what, fix in checks:
             if not ok:
