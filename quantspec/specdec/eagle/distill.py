@@ -23,10 +23,7 @@ def chat_prompt(tokenizer, ids: torch.Tensor) -> torch.Tensor:
     """int64 [P']: ``ids`` as a user turn of the chat template (``ids`` as they are without one)."""
     if not getattr(tokenizer, "chat_template", None):
         return ids
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(chat, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    return request_prompts(tokenizer, [tokenizer.decode(ids, skip_special_tokens=True)])[0]
 
 
 @torch.inference_mode()
