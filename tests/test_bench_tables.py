@@ -58,3 +58,27 @@ def test_quant_cost_measures_the_quantize_process_peak(tmp_path, monkeypatch):
     # loop of 20M additions cannot (about 0.25 s here)
     assert small["user_s"] >= 0 and small["sys_s"] >= 0
     assert big["user_s"] >= 0.05, (small, big)
+
+
+def test_specdec_acceptance_puts_trees_beside_each_drafts_chain(tmp_path):
+    """Every draft gets its chain row and one row per --tree, each lossless (greedy == target)
+    and offering the tree's nodes; a bad --tree is refused before anything loads."""
+    import json
+
+    import pytest
+    from helpers import make_tiny_model
+
+    mod = runpy.run_path(str(BENCH / "specdec_acceptance.py"))
+    with pytest.raises(SystemExit, match="KIND:NODES:TOPK"):
+        mod["tree_spec"]("dynamic:8", 3)
+    folder = make_tiny_model(tmp_path, "llama")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "kind": "prose", "prompt": "the the the cat the the"}) + "\n")
+    mod["main"]([str(folder), "--draft", str(folder), "--tree", "static:6:2", "--k", "3", "--prompts", str(prompts),
+                 "--no-chat", "--max-new-tokens", "12", "--name", "acc", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "acc.json").read_text())["drafts"]
+    chain, tree = str(folder), f"{folder} tree static:6:2"  # the target drafting for itself
+    assert list(rows) == [chain, tree]
+    assert all(r["greedy_matches_target"] == 1 for r in rows.values())
+    assert rows[chain]["mean_proposed"] <= 3 < rows[tree]["mean_proposed"] <= 6
+    assert f"| {tree} |" in (tmp_path / "acc.md").read_text()
