@@ -386,11 +386,21 @@ def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
         assert torch.equal(row, ref) and int(n) == end
     cfg = TrainConfig(samples=2, seqlen=24, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.5, prompt_tokens=9)
     train_head(model, windows, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
-    held = load_file(str(tmp_path / "h" / "features" / "distilled.safetensors"))
+    held = load_file(str(tmp_path / "h" / "features" / "distilled-00000.safetensors"))
     assert torch.equal(held["windows"], out) and torch.equal(held["lengths"], lengths)
     assert torch.equal(features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0], out)
+    # a stopped run continues: batches already written are read back, the rest are computed
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    marked = out[:1].clone()
+    marked[0, -1] = 7
+    save_file({"windows": marked, "lengths": lengths[:1]}, str(parts / "distilled-00000.safetensors"))
+    again, n2 = self_distilled_windows(model, window_prompts(tok, windows, 9), 24, batch_size=1, progress=False,
+                                       folder=parts)
+    assert torch.equal(again[0], marked[0]) and torch.equal(again[1], out[1]) and torch.equal(n2, lengths)
+    assert (parts / "distilled-00001.safetensors").is_file()
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])

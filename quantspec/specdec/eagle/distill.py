@@ -13,6 +13,8 @@ not what it drafts for. Every window keeps its length; the tokens after the stop
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ...kernels.small_ops import argmax
@@ -67,18 +69,32 @@ def request_prompts(tokenizer, texts: list[str]) -> list[torch.Tensor]:
 
 
 def self_distilled_windows(model: torch.nn.Module, prompts: list[torch.Tensor], length: int,
-                           batch_size: int = 16, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           batch_size: int = 16, progress: bool = True,
+                           folder: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [n, length], int64 [n] lengths): each prompt (int64 [P]) and the target's greedy
-    reply, to its end-of-turn token (``continue_greedily`` with the target's stop tokens)."""
+    reply, to its end-of-turn token (``continue_greedily`` with the target's stop tokens).
+
+    ``folder``: each batch is written there (``distilled-00000.safetensors``, atomically) and a
+    batch already there is read back, so a stopped run continues where it stopped.
+    """
+    from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
+    from ...checkpoint.atomic import atomic_save_file
     from ..loop import stop_ids
 
     stops = frozenset(stop_ids(model))
     windows, lengths = [], []
     with tqdm(total=len(prompts), desc="target writes", unit="win", disable=not progress) as bar:
         for i in range(0, len(prompts), batch_size):
-            w, n = continue_greedily(model, prompts[i:i + batch_size], length, stops)
+            path = None if folder is None else Path(folder) / f"distilled-{i // batch_size:05d}.safetensors"
+            if path is not None and path.is_file():
+                held = load_file(str(path))
+                w, n = held["windows"], held["lengths"]
+            else:
+                w, n = continue_greedily(model, prompts[i:i + batch_size], length, stops)
+                if path is not None:
+                    atomic_save_file({"windows": w.contiguous(), "lengths": n.contiguous()}, path)
             windows.append(w)
             lengths.append(n)
             bar.update(w.shape[0])

@@ -151,24 +151,15 @@ def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) ->
 
 def _distilled(model, tokenizer, windows, requests, cfg: TrainConfig, folder: Path, progress: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's own text and each window's length (``distill.py``), written once beside the
-    features."""
-    from safetensors.torch import load_file
-
-    from ...checkpoint.atomic import atomic_save_file
+    """The target's own text and each window's length (``distill.py``), written batch by batch
+    beside the features (a stopped run continues from the batches it wrote)."""
     from .distill import request_prompts, self_distilled_windows, window_prompts
 
-    path = folder / "distilled.safetensors"
-    if path.is_file():
-        held = load_file(str(path))
-        return held["windows"], held["lengths"]
     if tokenizer is None:
         raise ValueError("self-distillation (prompts, prompt_tokens) needs the target's tokenizer")
     prompts = request_prompts(tokenizer, requests) if requests is not None \
         else window_prompts(tokenizer, windows, cfg.prompt_tokens)
-    text, lengths = self_distilled_windows(model, prompts, cfg.seqlen, progress=progress)
-    atomic_save_file({"windows": text.contiguous(), "lengths": lengths.contiguous()}, path)
-    return text, lengths
+    return self_distilled_windows(model, prompts, cfg.seqlen, progress=progress, folder=folder)
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:
