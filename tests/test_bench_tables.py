@@ -61,8 +61,8 @@ def test_quant_cost_measures_the_quantize_process_peak(tmp_path, monkeypatch):
 
 
 def test_specdec_acceptance_puts_trees_beside_each_drafts_chain(tmp_path):
-    """Every draft gets its chain row and one row per --tree, each lossless (greedy == target)
-    and offering the tree's nodes; a bad --tree is refused before anything loads."""
+    """Every draft gets its chain row and one row per --tree (drafts that grow trees), each
+    lossless (greedy == target) and offering the tree's nodes; a bad --tree is refused."""
     import json
 
     import pytest
@@ -74,11 +74,11 @@ def test_specdec_acceptance_puts_trees_beside_each_drafts_chain(tmp_path):
     folder = make_tiny_model(tmp_path, "llama")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "kind": "prose", "prompt": "the the the cat the the"}) + "\n")
-    mod["main"]([str(folder), "--draft", str(folder), "--tree", "static:6:2", "--k", "3", "--prompts", str(prompts),
+    mod["main"]([str(folder), "--draft", str(folder), "--draft", "ngram", "--tree", "static:6:2", "--k", "3", "--prompts", str(prompts),
                  "--no-chat", "--max-new-tokens", "12", "--name", "acc", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "acc.json").read_text())["drafts"]
     chain, tree = str(folder), f"{folder} tree static:6:2"  # the target drafting for itself
-    assert list(rows) == [chain, tree]
+    assert list(rows) == [chain, tree, "ngram"]  # an n-gram draft grows no trees: its chain only
     assert all(r["greedy_matches_target"] == 1 for r in rows.values())
     assert rows[chain]["mean_proposed"] <= 3 < rows[tree]["mean_proposed"] <= 6
     assert f"| {tree} |" in (tmp_path / "acc.md").read_text()
