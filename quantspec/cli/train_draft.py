@@ -79,8 +79,7 @@ def run(args) -> int:
     if args.overwrite and out.exists():
         shutil.rmtree(out)
     windows = None if cfg.prompts else calibration_samples(tokenizer, cfg.data, cfg.samples, cfg.seqlen, cfg.seed)
-    key = {"target": name, "features": args.quantized or "dense", "data": cfg.data,
-           "samples": cfg.samples,
+    key = {"target": name, "features": args.quantized or "dense", "data": cfg.data, "samples": cfg.samples,
            "seqlen": cfg.seqlen, "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
     report = train_head(model, windows, cfg, out, key, progress=not args.no_progress, tokenizer=tokenizer)
     last = report["history"][-1] if report["history"] else {}
