@@ -309,7 +309,7 @@ def test_cli_bad_input_exits_2_before_loading(tmp_path):
     assert r.returncode == 2 and "samples=1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
-    for prompts, says in [(bad, "line 2 has no \"prompt\""), (tmp_path / "none.jsonl", "does not exist")]:
+    for prompts, says in [(bad, "line 2 has no string field \"prompt\""), (tmp_path / "none.jsonl", "does not exist")]:
         r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts", str(prompts))
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     bad.write_text(json.dumps({"prompt": "one"}) + "\n")

@@ -63,7 +63,9 @@ def _read_utf8(path: Path) -> str:
     return text
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def read_jsonl(path: Path, field: str = "text") -> list[str]:
+    """The string ``field`` of every line of a JSONL file (blank ones skipped); a line that is
+    not JSON or has no such string raises QuantspecError naming the line."""
     docs = []
     for lineno, line in enumerate(_read_utf8(path).splitlines(), 1):
         if not line.strip():
@@ -72,12 +74,12 @@ def _read_jsonl(path: Path) -> list[str]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise QuantspecError(f"{path} line {lineno} is not valid JSON ({exc.msg}).",
-                                 "write one JSON object per line, each with a \"text\" field.") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise QuantspecError(f"{path} line {lineno} has no string field \"text\".",
-                                 "write one JSON object per line, each with a \"text\" field.")
-        if row["text"].strip():
-            docs.append(row["text"])
+                                 f"write one JSON object per line, each with a \"{field}\" field.") from exc
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise QuantspecError(f"{path} line {lineno} has no string field \"{field}\".",
+                                 f"write one JSON object per line, each with a \"{field}\" field.")
+        if row[field].strip():
+            docs.append(row[field])
     if not docs:
         raise QuantspecError(f"{path} has no non-empty \"text\" documents.", "pass a file with text in it.")
     return docs
@@ -86,7 +88,7 @@ def _read_jsonl(path: Path) -> list[str]:
 def _from_file(path: Path, label: str | None = None) -> TextSource:
     label = label or f"file:{path.resolve()}"
     if path.suffix.lower() == ".jsonl":
-        docs = _read_jsonl(path)
+        docs = read_jsonl(path)
         return TextSource("\n\n".join(docs), label, str(path), docs)
     return TextSource(_read_utf8(path), label, str(path), None)
 

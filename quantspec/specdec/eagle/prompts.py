@@ -14,7 +14,6 @@ prompt with the benchmark or validation prompt files.
 from __future__ import annotations
 
 import ast
-import json
 import random
 import re
 import textwrap
@@ -133,22 +132,12 @@ def instruction_prompts(n: int, seed: int, prose_docs: list[str], code_docs: lis
 
 def prompts_from_file(path: str | Path) -> list[str]:
     """The ``prompt`` field of every line of a JSONL file."""
+    from ...data.sources import read_jsonl
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise QuantspecError(f"prompts file {path} does not exist.", "pass a JSONL file with a \"prompt\" per line.")
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise QuantspecError(f"{path} line {i} is not JSON ({exc.msg}).",
-                                 "write one {\"prompt\": \"...\"} object per line.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise QuantspecError(f"{path} line {i} has no \"prompt\" text.",
-                                 "write one {\"prompt\": \"...\"} object per line.")
-        rows.append(row["prompt"])
+    rows = read_jsonl(path, "prompt")
     if not rows:
         raise QuantspecError(f"{path} holds no prompts.", "write one {\"prompt\": \"...\"} object per line.")
     return rows
