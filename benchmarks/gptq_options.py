@@ -50,6 +50,8 @@ from quantspec.quant.registry import build_method  # noqa: E402
 
 SAMPLES, SEQLEN, VAL_FIRST_DOC = 64, 512, 1800
 C4 = DATA / "c4" / "c4-validation-2k.jsonl"
+
+
 def _reported_alone(used: set, value) -> bool:
     return used == {value}
 

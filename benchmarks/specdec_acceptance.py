@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
     from quantspec.specdec.bench import encode, load_prompts
-    from quantspec.specdec.proposers import Proposer
     from quantspec.specdec.stats import SpecStats
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.draft:
         proposer = make_proposer(spec, target, tok)
         for tree, label in zip(trees, [spec] + [f"{spec} tree {t}" for t in args.tree]):
-            if tree is not None and type(proposer).propose_tree is Proposer.propose_tree:
+            if tree is not None and not proposer.grows_trees:
                 continue  # this draft grows no trees (an n-gram draft): its chain only
             stats, same = SpecStats(), []
             for ids, ref in zip(inputs, refs):

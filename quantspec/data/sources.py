@@ -81,7 +81,7 @@ def read_jsonl(path: Path, field: str = "text") -> list[str]:
         if row[field].strip():
             docs.append(row[field])
     if not docs:
-        raise QuantspecError(f"{path} has no non-empty \"text\" documents.", "pass a file with text in it.")
+        raise QuantspecError(f"{path} has no non-empty \"{field}\" documents.", "pass a file with text in it.")
     return docs
 
 

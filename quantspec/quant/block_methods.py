@@ -205,7 +205,8 @@ class GPTQMethod(BlockMethod):
     def _float_pass(self, block, inputs, kwargs, modules, index: int,
                     precision) -> tuple[dict[str, torch.Tensor], bool]:
         """Asymmetric calibration: run the block with its float weights on the float model's
-        hidden states, under ``precision`` (gptq.forward_dtype's context factory); returns each planned Linear's input there (its first call) and whether
+        hidden states, under ``precision`` (gptq.forward_dtype's context factory); returns each
+        planned Linear's input there (its first call) and whether
         the float stream restarted here, and keeps the block's output as the next block's
         float stream. The stream restarts from the quantized model's inputs where the block
         before had nothing planned (the engine, not the method, ran it)."""

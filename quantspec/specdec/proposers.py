@@ -65,6 +65,7 @@ class Proposer:
 
     name: str = "proposer"
     needs_features: bool = False
+    grows_trees: bool = False  # propose_tree is implemented (draft models, EAGLE heads)
 
     def propose(
         self,
@@ -118,6 +119,8 @@ class DraftModel(Proposer):
     rejected ones. Compatibility with the target is checked by ``make_proposer``
     (``check_same_vocab``), not here.
     """
+
+    grows_trees = True
 
     def __init__(self, model: torch.nn.Module, name: str = "draft"):
         self.model = model.eval()

@@ -34,7 +34,7 @@ PROSE = (
 )
 WRITE = (
     "Write a Python function `{signature}` that {summary} Include a docstring.",
-    "Implement `{signature}` in Python. It should {summary_verb}",
+    "Implement `{signature}` in Python. It should {summary}",
     "Please write the Python function `{name}`: {summary} Show the complete code.",
 )
 EDIT = (
@@ -120,8 +120,7 @@ def instruction_prompts(n: int, seed: int, prose_docs: list[str], code_docs: lis
         elif kind == 1:
             f = rng.choice(documented)
             summary = _lower_first(f["summary"].rstrip(".")) + "."
-            out.append(rng.choice(WRITE).format(signature=f["signature"], name=f["name"], summary=summary,
-                                                summary_verb=summary))
+            out.append(rng.choice(WRITE).format(signature=f["signature"], name=f["name"], summary=summary))
         else:
             f = rng.choice(funcs)
             template = rng.choice(EDIT if f["names"] else [t for t in EDIT if "{var}" not in t])
@@ -137,10 +136,7 @@ def prompts_from_file(path: str | Path) -> list[str]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise QuantspecError(f"prompts file {path} does not exist.", "pass a JSONL file with a \"prompt\" per line.")
-    rows = read_jsonl(path, "prompt")
-    if not rows:
-        raise QuantspecError(f"{path} holds no prompts.", "write one {\"prompt\": \"...\"} object per line.")
-    return rows
+    return read_jsonl(path, "prompt")
 
 
 def training_prompts(spec: str, n: int, seed: int, prose: str = "c4") -> list[str]:

@@ -45,6 +45,7 @@ class EagleProposer(Proposer):
     embedding (the head reads the embeddings of the tokens the target committed)."""
 
     needs_features = True
+    grows_trees = True
 
     def __init__(self, head: EagleHead, embed: nn.Module, name: str = "eagle"):
         self.head = head.eval()
