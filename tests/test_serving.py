@@ -411,8 +411,15 @@ def test_cli_bad_input_is_one_line_before_any_server(engine_python, tmp_path):
     assert not (tmp_path / "o2" / "serve-bench.json").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig):
+def _block_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+@pytest.mark.parametrize("sig, blocked", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["sigint", "sigterm", "sigterm-blocked-by-the-launcher"])
+def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig, blocked):
+    """Interrupted during a level, the CLI stops the engine, marks the JSON and exits 130; also
+    when it was launched with SIGTERM blocked (the mask is inherited: it then stayed pending)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -422,14 +429,24 @@ def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig
     p = subprocess.Popen([sys.executable, "-m", "quantspec", "serve-bench", str(model), "--engine-python", engine_python,
                           "--dataset", str(prompts), "--num-prompts", "50", "--concurrency", "1", "--out",
                           str(tmp_path / "o")], env={**os.environ, "FAKE_CHILD": str(child), "FAKE_TPOT_MS": "20"},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_block_sigterm if blocked else None)
     deadline = time.time() + 120
     while time.time() < deadline and not (child.is_file() and "listening" in _read_log(tmp_path / "o")):
         time.sleep(0.1)
     time.sleep(1.5)  # warm-up done, the first level under way
     kid = int(child.read_text())
     p.send_signal(sig)
-    _, err = p.communicate(timeout=120)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        status = _read(Path(f"/proc/{p.pid}/status"))
+        p.kill()
+        p.communicate()
+        mine = sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+        pytest.fail("the CLI did not exit within 120 s of the signal; its signal state: "
+                    + "; ".join(ln for ln in status.splitlines() if ln.startswith("Sig") or ln.startswith("Shd"))
+                    + f"; blocked in the test's thread: {mine}")
     assert p.returncode == 130, err
     time.sleep(0.3)
     assert not _alive(kid)
