@@ -484,13 +484,17 @@ def test_training_on_requests_learns_the_targets_replies(tmp_path):
     report = train_head(model, None, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
     assert report["features"]["prompts"] == str(file) and report["windows"] == 3
     tokens = features_mod.load_features([tmp_path / "h" / "features" / "shard-00000.safetensors"])[0]
-    ends = []
+    ends, replies = [], []
     for r, row in zip(requests, tokens):
         prompt = encode(tok, r, chat=True)[0]
         ref, end = greedy_reply(model, prompt, 64)
         assert prompt.numel() < 40 and torch.equal(row, ref)
         ends.append(end)
+        replies.append(end - prompt.numel())  # the reply's tokens, each predicted from the one before
     assert report["scored_positions"] == sum(e - 1 for e in ends)
+    assert report["reply_positions"] == sum(replies) > 0
+    held = report["history"][-1]
+    assert len(held["val_reply_agreement"]) == len(held["val_agreement"]) == cfg.unroll
     file.write_text("".join(json.dumps({"prompt": r + "!"}) + "\n" for r in requests))
     with pytest.raises(QuantspecError, match="prompts_sha256"):
         train_head(model, None, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)

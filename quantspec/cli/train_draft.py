@@ -83,8 +83,10 @@ def run(args) -> int:
            "seqlen": cfg.seqlen, "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
     report = train_head(model, windows, cfg, out, key, progress=not args.no_progress, tokenizer=tokenizer)
     last = report["history"][-1] if report["history"] else {}
-    acc = ", ".join(f"d{d + 1} {a:.3f}" for d, a in enumerate(last.get("val_agreement", [])))
-    print(f"EAGLE head for {name} in {out}: held-out agreement with the target {acc}; "
+    which = "val_reply_agreement" if "val_reply_agreement" in last else "val_agreement"
+    acc = ", ".join(f"d{d + 1} {a:.3f}" for d, a in enumerate(last.get(which, [])))
+    over = " (reply tokens)" if which == "val_reply_agreement" else ""
+    print(f"EAGLE head for {name} in {out}: held-out agreement with the target{over} {acc}; "
           f"draft vocabulary {report['head']['draft_vocab_size']} tokens "
           f"(covers {report['draft_vocab_coverage']:.1%} of held-out next tokens)")
     return 0

@@ -19,7 +19,9 @@ Resumable: ``train_state.pt`` in the output folder (head, optimizer, schedule, s
 written atomically every ``save_every`` steps and at each epoch's end; a run with the same
 settings continues from it. The head is also written as vLLM's EAGLE-1 draft
 (``vllm-eagle/``, ``export.py``). The report (``train_report.json``) holds the losses and, per
-epoch, the held-out top-1 agreement of the head with the target at depths 1..unroll.
+epoch, the held-out top-1 agreement of the head with the target at depths 1..unroll, over every
+scored position (``val_agreement``) and, for self-distilled windows, over the positions that
+predict a reply token (``val_reply_agreement``: what the head drafts when serving).
 """
 
 from __future__ import annotations
@@ -149,17 +151,25 @@ def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) ->
     return [h / max(1, c) for h, c in zip(hits, counts)]
 
 
+def reply_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: position t predicts token t + 1, a token of the target's reply (not of
+    its prompt) when t + 1 >= the window's reply start."""
+    return torch.arange(1, width + 1).unsqueeze(0) >= starts.unsqueeze(1)
+
+
 def _distilled(model, tokenizer, windows, requests, cfg: TrainConfig, folder: Path, progress: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's own text and each window's length (``distill.py``), written batch by batch
-    beside the features (a stopped run continues from the batches it wrote)."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's own text, each window's length and where its reply starts (its prompt's
+    length; ``distill.py``), written batch by batch beside the features (a stopped run continues
+    from the batches it wrote)."""
     from .distill import request_prompts, self_distilled_windows, window_prompts
 
     if tokenizer is None:
         raise ValueError("self-distillation (prompts, prompt_tokens) needs the target's tokenizer")
     prompts = request_prompts(tokenizer, requests) if requests is not None \
         else window_prompts(tokenizer, windows, cfg.prompt_tokens)
-    return self_distilled_windows(model, prompts, cfg.seqlen, progress=progress, folder=folder)
+    starts = torch.tensor([min(int(p.numel()), cfg.seqlen) for p in prompts], dtype=torch.int64)
+    return (*self_distilled_windows(model, prompts, cfg.seqlen, progress=progress, folder=folder), starts)
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:
@@ -197,15 +207,16 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
         key = {**key, "prompts": cfg.prompts, "prompts_sha256": digest}
     elif windows is None:
         raise ValueError("train_head needs token windows unless cfg.prompts names the requests")
-    lengths = None
+    lengths = starts = None
     if cfg.prompts or cfg.prompt_tokens:
         claim_folder(out / "features", key)  # before the distilled text is reused or written
-        windows, lengths = _distilled(model, tokenizer, windows, requests, cfg, out / "features", progress)
+        windows, lengths, starts = _distilled(model, tokenizer, windows, requests, cfg, out / "features", progress)
     paths = extract_features(model, windows, out / "features", key, progress=progress)
     t_feat = time.perf_counter() - t0
     tokens, feats16 = load_features(paths)
     n = tokens.shape[0]
     valid = scored(torch.full((n,), tokens.shape[1]) if lengths is None else lengths, tokens.shape[1] - 1)
+    reply = None if starts is None else valid & reply_positions(starts, tokens.shape[1] - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
     n_val = max(1, round(n * cfg.val_fraction))
     val, train = order[:n_val], order[n_val:]
@@ -241,8 +252,13 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
         sched.load_state_dict(state["sched"])
         step, history = state["step"], state["history"]
 
-    def batch_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table), valid[idx]
+    def batch_of(idx: torch.Tensor, mask: torch.Tensor = valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table), mask[idx]
+
+    def held_out(mask: torch.Tensor) -> list[float]:
+        acc = agreement(head, (batch_of(val[i:i + cfg.batch_size], mask)
+                               for i in range(0, val.numel(), cfg.batch_size)), full_head, cfg.unroll)
+        return [round(a, 4) for a in acc]
 
     def save() -> None:
         _save_state(state_path, key=run_key, head=head.state_dict(), opt=opt.state_dict(),
@@ -268,10 +284,10 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
             end_of_epoch = step % steps_per_epoch == 0 or step == total
             if end_of_epoch:
                 head.eval()
-                acc = agreement(head, (batch_of(val[i:i + cfg.batch_size])
-                                       for i in range(0, val.numel(), cfg.batch_size)), full_head, cfg.unroll)
                 history.append({"epoch": epoch + 1, "step": step, "loss": round(loss.item(), 5),
-                                "val_agreement": [round(a, 4) for a in acc]})
+                                "val_agreement": held_out(valid)})
+                if reply is not None:
+                    history[-1]["val_reply_agreement"] = held_out(reply)
             if end_of_epoch or step % cfg.save_every == 0:
                 save()
     head.eval()
@@ -281,6 +297,7 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
     report = {
         "head": asdict(hcfg), "train": asdict(cfg), "features": key, "windows": n, "held_out": n_val,
         "scored_positions": int(valid.sum()),
+        **({} if reply is None else {"reply_positions": int(reply.sum())}),
         "history": history, "draft_vocab_coverage": round(float(torch.isin(val_tokens, ids).float().mean()), 4),
         "feature_seconds": round(t_feat, 1), "train_seconds_this_run": round(time.perf_counter() - t1, 1),
     }
