@@ -411,10 +411,6 @@ def test_cli_bad_input_is_one_line_before_any_server(engine_python, tmp_path):
     assert not (tmp_path / "o2" / "serve-bench.json").exists()
 
 
-def _block_sigterm() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-
 @pytest.mark.parametrize("sig, blocked", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
                          ids=["sigint", "sigterm", "sigterm-blocked-by-the-launcher"])
 def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig, blocked):
@@ -426,11 +422,17 @@ def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x", "max_tokens": 200}) + "\n")
     child = tmp_path / "child.pid"
-    p = subprocess.Popen([sys.executable, "-m", "quantspec", "serve-bench", str(model), "--engine-python", engine_python,
-                          "--dataset", str(prompts), "--num-prompts", "50", "--concurrency", "1", "--out",
-                          str(tmp_path / "o")], env={**os.environ, "FAKE_CHILD": str(child), "FAKE_TPOT_MS": "20"},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=_block_sigterm if blocked else None)
+    # a launcher that blocks SIGTERM while it starts a process (as multiprocessing's resource
+    # tracker does) hands the child its mask
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM} if blocked else set())
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "quantspec", "serve-bench", str(model), "--engine-python",
+                              engine_python, "--dataset", str(prompts), "--num-prompts", "50", "--concurrency", "1",
+                              "--out", str(tmp_path / "o")],
+                             env={**os.environ, "FAKE_CHILD": str(child), "FAKE_TPOT_MS": "20"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     deadline = time.time() + 120
     while time.time() < deadline and not (child.is_file() and "listening" in _read_log(tmp_path / "o")):
         time.sleep(0.1)
@@ -445,7 +447,7 @@ def test_ctrl_c_stops_the_engine_and_marks_the_json(engine_python, tmp_path, sig
         p.communicate()
         mine = sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
         pytest.fail("the CLI did not exit within 120 s of the signal; its signal state: "
-                    + "; ".join(ln for ln in status.splitlines() if ln.startswith("Sig") or ln.startswith("Shd"))
+                    + "; ".join(ln for ln in status.splitlines() if ln.startswith(("Sig", "Shd")))
                     + f"; blocked in the test's thread: {mine}")
     assert p.returncode == 130, err
     time.sleep(0.3)
