@@ -106,16 +106,13 @@ def _tokenizer(args, targets):
 
 def _terminate_as_interrupt() -> None:
     """SIGTERM (a scheduler, ``timeout``, ``kill``) ends the run as Ctrl-C does: servers stopped,
-    the JSON marked interrupted, exit 130. Both signals are unblocked: a process inherits its
-    launcher's signal mask, and a launcher that had SIGTERM blocked (a thread pool that blocks
-    signals while it forks) would leave the signal pending for the whole run."""
+    the JSON marked interrupted, exit 130."""
     import signal
 
     def handler(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def run(args: argparse.Namespace) -> int:
