@@ -14,7 +14,10 @@ tensor, static, calibrated on the same 64 x 512 samples, all of them observed), 
 evaluator reads that checkpoint's k_scale / v_scale: the two calibrations of the KV scales
 compared on one evaluator, the same windows.
 
-    python benchmarks/kv_cache_ppl.py --model smollm2-135m [--peer llmc]
+    python benchmarks/kv_cache_ppl.py --model smollm2-135m [--peer llmc] [--kinds fp8] [--windows 20]
+
+Unit and dynamic scales never read the calibrated ones, so they are measured once (on the per-tensor
+checkpoint); ``--kinds fp8`` leaves the int8 rows out.
 """
 
 from __future__ import annotations
@@ -53,7 +56,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", type=Path, default=RESULTS / "kv-cache-ppl")
     ap.add_argument("--peer", choices=["llmc"], help="also llm-compressor's calibrated FP8 KV checkpoint")
+    ap.add_argument("--kinds", default="fp8,int8", help="KV cache kinds measured (the unquantized cache always)")
     args = ap.parse_args()
+    kinds = {"off", *args.kinds.split(",")}
+    if not kinds <= {"off", "fp8", "int8"}:
+        raise SystemExit(f"--kinds {args.kinds}: use fp8, int8 or fp8,int8")
     folder = dense_folder(args.model)
     tok = load_tokenizer(str(folder))
     wiki = str(DATA / "wikitext2" / "wikitext-2-raw-v1.test.txt")
@@ -67,16 +74,14 @@ def main() -> None:
             ckpt = quantspec.quantize(str(folder), recipe, Path(tmp) / strategy, progress=False).out
             model = quantspec.load_quantized(ckpt, dtype="float32", backend="exact")
             for kind, scales in SETTINGS:
-                if strategy == "head" and kind == "off":
-                    continue
+                if kind not in kinds or (strategy == "head" and scales != "calibrated") or (strategy, kind) == ("head", "off"):
+                    continue  # unit and dynamic scales do not read the calibrated ones: the same rows as per tensor
                 r = perplexity(model, tok, wiki, seqlen=512, windows=args.windows, progress=False,
                                kv_cache="checkpoint" if (kind, scales) == ("fp8", "calibrated") else kind,
                                kv_scales=scales)
                 row = {"tool": "quantspec", "kv_strategy": strategy if scales == "calibrated" and kind != "off" else "-",
                        "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
                        "ppl": round(r["ppl"], 4)}
-                if row in rows:
-                    continue
                 print(row, flush=True)
                 rows.append(row)
         if args.peer:
