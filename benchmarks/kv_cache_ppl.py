@@ -74,7 +74,7 @@ def main() -> None:
             ckpt = quantspec.quantize(str(folder), recipe, Path(tmp) / strategy, progress=False).out
             model = quantspec.load_quantized(ckpt, dtype="float32", backend="exact")
             for kind, scales in SETTINGS:
-                if kind not in kinds or (strategy == "head" and scales != "calibrated") or (strategy, kind) == ("head", "off"):
+                if kind not in kinds or (strategy == "head" and (kind == "off" or scales != "calibrated")):
                     continue  # unit and dynamic scales do not read the calibrated ones: the same rows as per tensor
                 r = perplexity(model, tok, wiki, seqlen=512, windows=args.windows, progress=False,
                                kv_cache="checkpoint" if (kind, scales) == ("fp8", "calibrated") else kind,

@@ -135,20 +135,29 @@ def unrolled_losses(head: EagleHead, feats: torch.Tensor, emb: torch.Tensor, unr
     return total / unroll, preds
 
 
-@torch.no_grad()
 def agreement(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) -> list[float]:
     """Held-out top-1 agreement at depth 1..unroll over ``batches`` of (features, embeddings,
     valid positions): the head's draft (as a target id) equals the target's argmax next token,
     over the valid positions each depth scores."""
-    hits, counts = [0.0] * unroll, [0] * unroll
-    for feats, emb, valid in batches:
-        _, preds = unrolled_losses(head, feats, emb, unroll, 0.0, valid)
+    return agreements(head, ((f, e, (v,)) for f, e, v in batches), full_head, unroll)[0]
+
+
+@torch.no_grad()
+def agreements(head: EagleHead, batches, full_head: torch.Tensor, unroll: int) -> list[list[float]]:
+    """``agreement`` under several position masks from one pass of the head: ``batches`` of
+    (features, embeddings, (mask, ...)); one list per mask."""
+    hits, counts = None, None
+    for feats, emb, masks in batches:
+        _, preds = unrolled_losses(head, feats, emb, unroll, 0.0)  # the predictions do not depend on a mask
         truth = F.linear(feats[:, 1:], full_head).argmax(-1)
+        if hits is None:
+            hits, counts = [[0.0] * unroll for _ in masks], [[0] * unroll for _ in masks]
         for d, pred in enumerate(preds):
             same = (head.token_ids[head.logits(pred).argmax(-1)] == truth)[:, d:]
-            hits[d] += float(same[valid[:, d:]].sum())
-            counts[d] += int(valid[:, d:].sum())
-    return [h / max(1, c) for h, c in zip(hits, counts)]
+            for m, mask in enumerate(masks):
+                hits[m][d] += float(same[mask[:, d:]].sum())
+                counts[m][d] += int(mask[:, d:].sum())
+    return [[h / max(1, c) for h, c in zip(hm, cm)] for hm, cm in zip(hits, counts)]
 
 
 def reply_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
@@ -252,13 +261,17 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
         sched.load_state_dict(state["sched"])
         step, history = state["step"], state["history"]
 
-    def batch_of(idx: torch.Tensor, mask: torch.Tensor = valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table), mask[idx]
+    def batch_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return feats16[idx].to(torch.float32), F.embedding(tokens[idx][:, 1:], table), valid[idx]
 
-    def held_out(mask: torch.Tensor) -> list[float]:
-        acc = agreement(head, (batch_of(val[i:i + cfg.batch_size], mask)
-                               for i in range(0, val.numel(), cfg.batch_size)), full_head, cfg.unroll)
-        return [round(a, 4) for a in acc]
+    held_masks = {"val_agreement": valid, **({} if reply is None else {"val_reply_agreement": reply})}
+
+    def held_out() -> dict[str, list[float]]:
+        """The held-out agreement under each of ``held_masks``, from one pass of the head."""
+        batches = ((*batch_of(idx)[:2], tuple(m[idx] for m in held_masks.values()))
+                   for idx in val.split(cfg.batch_size))
+        accs = agreements(head, batches, full_head, cfg.unroll)
+        return {name: [round(a, 4) for a in acc] for name, acc in zip(held_masks, accs)}
 
     def save() -> None:
         _save_state(state_path, key=run_key, head=head.state_dict(), opt=opt.state_dict(),
@@ -284,10 +297,7 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
             end_of_epoch = step % steps_per_epoch == 0 or step == total
             if end_of_epoch:
                 head.eval()
-                history.append({"epoch": epoch + 1, "step": step, "loss": round(loss.item(), 5),
-                                "val_agreement": held_out(valid)})
-                if reply is not None:
-                    history[-1]["val_reply_agreement"] = held_out(reply)
+                history.append({"epoch": epoch + 1, "step": step, "loss": round(loss.item(), 5), **held_out()})
             if end_of_epoch or step % cfg.save_every == 0:
                 save()
     head.eval()
