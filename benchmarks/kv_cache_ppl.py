@@ -1,20 +1,23 @@
 """KV-cache quantization: perplexity with calibrated KV scales against scale 1.0 and dynamic
 scales, side by side in one run (issue 30; the comparison ROCm/vllm#317 made on Llama-3.1-70B).
 
-One checkpoint per KV strategy (FP8 E4M3 weights per channel, RTN, 16-bit activations: the KV
-cache is the only other quantization, and the cpu backend runs the weights exactly), calibrated with ``quantize --kv-cache fp8`` (per tensor: what vLLM reads; per KV
-head) on the protocol's calibration (C4 64 x 512, seed 0; 32 of those samples observed for the
-KV scales); then wikitext2 perplexity (seqlen 512, first 40 windows) with attention reading:
-an unquantized cache, FP8 with the calibrated scales, FP8 with scale 1.0, FP8 with dynamic
-per-write scales, and the same three for int8 (its calibrated scales are the same maxima / 127).
+One checkpoint per KV strategy and scale rule (FP8 E4M3 weights per channel, RTN, 16-bit
+activations: the KV cache is the only other quantization, and the cpu backend runs the weights
+exactly), calibrated with ``quantize --kv-cache fp8`` (per tensor: what vLLM reads; per KV head;
+``--kv-scale-rule`` amax and mse, docs/decisions/kv-scale-rule.md) on the protocol's calibration
+(C4 64 x 512, seed 0; 32 of those samples observed for the KV scales); then wikitext2 perplexity
+(seqlen 512, first 40 windows) with attention reading: an unquantized cache, FP8 with the
+calibrated scales, FP8 with scale 1.0, FP8 with dynamic per-write scales, and the same three for
+int8 (its calibrated scales are the FP8 ones x 448 / 127).
 
 ``--peer llmc``: llm-compressor (its own venv, benchmarks/peers/llmc.py) makes the same kind of
 checkpoint in the same run (FP8 E4M3 weights per channel, RTN; its ``kv_cache_scheme`` FP8 per
-tensor, static, calibrated on the same 64 x 512 samples, all of them observed), and quantspec's
+tensor, static, calibrated on the same 64 x 512 samples, all of them observed by its default
+"minmax" observer: a moving average of each sample's max), and quantspec's
 evaluator reads that checkpoint's k_scale / v_scale: the two calibrations of the KV scales
 compared on one evaluator, the same windows.
 
-    python benchmarks/kv_cache_ppl.py --model smollm2-135m [--peer llmc] [--kinds fp8] [--windows 20]
+    python benchmarks/kv_cache_ppl.py --model smollm2-135m [--peer llmc] [--kinds fp8] [--rules mse,amax] [--windows 20]
 
 Unit and dynamic scales never read the calibrated ones, so they are measured once (on the per-tensor
 checkpoint); ``--kinds fp8`` leaves the int8 rows out.
@@ -42,7 +45,7 @@ import quantspec  # noqa: E402
 from quantspec.eval.perplexity import perplexity  # noqa: E402
 from quantspec.models import load_tokenizer  # noqa: E402
 from quantspec.models.source import dense_folder  # noqa: E402
-from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
+from quantspec.core.kv_config import KV_SCALE_RULES, KVCacheConfig  # noqa: E402
 from quantspec.quant.recipe import Recipe  # noqa: E402
 from quantspec.core.scheme import SCHEME_PRESETS  # noqa: E402
 
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "kv-cache-ppl")
     ap.add_argument("--peer", choices=["llmc"], help="also llm-compressor's calibrated FP8 KV checkpoint")
     ap.add_argument("--kinds", default="fp8,int8", help="KV cache kinds measured (the unquantized cache always)")
+    ap.add_argument("--rules", default=",".join(KV_SCALE_RULES), help="KV scale rules calibrated (a checkpoint each)")
     args = ap.parse_args()
     kinds = {"off", *args.kinds.split(",")}
     if not kinds <= {"off", "fp8", "int8"}:
@@ -64,22 +68,27 @@ def main() -> None:
     folder = dense_folder(args.model)
     tok = load_tokenizer(str(folder))
     wiki = str(DATA / "wikitext2" / "wikitext-2-raw-v1.test.txt")
+    rules = args.rules.split(",")
+    if not set(rules) <= set(KV_SCALE_RULES):
+        raise SystemExit(f"--rules {args.rules}: use some of {list(KV_SCALE_RULES)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in ("tensor", "head"):
-            recipe = Recipe(name=f"rtn-fp8-kv-{strategy}", method="rtn", format="compressed-tensors",
-                            scheme=SCHEME_PRESETS["fp8-weight"], kv_cache=KVCacheConfig("fp8", strategy, samples=32))
+        for strategy, rule in [(s, r) for s in ("tensor", "head") for r in rules]:
+            first = (strategy, rule) == ("tensor", rules[0])
+            recipe = Recipe(name=f"rtn-fp8-kv-{strategy}-{rule}", method="rtn", format="compressed-tensors",
+                            scheme=SCHEME_PRESETS["fp8-weight"], kv_cache=KVCacheConfig("fp8", strategy, samples=32, scale_rule=rule))
             recipe = replace(recipe, calibration=replace(recipe.calibration, data=str(DATA / "c4" / "c4-validation-2k.jsonl"),
                                                          samples=64, seqlen=512, seed=0))
-            ckpt = quantspec.quantize(str(folder), recipe, Path(tmp) / strategy, progress=False).out
+            ckpt = quantspec.quantize(str(folder), recipe, Path(tmp) / f"{strategy}-{rule}", progress=False).out
             model = quantspec.load_quantized(ckpt, dtype="float32", backend="exact")
             for kind, scales in SETTINGS:
-                if kind not in kinds or (strategy == "head" and (kind == "off" or scales != "calibrated")):
+                if kind not in kinds or (not first and (kind == "off" or scales != "calibrated")):
                     continue  # unit and dynamic scales do not read the calibrated ones: the same rows as per tensor
                 r = perplexity(model, tok, wiki, seqlen=512, windows=args.windows, progress=False,
                                kv_cache="checkpoint" if (kind, scales) == ("fp8", "calibrated") else kind,
                                kv_scales=scales)
-                row = {"tool": "quantspec", "kv_strategy": strategy if scales == "calibrated" and kind != "off" else "-",
+                calibrated = scales == "calibrated" and kind != "off"
+                row = {"tool": "quantspec", "kv_strategy": strategy if calibrated else "-", "kv_rule": rule if calibrated else "-",
                        "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
                        "ppl": round(r["ppl"], 4)}
                 print(row, flush=True)
@@ -92,8 +101,8 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# KV-cache quantization on {args.model} ({meta['weights']}; {meta['eval']})", "",
              f"Command: `{meta['command']}`. Raw rows: `{args.out.name}.json`.", "",
-             "| checkpoint by | KV cache | scales from | wikitext2 ppl |", "|---|---|---|---|"]
-    lines += [f"| {r['tool']} | {r['kv']} | {r['kv_strategy']} | {r['ppl']:.4f} |" for r in rows]
+             "| checkpoint by | KV cache | scales from | scale rule | wikitext2 ppl |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tool']} | {r['kv']} | {r['kv_strategy']} | {r['kv_rule']} | {r['ppl']:.4f} |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -115,6 +124,7 @@ def peer_rows(folder: Path, tmp: Path, tok, wiki: str, windows: int) -> list[dic
     for kind in ("off", "checkpoint"):
         r = perplexity(model, tok, wiki, seqlen=512, windows=windows, progress=False, kv_cache=kind)
         rows.append({"tool": "llm-compressor", "kv_strategy": "tensor" if kind == "checkpoint" else "-",
+                     "kv_rule": "its minmax observer (moving average)" if kind == "checkpoint" else "-",
                      "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
                      "ppl": round(r["ppl"], 4), "llmc_runtime_ppl": round(own["ppl"], 4),
                      "llmc_seconds": round(own["seconds"], 1)})

@@ -15,11 +15,11 @@ import quantspec
 from helpers import make_tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.formats.overrides import read_with_overrides
-from quantspec.quant.kv_calibrate import kv_scales, observe_kv
+from quantspec.quant.kv_calibrate import kv_scales, observe_errors, observe_kv
 from quantspec.core.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
 from quantspec.quant.recipe import Recipe
 from quantspec.runtime.kv import cache_kwarg
-from quantspec.runtime.kv_quant import KVSetting, QuantKVCache, fake_quant
+from quantspec.runtime.kv_quant import KVSetting, QuantKVCache, fake_quant, scale_errors, scale_multipliers
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,64 @@ def test_scales_round_trip_and_config():
         scales_from_tensors({"model.layers.1.self_attn.k_scale": torch.ones(1), "model.layers.1.self_attn.v_scale": torch.ones(1)})
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_scale_errors_are_each_candidates_rounding_error(kind):
+    """``scale_errors`` (all candidates at once, in chunks) equals rounding with ``fake_quant``
+    under each candidate scale, head by head."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, 17, 8, generator=g) * torch.tensor([1.0, 40.0, 0.01]).reshape(1, 3, 1, 1)
+    base = x.abs().amax(dim=(0, 2, 3))
+    mults = scale_multipliers()
+    assert mults.numel() == 129 and mults[64] == 1 and mults[0] == 0.5 and mults[-1] == 2
+    got = scale_errors(x, base, kind, mults, chunk=7)
+    for m in (0, 37, 64, 128):
+        s = base * mults[m] / (448 if kind == "fp8" else 127)
+        want = ((fake_quant(x, s, kind) - x) ** 2).sum(dim=(0, 2, 3))
+        torch.testing.assert_close(got[m], want, rtol=1e-5, atol=0)
+
+
+def test_mse_rule_picks_the_scale_of_least_error():
+    """Keys of two magnitudes, 10 (the max) and 7: the amax scale puts 10 on the top code and 7
+    between E4M3 codes; the rule picks a multiple that rounds both closer, per tensor and per head."""
+    x = torch.tensor([10.0, 7.0, -7.0, 3.3]).reshape(1, 1, 4, 1).expand(1, 2, 4, 1).contiguous()
+    x[:, 1] *= 0.25
+    amax = {0: (x.abs().amax(dim=(0, 2, 3)), torch.ones(2))}
+    for strategy in ("tensor", "head"):
+        cfg = KVCacheConfig("fp8", strategy)
+        base = {0: tuple(a.amax().expand_as(a) if strategy == "tensor" else a for a in amax[0])}
+        errors = {0: tuple(scale_errors(t, b, "fp8", scale_multipliers()) for t, b in zip((x, torch.ones(1, 2, 4, 1)), base[0]))}
+        mse = kv_scales(amax, cfg, errors)[0][0].reshape(-1)
+        plain = kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"))[0][0].reshape(-1)
+        err = [float(((fake_quant(x, s, "fp8") - x) ** 2).sum()) for s in (mse, plain)]
+        assert err[0] < 0.5 * err[1], (strategy, mse, plain, err)
+        assert torch.equal(kv_scales(amax, cfg, errors)[0][1], kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"))[0][1])  # values of one level: a tie keeps amax
+
+
+def test_observed_errors_cover_every_layer_and_candidate(tiny, ids):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    amax = observe_kv(model, ids[:2])
+    errors = observe_errors(model, ids[:2], amax, "fp8")
+    heads = model.config.num_key_value_heads
+    assert sorted(errors) == sorted(amax) and errors[0][0].shape == (129, heads)
+    # the amax scale's error is what fake_quant under it leaves on those keys
+    scales = kv_scales(amax, KVCacheConfig("fp8", "head", scale_rule="amax"))
+    seen = []
+    kw = cache_kwarg(model)
+    cache = QuantKVCache(KVSetting("fp8"), {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in scales.items()})
+    from quantspec.runtime.kv_quant import KVObserver
+
+    class Keys(KVObserver):
+        def update(self, k, v, i, *a, **kw2):
+            if i == 0:
+                seen.append(k)
+            return super().update(k, v, i, *a, **kw2)
+    with torch.no_grad():
+        for j in range(2):
+            model(input_ids=ids[j : j + 1], use_cache=True, **{kw: Keys(config=model.config)})
+    want = sum(((cache.quantizer(k, 0, 0) - k) ** 2).sum(dim=(0, 2, 3)) for k in seen)
+    torch.testing.assert_close(errors[0][0][64], want, rtol=1e-5, atol=1e-12)
+
+
 def test_compressed_tensors_accepts_the_kv_scheme():
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationArgs
@@ -124,6 +182,7 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
     assert read_with_overrides(cfg["quantization_config"])[1].extra["kv_cache"] == KVCacheConfig("fp8", "tensor")
     report = json.loads((out / "quant_report.json").read_text())
     assert report["kv_cache"]["samples"] == 4 and report["kv_cache"]["max_k_scale"] > 0
+    assert report["kv_cache"]["scale_rule"] == "mse"
     model = quantspec.load_quantized(out, backend="reference")
     kv_cfg, scales = model.quantspec_kv_cache
     assert kv_cfg.kind == "fp8" and len(scales) == model.config.num_hidden_layers
@@ -148,6 +207,7 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
 @pytest.mark.parametrize("extra,expect", [
     (["--kv-cache", "fp8", "--format", "gptq"], "kv_cache_scheme, not the"),
     (["--kv-cache-strategy", "head"], "--kv-cache"),
+    (["--kv-scale-rule", "amax"], "--kv-scale-rule needs --kv-cache"),
 ])
 def test_cli_refuses_kv_before_work(tmp_path, extra, expect):
     r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(tmp_path / "no-model"), *extra,

@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     from ..formats import FORMAT_NAMES
     from ..quant.registry import METHODS
     from ..core.scheme import MX_SCALE_RULE, MX_SCALE_RULES, NV_SCALE_RULES, SCHEME_PRESETS
+    from ..core.kv_config import KV_SCALE_RULES
 
     p = sub.add_parser(
         "quantize",
@@ -52,6 +53,10 @@ def add_parser(sub) -> None:
                         "(compressed-tensors kv_cache_scheme, k_scale/v_scale per layer, as vLLM reads them)")
     p.add_argument("--kv-cache-strategy", choices=["tensor", "head"], default=None,
                    help="one KV scale per layer (tensor, the default, what vLLM reads) or per KV head")
+    p.add_argument("--kv-scale-rule", choices=list(KV_SCALE_RULES), default=None,
+                   help=f"KV scales: the observed max on the top code (amax), or the multiple of that scale with the "
+                        f"smallest squared error of the observed keys / values (mse, a second pass); default "
+                        f"{KV_SCALE_RULES[0]} (chosen on a validation split)")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
@@ -152,10 +157,12 @@ def recipe_from_args(args):
                              "clip": args.clip, "clip_min_gain": args.clip_min_gain, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling),
                              "search_dtype": args.awq_search_dtype}.items()
            if v is not None}
-    if args.kv_cache_strategy and not args.kv_cache:
-        raise QuantspecError("--kv-cache-strategy needs --kv-cache.", "add --kv-cache fp8 (or int8).")
+    for flag, value in (("--kv-cache-strategy", args.kv_cache_strategy), ("--kv-scale-rule", args.kv_scale_rule)):
+        if value and not args.kv_cache:
+            raise QuantspecError(f"{flag} needs --kv-cache.", "add --kv-cache fp8 (or int8).")
     if args.kv_cache:
-        top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor"}
+        top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor",
+                           **({"scale_rule": args.kv_scale_rule} if args.kv_scale_rule else {})}
         if not args.format:
             top["format"] = "compressed-tensors"
     gptq = {k: v for k, v in {"asymmetric": args.asymmetric_calibration,

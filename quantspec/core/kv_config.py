@@ -15,17 +15,22 @@ from ..errors import QuantspecError
 
 KV_MAX = {"fp8": 448.0, "int8": 127.0}  # the top code of each KV kind
 KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+KV_SCALE_RULES = ("mse", "amax")  # the first is the default (docs/decisions/kv-scale-rule.md)
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
     """A recipe's ``kv_cache``: kind "fp8" or "int8"; strategy "tensor" (one scale per layer
     for keys and one for values) or "head" (one per KV head); samples: calibration samples
-    observed (the first ones of the recipe's calibration draw)."""
+    observed (the first ones of the recipe's calibration draw); scale_rule: "amax" (the
+    observed max lands on the top code) or "mse" (of the multiples 2**(j/64), j = -64..64, of
+    that scale, the one with the smallest squared error of the observed keys / values: a second
+    pass over the samples). The rule is how the scales were found, not part of the format."""
 
     kind: str = "fp8"
     strategy: str = "tensor"
     samples: int = 32
+    scale_rule: str = KV_SCALE_RULES[0]
 
     def __post_init__(self) -> None:
         if self.kind not in KV_MAX:
@@ -33,6 +38,9 @@ class KVCacheConfig:
         if self.strategy not in KV_STRATEGIES:
             raise QuantspecError(f"kv_cache strategy {self.strategy!r} is unknown.",
                                  f"use one of {list(KV_STRATEGIES)}.")
+        if self.scale_rule not in KV_SCALE_RULES:
+            raise QuantspecError(f"kv_cache scale_rule {self.scale_rule!r} is unknown.",
+                                 f"use one of {list(KV_SCALE_RULES)}.")
         if self.samples < 1:
             raise QuantspecError(f"kv_cache samples must be >= 1, got {self.samples}.", "use e.g. 32.")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
-from ..runtime.kv_quant import KVObserver, scales_from_amax
+from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
 
 def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
@@ -32,42 +32,70 @@ def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
     return names
 
 
-def observe_kv(model: nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, each KV head's max |key| and max |value| over the samples ``ids`` [n, L]."""
+def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progress: bool) -> dict:
+    """One forward per sample of ``ids`` [n, L] into the cache ``make()``; its per-layer
+    statistics (``.stats``: layer -> (keys', values')) merged over the samples by ``merge``."""
     from tqdm.auto import tqdm
 
     kw = cache_kwarg(model)
     device = next(model.parameters()).device
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
-        for j in tqdm(range(ids.shape[0]), disable=not progress, desc="kv scales", unit="sample"):
-            obs = KVObserver(config=model.config)
+        for j in tqdm(range(ids.shape[0]), disable=not progress, desc=desc, unit="sample"):
+            obs = make()
             model(input_ids=ids[j : j + 1].to(device), use_cache=True, **{kw: obs})
-            for layer, (k, v) in obs.amax.items():
+            for layer, (k, v) in obs.stats.items():
                 if layer in seen:
-                    k, v = torch.maximum(seen[layer][0], k), torch.maximum(seen[layer][1], v)
+                    k, v = merge(seen[layer][0], k), merge(seen[layer][1], v)
                 seen[layer] = (k, v)
     return seen
 
 
-def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheConfig
+def observe_kv(model: nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, each KV head's max |key| and max |value| over the samples ``ids`` [n, L]."""
+    return _observe(model, ids, lambda: KVObserver(config=model.config), torch.maximum, "kv maxima", progress)
+
+
+def observe_errors(model: nn.Module, ids: torch.Tensor, base: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   kind: str, progress: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the summed squared error [M, H] of the keys and of the values of the samples
+    ``ids`` under each scale ``base * scale_multipliers()[m] / top code``."""
+    mults = scale_multipliers()
+    return _observe(model, ids, lambda: KVErrorObserver(base, kind, mults, config=model.config), torch.add,
+                    "kv scale search", progress)
+
+
+def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheConfig,
+              errors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
               ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_scale, v_scale): [1] (tensor) or [kv_heads, 1, 1] (head), fp32."""
+    """Per layer (k_scale, v_scale): [1] (tensor) or [kv_heads, 1, 1] (head), fp32. ``errors``
+    (``observe_errors`` around the same maxima: the tensor's for "tensor", each head's for
+    "head"): each scale is the amax one times the multiplier of least error (summed over the
+    heads for "tensor"; the amax scale itself on a tie)."""
+    mults = scale_multipliers()
+    one = int((mults == 1).nonzero())
     out = {}
-    for layer, (k, v) in amax.items():
-        if cfg.strategy == "tensor":
-            k, v = k.amax().reshape(1), v.amax().reshape(1)
-        else:
-            k, v = k.reshape(-1, 1, 1), v.reshape(-1, 1, 1)
-        out[layer] = (scales_from_amax(k, cfg.kind), scales_from_amax(v, cfg.kind))
+    for layer, pair in amax.items():
+        picked = []
+        for which, a in enumerate(pair):
+            a = a.amax().reshape(1) if cfg.strategy == "tensor" else a.reshape(-1)
+            if errors is not None:
+                err = errors[layer][which]
+                err = err.sum(1, keepdim=True) if cfg.strategy == "tensor" else err  # [M, 1 or H]
+                best = torch.where(err[one] <= err.min(0).values, one, err.argmin(0))
+                a = a * mults[best]
+            s = scales_from_amax(a, cfg.kind)
+            picked.append(s if cfg.strategy == "tensor" else s.reshape(-1, 1, 1))
+        out[layer] = (picked[0], picked[1])
     return out
 
 
 def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, blocks: list[str],
                             progress: bool = False) -> dict[str, torch.Tensor]:
     """KV scales of the quantized checkpoint in ``folder`` (loaded as engines run it: the
-    declared scheme, ``backend="exact"``) observed on the first ``cfg.samples`` rows of ``ids``;
-    returns the checkpoint tensors. Memory: the whole quantized model (not one block)."""
+    declared scheme, ``backend="exact"``) observed on the first ``cfg.samples`` rows of ``ids``
+    (twice for the "mse" rule: the maxima, then the errors around them); returns the checkpoint
+    tensors. Memory: the whole quantized model (not one block)."""
     from ..checkpoint.load import load_quantized
 
     model = load_quantized(folder, backend="exact")
@@ -77,4 +105,9 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
     if missing:
         raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
                              "drop --kv-cache for this architecture.")
-    return scale_tensors(kv_scales(amax, cfg), attn)
+    errors = None
+    if cfg.scale_rule == "mse":
+        base = {i: (k.amax().expand_as(k), v.amax().expand_as(v)) if cfg.strategy == "tensor" else (k, v)
+                for i, (k, v) in amax.items()}
+        errors = observe_errors(model, ids[: cfg.samples], base, cfg.kind, progress)
+    return scale_tensors(kv_scales(amax, cfg, errors), attn)

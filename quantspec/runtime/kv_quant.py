@@ -12,7 +12,9 @@ which is what an engine stores). A KV setting (``KVSetting``):
 ``QuantKVCache`` quantize-dequantizes every key and value written into it (fp32 arithmetic),
 so any transformers forward that takes a cache (perplexity windows, generation) computes
 attention on the values a quantized cache would hold. ``KVObserver`` records per-layer,
-per-head absolute maxima. Pure tensor functions: ``fake_quant``, ``scales_from_amax``.
+per-head absolute maxima, ``KVErrorObserver`` the squared error under candidate scales (the "mse"
+rule of ``KVCacheConfig``). Pure tensor functions: ``fake_quant``, ``scales_from_amax``,
+``scale_errors``.
 """
 
 from __future__ import annotations
@@ -46,9 +48,12 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     s = scale.to(device=x.device, dtype=torch.float32)
     if s.numel() > 1:
         s = s.reshape(1, -1, 1, 1)
-    y = x.to(torch.float32) / s
-    y = round_fp8(y) if kind == "fp8" else torch.round(y).clamp(-KV_MAX[kind], KV_MAX[kind])
-    return (y * s).to(x.dtype)
+    return (round_codes(x.to(torch.float32) / s, kind) * s).to(x.dtype)
+
+
+def round_codes(y: torch.Tensor, kind: str) -> torch.Tensor:
+    """``y`` (fp32, in units of its scale) rounded to the nearest ``kind`` code, saturating."""
+    return round_fp8(y) if kind == "fp8" else torch.round(y).clamp(-KV_MAX[kind], KV_MAX[kind])
 
 
 def scales_from_amax(amax: torch.Tensor, kind: str) -> torch.Tensor:
@@ -57,20 +62,57 @@ def scales_from_amax(amax: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
+def scale_multipliers() -> torch.Tensor:
+    """The multiples of the amax scale the "mse" rule tries: 2**(j/64), j = -64..64 (an octave
+    of finer and coarser grids, and every offset of E4M3's grid against the data within it)."""
+    return torch.exp2(torch.arange(-64, 65, dtype=torch.float32) / 64)
+
+
+def scale_errors(x: torch.Tensor, base: torch.Tensor, kind: str, mults: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """Summed squared error [M, H] of ``x`` [B, H, T, D] rounded to the ``kind`` grid under each
+    scale ``scales_from_amax(base * mults[m])`` (``base`` [H]: each head's amax)."""
+    x = x.detach().float()
+    out = []
+    for m in mults.split(chunk):
+        s = scales_from_amax(base.to(x.device, torch.float32)[None, :] * m.to(x.device)[:, None], kind)
+        s = s[:, None, :, None, None]  # [m, 1, H, 1, 1]
+        out.append(((round_codes(x[None] / s, kind) * s - x[None]) ** 2).sum(dim=(1, 3, 4)))
+    return torch.cat(out)
+
+
 class KVObserver(DynamicCache):
     """A DynamicCache that also records, per layer, each KV head's max |key| and max |value|."""
 
     def __init__(self, config=None):
         super().__init__(config=config)
-        self.amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k amax [H], v amax [H])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k = key_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
         v = value_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
-        if layer_idx in self.amax:
-            k0, v0 = self.amax[layer_idx]
+        if layer_idx in self.stats:
+            k0, v0 = self.stats[layer_idx]
             k, v = torch.maximum(k0, k), torch.maximum(v0, v)
-        self.amax[layer_idx] = (k, v)
+        self.stats[layer_idx] = (k, v)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KVErrorObserver(DynamicCache):
+    """A DynamicCache that also sums, per layer, the squared error of its keys and values under
+    each candidate scale (``scale_errors``) around ``base`` (layer -> (k amax [H], v amax [H]))."""
+
+    def __init__(self, base: dict[int, tuple[torch.Tensor, torch.Tensor]], kind: str, mults: torch.Tensor, config=None):
+        super().__init__(config=config)
+        self.base, self.kind, self.mults = base, kind, mults
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k errors [M, H], v errors)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kb, vb = self.base[layer_idx]
+        k = scale_errors(key_states, kb, self.kind, self.mults).cpu()
+        v = scale_errors(value_states, vb, self.kind, self.mults).cpu()
+        if layer_idx in self.stats:
+            k, v = self.stats[layer_idx][0] + k, self.stats[layer_idx][1] + v
+        self.stats[layer_idx] = (k, v)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
