@@ -34,7 +34,7 @@ from quant_peers import RESULTS  # noqa: E402
 from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
 from quantspec.eval.perplexity import window_nll  # noqa: E402
 from quantspec.models.source import dense_folder, load_dense  # noqa: E402
-from quantspec.quant.kv_calibrate import kv_scales, observe_errors, observe_kv  # noqa: E402
+from quantspec.quant.kv_calibrate import error_bases, kv_scales, observe_errors, observe_kv  # noqa: E402
 from quantspec.runtime.kv import cache_kwarg  # noqa: E402
 from quantspec.runtime.kv_quant import KVSetting, QuantKVCache  # noqa: E402
 
@@ -62,7 +62,6 @@ def main() -> None:
     calib, splits = data["calib"][: args.samples], {"val": data["val"], "wikitext2": data["test"]}
     t0 = time.perf_counter()
     amax = observe_kv(model, calib)
-    base = {"tensor": {i: (k.amax().expand_as(k), v.amax().expand_as(v)) for i, (k, v) in amax.items()}, "head": amax}
     rows = [{"kind": "none", "strategy": "-", "rule": "-", **{s: round(ppl(model, w, None), 4) for s, w in splits.items()}}]
     print(rows[-1], flush=True)
     for kind in args.kinds.split(","):
@@ -70,7 +69,7 @@ def main() -> None:
                      **{s: round(ppl(model, w, (KVSetting(kind, "dynamic"), None)), 4) for s, w in splits.items()}})
         print(rows[-1], flush=True)
         for strategy in ("tensor", "head"):
-            errors = observe_errors(model, calib, base[strategy], kind)
+            errors = observe_errors(model, calib, error_bases(amax, strategy), kind)
             for rule in ("amax", "mse"):
                 cfg = KVCacheConfig(kind, strategy, args.samples, rule)
                 scales = {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in kv_scales(amax, cfg, errors).items()}

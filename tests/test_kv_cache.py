@@ -15,7 +15,7 @@ import quantspec
 from helpers import make_tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.formats.overrides import read_with_overrides
-from quantspec.quant.kv_calibrate import kv_scales, observe_errors, observe_kv
+from quantspec.quant.kv_calibrate import error_bases, kv_scales, observe_errors, observe_kv
 from quantspec.core.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
 from quantspec.quant.recipe import Recipe
 from quantspec.runtime.kv import cache_kwarg
@@ -126,7 +126,7 @@ def test_mse_rule_picks_the_scale_of_least_error():
     amax = {0: (x.abs().amax(dim=(0, 2, 3)), torch.ones(2))}
     for strategy in ("tensor", "head"):
         cfg = KVCacheConfig("fp8", strategy)
-        base = {0: tuple(a.amax().expand_as(a) if strategy == "tensor" else a for a in amax[0])}
+        base = error_bases(amax, strategy)
         errors = {0: tuple(scale_errors(t, b, "fp8", scale_multipliers()) for t, b in zip((x, torch.ones(1, 2, 4, 1)), base[0]))}
         mse = kv_scales(amax, cfg, errors)[0][0].reshape(-1)
         plain = kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"))[0][0].reshape(-1)

@@ -65,12 +65,20 @@ def observe_errors(model: nn.Module, ids: torch.Tensor, base: dict[int, tuple[to
                     "kv scale search", progress)
 
 
+def error_bases(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], strategy: str
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The amax each head's candidate scales of ``observe_errors`` are multiples of: its own
+    ("head"), or the layer's max over heads ("tensor")."""
+    if strategy == "head":
+        return amax
+    return {i: (k.amax().expand_as(k), v.amax().expand_as(v)) for i, (k, v) in amax.items()}
+
+
 def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheConfig,
               errors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
               ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_scale, v_scale): [1] (tensor) or [kv_heads, 1, 1] (head), fp32. ``errors``
-    (``observe_errors`` around the same maxima: the tensor's for "tensor", each head's for
-    "head"): each scale is the amax one times the multiplier of least error (summed over the
+    (``observe_errors`` around ``error_bases(amax, cfg.strategy)``): each scale is the amax one times the multiplier of least error (summed over the
     heads for "tensor"; the amax scale itself on a tie)."""
     mults = scale_multipliers()
     one = int((mults == 1).nonzero())
@@ -107,7 +115,5 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
                              "drop --kv-cache for this architecture.")
     errors = None
     if cfg.scale_rule == "mse":
-        base = {i: (k.amax().expand_as(k), v.amax().expand_as(v)) if cfg.strategy == "tensor" else (k, v)
-                for i, (k, v) in amax.items()}
-        errors = observe_errors(model, ids[: cfg.samples], base, cfg.kind, progress)
+        errors = observe_errors(model, ids[: cfg.samples], error_bases(amax, cfg.strategy), cfg.kind, progress)
     return scale_tensors(kv_scales(amax, cfg, errors), attn)
