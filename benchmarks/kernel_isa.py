@@ -32,52 +32,59 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-def cases(targets: list[str], families: list[str]):
+def cases(targets: list[str], families: list[str], every: bool = False):
+    """(family, variant, target, config, build) of each path: the config an untuned launch runs,
+    or with ``every`` each config the launcher may run for it (``aot.launch_candidates``)."""
     import triton
 
     from quantspec.kernels.triton import aot
+
+    def configs(family, target, variant, preshuffled=None):
+        if every:
+            return aot.launch_candidates(family, target, variant, preshuffled)
+        return [aot.first_config(family, target, variant, preshuffled=preshuffled)]
 
     for target in targets:
         for family in families:
             if family in ("gemv", "small_m", "large_m"):
                 for variant in aot.WQ_VARIANTS:
-                    cfg = aot.first_config(family, target, variant)
-                    yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
-                           aot.compile_path(f, t, v, c))
+                    for cfg in configs(family, target, variant):
+                        yield (family, variant, target, cfg, lambda f=family, v=variant, t=target, c=cfg:
+                               aot.compile_path(f, t, v, c))
             elif family == "large_m_swap":  # the tiled path with SWAP_AB (wq_gemm.SWAP_AB_LARGE_M_BACKENDS, off)
                 for variant in aot.WQ_VARIANTS:
-                    cfg = aot.first_config("large_m", target, variant)
-                    yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
-                           aot.compile_path("large_m", t, v, c, swap_ab=True))
+                    for cfg in configs("large_m", target, variant):
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                               aot.compile_path("large_m", t, v, c, swap_ab=True))
             elif family in ("small_m_asm", "small_m_mma_asm", "small_m_mfma_asm"):  # pairs as inline asm (dot_asm)
                 code = {"small_m_asm": None, "small_m_mma_asm": 1, "small_m_mfma_asm": 2}[family]
                 for variant in aot.WQ_VARIANTS:
                     if (aot.wq_constexprs("small_m", variant, target_name=target, asm=True, preshuffled=code)["ASM"]
                             and (code is None or aot.layout_reason(variant) is None)):
-                        cfg = aot.first_config("small_m", target, variant, preshuffled=code)
-                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
-                               aot.compile_path("small_m", t, v, c, asm=True, preshuffled=p))
+                        for cfg in configs("small_m", target, variant, code):
+                            yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
+                                   aot.compile_path("small_m", t, v, c, asm=True, preshuffled=p))
             elif family in ("small_m_gptq", "small_m_mma", "small_m_mfma"):  # the small-M path on one layout
                 code = {"small_m_gptq": 0, "small_m_mma": 1, "small_m_mfma": 2}[family]
                 for variant in aot.WQ_VARIANTS:
                     if aot.layout_reason(variant) is None:
-                        cfg = aot.first_config("small_m", target, variant, preshuffled=code)
-                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
-                               aot.compile_path("small_m", t, v, c, preshuffled=p))
+                        for cfg in configs("small_m", target, variant, code):
+                            yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code:
+                                   aot.compile_path("small_m", t, v, c, preshuffled=p))
             elif family in ("gemv_mma", "gemv_mfma", "gemv_mma_asm", "gemv_mfma_asm"):  # the pre-shuffled GEMV
                 code = 1 if family.startswith("gemv_mma") else 2
                 asm = family.endswith("_asm")
                 for variant in aot.WQ_VARIANTS:
                     if aot.layout_reason(variant) is None and aot.packed_variant(variant, target):
-                        cfg = aot.first_config("gemv_preshuffled", target, variant, preshuffled=code)
-                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code, a=asm:
-                               aot.compile_path("gemv_preshuffled", t, v, c, asm=a, preshuffled=p))
+                        for cfg in configs("gemv_preshuffled", target, variant, code):
+                            yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg, p=code, a=asm:
+                                   aot.compile_path("gemv_preshuffled", t, v, c, asm=a, preshuffled=p))
             elif family == "gemv_asm":  # the packed GEMV with its pair operations as inline asm
                 for variant in aot.WQ_VARIANTS:
                     if aot.packed_variant(variant, target):
-                        cfg = aot.first_config("gemv", target, variant)
-                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
-                               aot.compile_path("gemv", t, v, c, asm=True))
+                        for cfg in configs("gemv", target, variant):
+                            yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                                   aot.compile_path("gemv", t, v, c, asm=True))
             elif family == "w8a8":
                 cfg = aot.first_config("w8a8", target)
                 yield family, "int8", target, cfg, lambda t=target, c=cfg: aot.compile_path("w8a8", t, "", c)
@@ -99,21 +106,33 @@ def cases(targets: list[str], families: list[str]):
 
 
 def markdown(result: dict) -> str:
+    every = result["name"].endswith("-configs")
+    which = ("Every config the launcher may run for the path (its autotune list, pruned for the variant), in list "
+             "order; the first table is each path's lowest count without spills." if every else "Each family's first config;")
     lines = [f"# Triton kernels' machine code (compiled here, no GPU): {result['date']}", "",
              f"Triton {result['triton']}; command: `{result['command']}`. Raw data: {result.get('name', 'kernel-isa')}.json.",
              "Instructions per weight: the main loop's instructions x threads per block / (BLOCK_N x BLOCK_K), "
-             "thread-level (every thread issues the loop body once per K tile). Each family's first config; gemv "
+             f"thread-level (every thread issues the loop body once per K tile). {which} gemv "
              "rows are the GEMV the launcher runs for the variant (fp16 / bf16 x with 4-bit fields and no g_idx: "
-             "the packed GEMV, first config of gemv_packed; else the fp32 GEMV).", "",
-             "| target | family | variant | warps | BLOCK_N x BLOCK_K | regs | spills | shared B | loop instr | instr/weight |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
+             "the packed GEMV, first config of gemv_packed; else the fp32 GEMV).", ""]
+    head = ["| target | family | variant | warps | BLOCK_M x BLOCK_N x BLOCK_K, stages | regs | spills | shared B | loop instr | instr/weight |",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+
+    def line(r):
         if "error" in r:
-            lines.append(f"| {r['target']} | {r['family']} | {r['variant']} | - | - | - | - | - | - | {r['error']} |")
-            continue
-        lines.append(f"| {r['target']} | {r['family']} | {r['variant']} | {r['num_warps']} | {r['block_n']} x {r['block_k']} "
-                     f"| {r['registers']} | {r['spills']} | {r['shared_bytes']} | {r['loop_instructions']} "
-                     f"| {r['instructions_per_weight']} |")
+            return f"| {r['target']} | {r['family']} | {r['variant']} | - | - | - | - | - | - | {r['error']} |"
+        return (f"| {r['target']} | {r['family']} | {r['variant']} | {r['num_warps']} | {r.get('block_m') or '-'} x "
+                f"{r['block_n']} x {r['block_k']}, {r['num_stages']} | {r['registers']} | {r['spills']} | {r['shared_bytes']} "
+                f"| {r['loop_instructions']} | {r['instructions_per_weight']} |")
+    if every:
+        best: dict[tuple, dict] = {}
+        for r in result["rows"]:
+            key = (r["target"], r["family"], r["variant"])
+            if "error" not in r and not r["spills"] and (key not in best or r["instructions_per_weight"]
+                                                         < best[key]["instructions_per_weight"]):
+                best[key] = r
+        lines += ["## Lowest per path", "", *head, *map(line, best.values()), "", "## Every config", ""]
+    lines += [*head, *map(line, result["rows"])]
     return "\n".join(lines) + "\n"
 
 
@@ -126,11 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                    "small_m_asm,small_m_gptq,small_m_mma,small_m_mma_asm,small_m_mfma,small_m_mfma_asm,large_m,large_m_swap,w8a8,"
                    "moe,fp,fp8")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--name", default="kernel-isa")
+    p.add_argument("--name", default=None, help="results file stem (default kernel-isa, kernel-isa-configs with --every-config)")
+    p.add_argument("--every-config", action="store_true",
+                   help="every config the launcher may run for a weight-only path (its autotune list, pruned), not the first")
     args = p.parse_args(argv)
+    name = args.name or ("kernel-isa-configs" if args.every_config else "kernel-isa")
     rows = []
-    for family, variant, target, cfg, build in cases(args.targets.split(","), args.families.split(",")):
-        row = {"family": family, "variant": variant, "target": target, "config": str(cfg)}
+    for family, variant, target, cfg, build in cases(args.targets.split(","), args.families.split(","), args.every_config):
+        row = {"family": family, "variant": variant, "target": target, "config": str(cfg), "block_m": cfg.kwargs.get("BLOCK_M")}
         try:
             kernel = build()
             bn = cfg.kwargs.get("BLOCK_N", 64)
@@ -140,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    save("kernel_isa.py", rows, argv, args.out, args.name, markdown)
+    save("kernel_isa.py", rows, argv, args.out, name, markdown)
     return 0
 
 

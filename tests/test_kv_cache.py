@@ -69,7 +69,7 @@ def test_observer_sees_keys_after_rope(tiny, ids):
 
 def test_quant_cache_changes_attention_only_as_much_as_its_grid(tiny, ids):
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    cfg = KVCacheConfig("fp8", "tensor")
+    cfg = KVCacheConfig("fp8", "tensor", scale_rule="amax")
     scales = {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in kv_scales(observe_kv(model, ids), cfg).items()}
     kw = cache_kwarg(model)
     with torch.no_grad():
@@ -87,9 +87,9 @@ def test_quant_cache_changes_attention_only_as_much_as_its_grid(tiny, ids):
 def test_scales_round_trip_and_config():
     amax = {0: (torch.tensor([2.0, 4.0]), torch.tensor([1.0, 8.0])), 1: (torch.tensor([0.0, 1.0]), torch.ones(2))}
     names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    t = scale_tensors(kv_scales(amax, KVCacheConfig("fp8", "tensor")), names)
+    t = scale_tensors(kv_scales(amax, KVCacheConfig("fp8", "tensor", scale_rule="amax")), names)
     assert torch.equal(t["model.layers.0.self_attn.k_scale"], torch.tensor([4.0]) / 448) and t["model.layers.0.self_attn.k_scale"].shape == (1,)
-    head = scale_tensors(kv_scales(amax, KVCacheConfig("int8", "head")), names)
+    head = scale_tensors(kv_scales(amax, KVCacheConfig("int8", "head", scale_rule="amax")), names)
     assert head["model.layers.0.self_attn.v_scale"].shape == (2, 1, 1)
     assert torch.equal(head["model.layers.1.self_attn.k_scale"].flatten(), torch.tensor([127.0, 1.0]) / 127)  # zero amax: 1
     back = scales_from_tensors(head)
@@ -129,10 +129,12 @@ def test_mse_rule_picks_the_scale_of_least_error():
         base = error_bases(amax, strategy)
         errors = {0: tuple(scale_errors(t, b, "fp8", scale_multipliers()) for t, b in zip((x, torch.ones(1, 2, 4, 1)), base[0]))}
         mse = kv_scales(amax, cfg, errors)[0][0].reshape(-1)
-        plain = kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"))[0][0].reshape(-1)
+        plain = kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"), errors)[0][0].reshape(-1)  # errors unused
         err = [float(((fake_quant(x, s, "fp8") - x) ** 2).sum()) for s in (mse, plain)]
         assert err[0] < 0.5 * err[1], (strategy, mse, plain, err)
         assert torch.equal(kv_scales(amax, cfg, errors)[0][1], kv_scales(amax, KVCacheConfig("fp8", strategy, scale_rule="amax"))[0][1])  # values of one level: a tie keeps amax
+        with pytest.raises(QuantspecError, match="mse KV scale rule needs"):
+            kv_scales(amax, cfg)
 
 
 def test_observed_errors_cover_every_layer_and_candidate(tiny, ids):

@@ -91,7 +91,7 @@ def test_quantized_kv_cache_matches_transformers(kind, scales, strategy, monkeyp
     rows = [torch.arange(5, 17), torch.arange(30, 34)] if scales == "calibrated" else [torch.arange(5, 17)]
     with torch.inference_mode():
         plain = next(_steps(StaticDecoder(model), rows, torch.Generator().manual_seed(1)))[0]
-        cfg = KVCacheConfig(kind, strategy)
+        cfg = KVCacheConfig(kind, strategy, scale_rule="amax")
         coarse = {i: (k * 64, v * 64) for i, (k, v) in kv_scales(observe_kv(model, rows[0][None]), cfg).items()}
         model.quantspec_kv_cache = (cfg, coarse)
         if scales == "dynamic":  # what `eval --kv-scales dynamic` asks of resolve_kv

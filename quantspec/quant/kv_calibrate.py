@@ -77,9 +77,14 @@ def error_bases(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], strategy: st
 def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheConfig,
               errors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
               ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_scale, v_scale): [1] (tensor) or [kv_heads, 1, 1] (head), fp32. ``errors``
-    (``observe_errors`` around ``error_bases(amax, cfg.strategy)``): each scale is the amax one times the multiplier of least error (summed over the
-    heads for "tensor"; the amax scale itself on a tie)."""
+    """Per layer (k_scale, v_scale): [1] (tensor) or [kv_heads, 1, 1] (head), fp32. The "amax"
+    rule: amax / top code. The "mse" rule needs ``errors`` (``observe_errors`` around
+    ``error_bases(amax, cfg.strategy)``): each scale is the amax one times the multiplier of least
+    error (summed over the heads for "tensor"; the amax scale itself on a tie)."""
+    if cfg.scale_rule == "mse" and errors is None:
+        raise QuantspecError("the mse KV scale rule needs the squared errors of its candidate scales.",
+                             "pass observe_errors(...) as errors, or use scale_rule='amax'.")
+    errors = errors if cfg.scale_rule == "mse" else None
     mults = scale_multipliers()
     one = int((mults == 1).nonzero())
     out = {}
