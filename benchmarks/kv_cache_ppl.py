@@ -33,6 +33,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -79,7 +80,11 @@ def main() -> None:
                             scheme=SCHEME_PRESETS["fp8-weight"], kv_cache=KVCacheConfig("fp8", strategy, samples=32, scale_rule=rule))
             recipe = replace(recipe, calibration=replace(recipe.calibration, data=str(DATA / "c4" / "c4-validation-2k.jsonl"),
                                                          samples=64, seqlen=512, seed=0))
-            ckpt = quantspec.quantize(str(folder), recipe, Path(tmp) / f"{strategy}-{rule}", progress=False).out
+            t0 = time.perf_counter()
+            outcome = quantspec.quantize(str(folder), recipe, Path(tmp) / f"{strategy}-{rule}", progress=False)
+            seconds = {"quantize_seconds": round(time.perf_counter() - t0, 1),  # the whole call: weights, KV scales, writing
+                       "kv_seconds": outcome.report["kv_cache"]["seconds"]}
+            ckpt = outcome.out
             model = quantspec.load_quantized(ckpt, dtype="float32", backend="exact")
             for kind, scales in SETTINGS:
                 if kind not in kinds or (not first and (kind == "off" or scales != "calibrated")):
@@ -90,19 +95,27 @@ def main() -> None:
                 calibrated = scales == "calibrated" and kind != "off"
                 row = {"tool": "quantspec", "kv_strategy": strategy if calibrated else "-", "kv_rule": rule if calibrated else "-",
                        "kv": "none" if r["kv_cache"] is None else f"{r['kv_cache']['kind']} {r['kv_cache']['scales']}",
-                       "ppl": round(r["ppl"], 4)}
+                       "ppl": round(r["ppl"], 4), **(seconds if calibrated else {})}
                 print(row, flush=True)
                 rows.append(row)
         if args.peer:
             rows += peer_rows(folder, Path(tmp), tok, wiki, args.windows)
     meta = {"model": args.model, "weights": "fp8-weight RTN (FP8 E4M3 per channel, fp32 activations)",
             "calibration": "c4 64 x 512 seed 0 (KV: first 32)", "eval": f"wikitext2 seqlen 512 x {args.windows} windows",
-            "backend": "exact (cpu fgemm where built, else reference)", "machine": f"{platform.machine()}", "command": shlex.join(["python", *sys.argv])}
+            "backend": "exact (cpu fgemm where built, else reference)", "machine": f"{platform.machine()}",
+            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python", *sys.argv])}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# KV-cache quantization on {args.model} ({meta['weights']}; {meta['eval']})", "",
              f"Command: `{meta['command']}`. Raw rows: `{args.out.name}.json`.", "",
-             "| checkpoint by | KV cache | scales from | scale rule | wikitext2 ppl |", "|---|---|---|---|---|"]
-    lines += [f"| {r['tool']} | {r['kv']} | {r['kv_strategy']} | {r['kv_rule']} | {r['ppl']:.4f} |" for r in rows]
+             ("quantize s: quantspec's whole `quantize` call (load, FP8 weights, KV scales, write; KV scales alone in "
+              "brackets); llm-compressor's `oneshot` call alone (no load, no save)."), "",
+             "| checkpoint by | KV cache | scales from | scale rule | wikitext2 ppl | quantize s |", "|---|---|---|---|---:|---|"]
+
+    def secs(r):
+        if "quantize_seconds" in r:
+            return f"{r['quantize_seconds']} ({r['kv_seconds']})"
+        return str(r["llmc_seconds"]) if r["tool"] == "llm-compressor" and r["kv_strategy"] != "-" else "-"
+    lines += [f"| {r['tool']} | {r['kv']} | {r['kv_strategy']} | {r['kv_rule']} | {r['ppl']:.4f} | {secs(r)} |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
