@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "kv-cache-ppl")
     ap.add_argument("--peer", choices=["llmc"], help="also llm-compressor's calibrated FP8 KV checkpoint")
     ap.add_argument("--kinds", default="fp8,int8", help="KV cache kinds measured (the unquantized cache always)")
-    ap.add_argument("--rules", default=",".join(KV_SCALE_RULES), help="KV scale rules calibrated (a checkpoint each)")
+    ap.add_argument("--rules", default="mse,amax", help="KV scale rules calibrated (a checkpoint each; auto is mse for fp8)")
     args = ap.parse_args()
     kinds = {"off", *args.kinds.split(",")}
     if not kinds <= {"off", "fp8", "int8"}:

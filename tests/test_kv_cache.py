@@ -92,6 +92,8 @@ def test_scales_round_trip_and_config():
     head = scale_tensors(kv_scales(amax, KVCacheConfig("int8", "head", scale_rule="amax")), names)
     assert head["model.layers.0.self_attn.v_scale"].shape == (2, 1, 1)
     assert torch.equal(head["model.layers.1.self_attn.k_scale"].flatten(), torch.tensor([127.0, 1.0]) / 127)  # zero amax: 1
+    assert (KVCacheConfig("fp8").rule, KVCacheConfig("int8").rule, KVCacheConfig("fp8", scale_rule="amax").rule) == ("mse", "amax", "amax")
+    assert torch.equal(kv_scales(amax, KVCacheConfig("int8", "head"))[1][0], head["model.layers.1.self_attn.k_scale"])  # auto: amax
     back = scales_from_tensors(head)
     assert torch.equal(back[0][1], torch.tensor([1.0, 8.0]) / 127)
     for cfg in (KVCacheConfig("fp8", "tensor"), KVCacheConfig("int8", "head")):

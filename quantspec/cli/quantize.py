@@ -54,9 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-strategy", choices=["tensor", "head"], default=None,
                    help="one KV scale per layer (tensor, the default, what vLLM reads) or per KV head")
     p.add_argument("--kv-scale-rule", choices=list(KV_SCALE_RULES), default=None,
-                   help=f"KV scales: the observed max on the top code (amax), or the multiple of that scale with the "
-                        f"smallest squared error of the observed keys / values (mse, a second pass); default "
-                        f"{KV_SCALE_RULES[0]} (chosen on a validation split)")
+                   help="KV scales: the observed max on the top code (amax), or the multiple of that scale with the "
+                        "smallest squared error of the observed keys / values (mse, a second pass); default auto: mse "
+                        "for fp8, amax for int8 (chosen on a validation split, docs/decisions/kv-scale-rule.md)")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)

@@ -15,7 +15,8 @@ from ..errors import QuantspecError
 
 KV_MAX = {"fp8": 448.0, "int8": 127.0}  # the top code of each KV kind
 KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
-KV_SCALE_RULES = ("mse", "amax")  # the first is the default (docs/decisions/kv-scale-rule.md)
+KV_SCALE_RULES = ("auto", "mse", "amax")  # the first is the default (docs/decisions/kv-scale-rule.md)
+AUTO_KV_SCALE_RULE = {"fp8": "mse", "int8": "amax"}  # what "auto" is per kind, chosen on a validation split
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,10 @@ class KVCacheConfig:
     """A recipe's ``kv_cache``: kind "fp8" or "int8"; strategy "tensor" (one scale per layer
     for keys and one for values) or "head" (one per KV head); samples: calibration samples
     observed (the first ones of the recipe's calibration draw); scale_rule: "amax" (the
-    observed max lands on the top code) or "mse" (of the multiples 2**(j/64), j = -64..64, of
+    observed max lands on the top code), "mse" (of the multiples 2**(j/64), j = -64..64, of
     that scale, the one with the smallest squared error of the observed keys / values: a second
-    pass over the samples). The rule is how the scales were found, not part of the format."""
+    pass over the samples) or "auto" (the default: mse for fp8, amax for int8; ``rule``). The
+    rule is how the scales were found, not part of the format."""
 
     kind: str = "fp8"
     strategy: str = "tensor"
@@ -43,6 +45,11 @@ class KVCacheConfig:
                                  f"use one of {list(KV_SCALE_RULES)}.")
         if self.samples < 1:
             raise QuantspecError(f"kv_cache samples must be >= 1, got {self.samples}.", "use e.g. 32.")
+
+    @property
+    def rule(self) -> str:
+        """The scale rule that runs: "amax" or "mse" ("auto" resolved for the kind)."""
+        return AUTO_KV_SCALE_RULE[self.kind] if self.scale_rule == "auto" else self.scale_rule
 
 
 def kv_cache_scheme(cfg: KVCacheConfig) -> dict:

@@ -81,10 +81,10 @@ def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheCo
     rule: amax / top code. The "mse" rule needs ``errors`` (``observe_errors`` around
     ``error_bases(amax, cfg.strategy)``): each scale is the amax one times the multiplier of least
     error (summed over the heads for "tensor"; the amax scale itself on a tie)."""
-    if cfg.scale_rule == "mse" and errors is None:
+    if cfg.rule == "mse" and errors is None:
         raise QuantspecError("the mse KV scale rule needs the squared errors of its candidate scales.",
                              "pass observe_errors(...) as errors, or use scale_rule='amax'.")
-    errors = errors if cfg.scale_rule == "mse" else None
+    errors = errors if cfg.rule == "mse" else None
     mults = scale_multipliers()
     one = int((mults == 1).nonzero())
     out = {}
@@ -119,6 +119,6 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
         raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
                              "drop --kv-cache for this architecture.")
     errors = None
-    if cfg.scale_rule == "mse":
+    if cfg.rule == "mse":
         errors = observe_errors(model, ids[: cfg.samples], error_bases(amax, cfg.strategy), cfg.kind, progress)
     return scale_tensors(kv_scales(amax, cfg, errors), attn)

@@ -208,7 +208,7 @@ def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, repor
     config = read_config(folder)
     config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(cfg)
     write_config(folder, config)
-    report["kv_cache"] = {"kind": cfg.kind, "strategy": cfg.strategy, "scale_rule": cfg.scale_rule,
+    report["kv_cache"] = {"kind": cfg.kind, "strategy": cfg.strategy, "scale_rule": cfg.rule,
                           "samples": min(cfg.samples, len(ids)),
                           "seconds": round(time.perf_counter() - t0, 2),
                           "max_k_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("k_scale")),
