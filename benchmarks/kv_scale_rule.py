@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import shlex
 import sys
@@ -26,26 +25,25 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
 sys.path.insert(0, str(HERE))
 
 from awq_tune_defaults import load_data  # noqa: E402
+from peer_common import perplexity  # noqa: E402
 from quant_peers import RESULTS  # noqa: E402
 
 from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
-from quantspec.eval.perplexity import window_nll  # noqa: E402
 from quantspec.models.source import dense_folder, load_dense  # noqa: E402
 from quantspec.quant.kv_calibrate import error_bases, kv_scales, observe_errors, observe_kv  # noqa: E402
 from quantspec.runtime.kv import cache_kwarg  # noqa: E402
 from quantspec.runtime.kv_quant import KVSetting, QuantKVCache  # noqa: E402
 
 
-@torch.inference_mode()
 def ppl(model, windows: torch.Tensor, kv: tuple | None) -> float:
-    kw, nll = cache_kwarg(model), 0.0
-    for w in windows:
-        extra = {} if kv is None else {kw: QuantKVCache(*kv, config=model.config), "use_cache": True}
-        nll += float(window_nll(model(input_ids=w[None], **extra).logits, w[None], w.numel() - 1))
-    return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+    """Perplexity with attention reading a KV cache rounded by ``kv`` (KVSetting, scales), or a plain one."""
+    kw = cache_kwarg(model)
+    return perplexity(model, windows, None if kv is None else
+                      lambda: {kw: QuantKVCache(*kv, config=model.config), "use_cache": True})
 
 
 def main() -> None:
