@@ -35,6 +35,9 @@ DRAFTS = {
     "far": _markov(3, 2.0),
     "same": P_TABLE.clone(),
 }
+# a draft whose head scores part of the vocabulary (specdec.draft_vocab): zero mass on 5, 6, 7
+_scored = torch.tensor([1.0] * 5 + [0.0] * 3)
+DRAFTS["pruned"] = DRAFTS["close"] * _scored / (DRAFTS["close"] * _scored).sum(-1, keepdim=True)
 
 
 def _chi2_ok(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
@@ -98,7 +101,7 @@ def _two_tokens(q_table, k, seed, det=False):
     return first, second
 
 
-@pytest.mark.parametrize("draft", ["close", "far", "same"])
+@pytest.mark.parametrize("draft", ["close", "far", "same", "pruned"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_rejection_sampling_keeps_target_distribution(draft, k):
     first, second = _two_tokens(DRAFTS[draft], k, seed=10 + k)

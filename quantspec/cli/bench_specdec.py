@@ -32,6 +32,10 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
                         "AVX-512 BF16, else the target's), float32, bfloat16, float16")
     g.add_argument("--draft-head", default="w8gpc",
                    help="output head of a self: draft: a scheme (w8gpc, w4g32, ...), same (the body's) or dense")
+    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="a draft model's output head scores only the N most frequent tokens of local "
+                        "prose and code, plus those of the prompt and of the text written since "
+                        "(lossless: the target verifies every draft); 0 = the whole vocabulary")
     g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                    help="grow k while every draft is accepted, shrink it when fewer than half are")
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, kinds)
     target, tokenizer, info = load_dense(args.target, dtype=args.dtype, device=args.device)
     proposer = make_proposer(args.draft, target, tokenizer, dtype=args.draft_dtype,
-                             head=args.draft_head)
+                             head=args.draft_head, vocab=args.draft_vocab)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = {"target": args.target, "draft": proposer.name,
               "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}

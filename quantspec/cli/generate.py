@@ -59,7 +59,7 @@ def run(args) -> int:
         from .. import specdec
 
         proposer = specdec.make_proposer(args.draft, model, tok, dtype=args.draft_dtype,
-                                         head=args.draft_head)
+                                         head=args.draft_head, vocab=args.draft_vocab)
         t1 = time.perf_counter()
         ids, stats = specdec.speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantScheme
+from .draft_vocab import corpus_frequent_tokens, prune_head, wrap_head
 from .proposers import DraftModel, NGram, Proposer
 from .selfdraft import QuantizedSelf
 
@@ -121,13 +122,39 @@ def _load_draft(spec: str, target, dtype: torch.dtype):
     return model, tokenizer
 
 
+def draft_token_ids(target: torch.nn.Module, tokenizer, size: int) -> torch.Tensor | None:
+    """The tokens a draft head of ``size`` tokens scores (``draft_vocab.corpus_frequent_tokens``,
+    the target's stop and special tokens always among them), or None for the whole vocabulary
+    (``size`` 0 or at least the vocabulary)."""
+    from .loop import stop_ids
+
+    vocab = _vocab_rows(target)
+    if size < 0:
+        raise QuantspecError(f"--draft-vocab {size} is negative.", "use 0 (the whole vocabulary) or a token count.")
+    if size == 0 or size >= vocab:
+        return None
+    if tokenizer is None:
+        raise QuantspecError("a pruned draft vocabulary needs the target's tokenizer to rank tokens.",
+                             "pass tokenizer= to make_proposer, or vocab=0.")
+    always = sorted(({int(i) for i in getattr(tokenizer, "all_special_ids", [])} | stop_ids(target)) & set(range(vocab)))
+    if len(always) >= size:
+        raise QuantspecError(f"--draft-vocab {size} does not hold the {len(always)} special tokens.",
+                             f"use --draft-vocab {len(always) + 1} or more (or 0 for all).")
+    return corpus_frequent_tokens(tokenizer, size, vocab, always)
+
+
 def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
-                  dtype: torch.dtype | str | None = None, head: str = "w8gpc") -> Proposer:
+                  dtype: torch.dtype | str | None = None, head: str = "w8gpc", vocab: int = 0) -> Proposer:
     """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's,
     ``dtype`` the draft model's (see ``draft_dtype``). ``head``: the output head of a ``self:``
     draft: a scheme name (default ``w8gpc``, see ``selfdraft.DRAFT_HEAD``), ``same`` (the
-    body's scheme) or ``dense``."""
+    body's scheme) or ``dense``. ``vocab``: a draft model's head scores this many tokens
+    (``draft_token_ids``) and those of the text it continues; 0: every token."""
     spec = spec.strip()
+    model_draft = not (spec == "ngram" or spec.startswith(("ngram:", "eagle:")))
+    if vocab and not model_draft:
+        raise QuantspecError(f"--draft-vocab prunes a draft model's output head; {spec} has none of its own.",
+                             "drop --draft-vocab (an eagle: head keeps the vocabulary it was trained with).")
     if spec == "ngram" or spec.startswith("ngram:"):
         max_n = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return NGram(max_n=max_n)
@@ -136,17 +163,23 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
 
         return eagle_proposer(spec[len("eagle:"):], target)
     dtype = draft_dtype(target, dtype)
+    token_ids = draft_token_ids(target, tokenizer, vocab)
     if spec.startswith("self:"):
         rest = spec[len("self:"):]
         head_scheme = None if head in ("same", "dense") else _head_scheme(head)
         if Path(rest).expanduser().is_dir():
             prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target, dtype=dtype,
-                                                 head_scheme=head_scheme)
+                                                 head_scheme=head_scheme, token_ids=token_ids)
             check_same_vocab(target, prop.model, draft_name=spec)
             return prop
         return QuantizedSelf.from_target(target, parse_scheme(rest), include_lm_head=head != "dense",
-                                         dtype=dtype, head_scheme=head_scheme)
+                                         dtype=dtype, head_scheme=head_scheme, token_ids=token_ids)
     model, draft_tok = _load_draft(spec, target, dtype)
     name = getattr(getattr(target, "config", None), "_name_or_path", "target") or "target"
     check_same_vocab(target, model, tokenizer, draft_tok, target_name=name, draft_name=spec)
-    return DraftModel(model, name=spec)
+    pruned = None
+    if token_ids is not None:
+        source = model.get_output_embeddings()  # the draft's own full head: rows for add_tokens
+        prune_head(model, token_ids)
+        pruned = wrap_head(model, token_ids, _vocab_rows(target), source)
+    return DraftModel(model, name=spec, pruned=pruned)

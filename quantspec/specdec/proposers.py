@@ -28,6 +28,7 @@ import torch
 from ..errors import QuantspecError
 from ..kernels.small_ops import argmax
 from ..runtime.decoder import fast_decoder
+from .draft_vocab import PrunedHead
 from .sampling import SamplingConfig, probs_from_logits, sample
 from .tree import TokenTree, TreeSpec, grow_tree
 
@@ -118,13 +119,17 @@ class DraftModel(Proposer):
     its last token) plus, right after ``propose``, the drafts it fed; ``accept`` drops the
     rejected ones. Compatibility with the target is checked by ``make_proposer``
     (``check_same_vocab``), not here.
+
+    pruned: the model's output head when it scores part of the vocabulary
+    (``draft_vocab.PrunedHead``); the committed text's tokens are added to it as they come.
     """
 
     grows_trees = True
 
-    def __init__(self, model: torch.nn.Module, name: str = "draft"):
+    def __init__(self, model: torch.nn.Module, name: str = "draft", pruned: PrunedHead | None = None):
         self.model = model.eval()
         self.name = name
+        self.pruned = pruned
         self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None  # per row, each tree node's index in the cache's tree
@@ -133,17 +138,23 @@ class DraftModel(Proposer):
         self._decoder.reset()
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None
+        if self.pruned is not None:
+            self.pruned.reset_tokens()
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
         dec = self._decoder
         if len(dec.lengths) != len(sequences):
-            dec.reset()
-            return [s for s in sequences]
-        excess = [max(0, held - (len(s) - 1)) for held, s in zip(dec.lengths, sequences)]
-        if any(excess):
-            dec.drop_last(excess)
-        return [s[held:] for held, s in zip(dec.lengths, sequences)]
+            self.reset()
+            chunks = list(sequences)
+        else:
+            excess = [max(0, held - (len(s) - 1)) for held, s in zip(dec.lengths, sequences)]
+            if any(excess):
+                dec.drop_last(excess)
+            chunks = [s[held:] for held, s in zip(dec.lengths, sequences)]
+        if self.pruned is not None:
+            self.pruned.add_tokens(torch.cat(chunks))
+        return chunks
 
     @torch.inference_mode()
     def propose(self, sequences, k, sampling, generator=None) -> Proposal:
@@ -188,9 +199,12 @@ class DraftModel(Proposer):
     @torch.inference_mode()
     def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
                               features: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward through the runtime it drafts with (n < L)."""
+        """One forward through the runtime it drafts with (n < L); a pruned head also scores the
+        tokens before the last n (in the loop it would score those committed before each)."""
         self.reset()
         try:
+            if self.pruned is not None:
+                self.pruned.add_tokens(sequence[: len(sequence) - n])
             return self._decoder.forward([sequence[:-1].to(self._decoder.device)], keep=n)[0]
         finally:
             self.reset()

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ...checkpoint.atomic import atomic_write_bytes, atomic_write_text
 from ...errors import QuantspecError
+from ..draft_vocab import frequent_tokens
 from .export import export_vllm
 from .features import claim_folder, extract_features, load_features
 from .head import EagleConfig, EagleHead
@@ -92,9 +93,7 @@ class TrainConfig:
 
 def draft_vocabulary(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
     """The ``size`` most frequent next tokens of ``tokens`` [n, L] (ties: lower id), ascending."""
-    counts = torch.bincount(tokens[:, 1:].reshape(-1), minlength=vocab).to(torch.float64)
-    counts -= torch.arange(vocab, dtype=torch.float64) / (2.0 * vocab)  # lower id first on ties
-    return counts.topk(min(size, vocab)).indices.sort().values
+    return frequent_tokens([tokens[:, 1:]], size, vocab)
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:

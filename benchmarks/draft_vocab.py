@@ -1,0 +1,132 @@
+"""Draft output heads over part of the vocabulary (``--draft-vocab``), timed side by side.
+
+One target, one draft spec, several draft vocabulary sizes (0 = the whole vocabulary) and
+chain lengths k: every (size, k) is a mode of one interleaved run beside the target alone
+(transformers' ``generate``), greedy, each prompt in every repeat (``specdec.schedule``). Per
+mode: tokens/s and the speed-up over the target (medians over repeats), tokens per target call,
+acceptance, milliseconds per draft step and per verification, and whether the output equals the
+target's. Choosing the default uses the validation prompts (the default ``--prompts``).
+
+    python benchmarks/draft_vocab.py qwen2.5-coder-0.5b --dtype bfloat16 --draft self:w4g128 \\
+        --vocabs 0,16384,32768,65536 --ks 4 --repeats 2 --name draft-vocab-qwen-val
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from quantspec.eval.machine import describe_machine, machine_line
+    from quantspec.models.load import load_model, model_label
+    from quantspec.specdec import make_proposer, speculative_generate
+    from quantspec.specdec.bench import encode, load_prompts
+    from quantspec.specdec.schedule import mode_medians, run_interleaved
+    from quantspec.specdec.stats import SpecStats
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target")
+    p.add_argument("--draft", default="self:w4g128", help="a draft model spec (self:..., a model)")
+    p.add_argument("--vocabs", type=_ints, default=[0, 16384, 32768, 65536], help="comma-separated sizes; 0 = all")
+    p.add_argument("--ks", type=_ints, default=[4], help="comma-separated chain lengths")
+    p.add_argument("--prompts", default=str(HERE / "specdec_prompts_validation.jsonl"))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--name", required=True, help="result stem under --out")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, tok, desc = load_model(args.target, dtype=args.dtype)
+    prompts = load_prompts(args.prompts)
+    inputs = [encode(tok, row["prompt"], True) for row in prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    drafts = {}
+    for v in args.vocabs:
+        t0 = time.perf_counter()
+        drafts[v] = make_proposer(args.draft, target, tok, vocab=v)
+        print(f"draft vocab {v or 'all'}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    class Run:
+        def __init__(self, ids, new_tokens, stats=None):
+            self.ids, self.new_tokens, self.stats = ids, new_tokens, stats
+
+    def target_alone(i: int) -> Run:
+        out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
+                              max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+        return Run(out, out.shape[1] - inputs[i].shape[1])
+
+    def spec(v: int, k: int):
+        def run(i: int) -> Run:
+            out, st = speculative_generate(target, drafts[v], inputs[i], max_new_tokens=args.max_new_tokens, k=k)
+            return Run(out, st.new_tokens, st)
+        return run
+
+    modes = {"target": target_alone}
+    for v in args.vocabs:
+        for k in args.ks:
+            modes[f"vocab={v or 'all'} k={k}"] = spec(v, k)
+    with torch.inference_mode():
+        for run in modes.values():  # warm-up, untimed
+            run(0)
+        timings, outputs = run_interleaved(
+            modes, len(inputs), args.repeats,
+            progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
+                                           + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
+                                           file=sys.stderr, flush=True))
+    medians = mode_medians(timings, base="target")
+    rows = {}
+    for name in modes:
+        runs = [outputs[(name, i)] for i in range(len(inputs))]
+        same = sum(bool(r.ids.shape == outputs[("target", i)].ids.shape and torch.equal(r.ids, outputs[("target", i)].ids))
+                   for i, r in enumerate(runs))
+        row = {**medians[name], "greedy_matches_target": same}
+        if name != "target":
+            stats = SpecStats()
+            for r in runs:
+                stats = stats.merge(r.stats)
+            d = stats.to_dict()
+            row.update({key: d[key] for key in ("acceptance_rate", "tokens_per_call", "target_calls", "draft_calls",
+                                                "draft_s", "target_s")})
+            row["draft_ms_per_step"] = round(1e3 * d["draft_s"] / max(1, d["draft_calls"]), 2)
+            row["target_ms_per_call"] = round(1e3 * d["target_s"] / max(1, d["target_calls"]), 2)
+        rows[name] = row
+    command = "python benchmarks/draft_vocab.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    machine = describe_machine()
+    result = {"command": command, "target": model_label(desc), "draft": args.draft, "dtype": args.dtype,
+              "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
+              "max_new_tokens": args.max_new_tokens, "machine": machine,
+              "draft_reports": {str(v): getattr(d, "report", {}) for v, d in drafts.items()}, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    lines = [f"# Draft vocabulary sizes: {args.draft} for {model_label(desc)} ({args.dtype})", "",
+             f"Command: `{command}`; raw: {args.name}.json; {machine_line(machine)}; {time.strftime('%Y-%m-%d')}.",
+             (f"Greedy, {len(inputs)} prompts of {Path(args.prompts).name}, {args.max_new_tokens} new tokens, "
+              f"{args.repeats} interleaved repeats, {args.threads} thread(s); medians over repeats."), "",
+             "| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | verify ms / call | greedy == target |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | {r.get('tokens_per_call', 1.0):.2f} | "
+                     f"{r.get('acceptance_rate', '-')} | {r.get('draft_ms_per_step', '-')} | "
+                     f"{r.get('target_ms_per_call', '-')} | {r['greedy_matches_target']}/{len(inputs)} |")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
