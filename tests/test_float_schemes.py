@@ -652,6 +652,40 @@ def test_cpu_float_kernel_matches_reference(preset, m):
     assert choose_backend(scheme, n, k, torch.device("cpu"), torch.float32, "exact")[0].name == "cpu"
 
 
+@pytest.mark.parametrize("preset", ["fp8-weight", "nvfp4", "mxfp4"])
+def test_cpu_float_dense_regime_is_the_reference(preset, monkeypatch):
+    """From FLOAT_DENSE_FROM_M rows (a perplexity window, a KV calibration sample) the cpu backend
+    dequantizes DENSE_TILE_N weight rows at a time (float_weight_rows: the reference's values,
+    bit-equal) and multiplies in fp32: with fp32 x, max |y - y_ref| <= 1e-6 x max |y_ref| (the
+    same products, matmul's summation); bf16 x widened; N spanning several tiles (2 + a partial)."""
+    _needs_ext()
+    import quantspec.kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu, "DENSE_TILE_N", 32)
+    calls = []
+    dense = cpu._dense_float
+    monkeypatch.setattr(cpu, "_dense_float", lambda *a: calls.append(a[0].shape[0]) or dense(*a))
+    scheme = SCHEME_PRESETS[preset]
+    n, k = 70, 256
+    w = _weight(n=n, k=k, seed=5)
+    w[:3] *= 1e-3
+    r = rtn(w, scheme)
+    prepared = cpu.CpuBackend().prepare(r, torch.float32)
+    assert torch.equal(cpu.float_weight_rows(prepared, scheme.weights, scheme.group_len(k), 0, n), r.dequantize())
+    m = cpu.FLOAT_DENSE_FROM_M
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    b = torch.randn(n)
+    ref = ReferenceBackend()
+    y_ref = ref.linear(x, ref.prepare(r, torch.float32), scheme, n, k, b)
+    y = cpu.CpuBackend().linear(x, prepared, scheme, n, k, b)
+    assert (y - y_ref).abs().max() <= 1e-6 * y_ref.abs().max()
+    yb = cpu.CpuBackend().linear(x.to(torch.bfloat16), prepared, scheme, n, k, None)
+    yb_ref = ref.linear(x.to(torch.bfloat16).float(), ref.prepare(r, torch.float32), scheme, n, k, None)
+    assert yb.dtype == torch.bfloat16 and (yb.float() - yb_ref).abs().max() <= 2**-8 * yb_ref.abs().max()
+    cpu.CpuBackend().linear(x[: m - 1], prepared, scheme, n, k, b)  # below the threshold: fgemm
+    assert calls == [m, m]
+
+
 def _fgemm(x, prepared, scheme, k):
     return torch.ops.quantspec_cpu.fgemm(x, prepared["fcodes"], prepared["fscales"], prepared["gscale"],
                                          int(prepared["fkind"]), scheme.group_len(k))

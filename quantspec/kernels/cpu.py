@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.floatcodes import pack_fp4_pairs
+from ..core.floatcodes import dequantize_values, pack_fp4_pairs, unpack_fp4_pairs
 from ..core.scheme import QuantResult, QuantScheme
 from . import int4pack
 from .cpu_ext import load_cpu_ext
@@ -43,6 +43,10 @@ from .reference import quantize_per_token_int8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_FROM_M = 1024  # the int8 kernel beat dequantize + fp32 GEMM up to M=512 on a Zen 3 core
+# float weights: fgemm's time grows with every row, dequantize + fp32 GEMM wins from 256 rows
+# (one Xeon core, 4864x896 and 896x4864, FP8/NVFP4/MXFP4, fp32 x: 0.58-0.86 of fgemm's time at
+# M = 256, 1.4-1.9x it at 64; bf16 x about even at 256); a perplexity window is 512 rows
+FLOAT_DENSE_FROM_M = 256
 DENSE_TILE_N = 1024
 EXT, INT4PACK, INT8PACK, DEQUANT, EXT_PANEL = 0, 1, 2, 3, 4
 PANEL = 16  # output rows per panel of the AVX-512 VNNI layout
@@ -298,6 +302,28 @@ def _ops():
 FLOAT_KINDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2}
 
 
+def float_weight_rows(p: dict[str, torch.Tensor], weights: str, group_len: int, n0: int, n1: int) -> torch.Tensor:
+    """fp32 rows n0:n1 [n1 - n0, K] of the weight a ``prepare_float`` layout holds (exactly the
+    reference's ``dequantize_values``)."""
+    codes = p["fcodes"][n0:n1]
+    stored = p["fscales"][n0:n1]
+    if weights != "fp8":
+        codes = unpack_fp4_pairs(codes)
+    if weights == "nvfp4":
+        stored = stored.view(torch.float8_e4m3fn)  # prepare_float keeps the E4M3 bytes
+    return dequantize_values(codes, stored, weights, group_len, p["gscale"])
+
+
+def _dense_float(x2: torch.Tensor, p: dict[str, torch.Tensor], scheme: QuantScheme, n: int, k: int) -> torch.Tensor:
+    """Compute-bound regime of float weights: DENSE_TILE_N rows dequantized at a time, fp32 matmul."""
+    xs = x2.to(torch.float32)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, DENSE_TILE_N):
+        n1 = min(n, n0 + DENSE_TILE_N)
+        torch.mm(xs, float_weight_rows(p, scheme.weights, scheme.group_len(k), n0, n1).T, out=y[:, n0:n1])
+    return y
+
+
 def prepare_float(result: QuantResult) -> dict[str, torch.Tensor]:
     """The layout of ``quantspec_cpu::fgemm`` (csrc/cpu_fgemv.cpp): FP8 codes [N, K] and fp32
     channel scales; FP4 codes two per byte (column 2j low nibble) and the stored scale bytes
@@ -373,9 +399,12 @@ class CpuBackend:
         if scheme.is_float:
             if load_cpu_ext() is None:
                 raise RuntimeError("float weights need the cpu extension, which is not built here")
-            xk = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.float32)  # bf16: the AVX-512 BF16 path
-            y = torch.ops.quantspec_cpu.fgemm(xk, prepared["fcodes"], prepared["fscales"],
-                                              prepared["gscale"], int(prepared["fkind"]), scheme.group_len(in_features))
+            if x2.shape[0] >= FLOAT_DENSE_FROM_M:
+                y = _dense_float(x2, prepared, scheme, out_features, in_features)
+            else:
+                xk = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.float32)  # bf16: the AVX-512 BF16 path
+                y = torch.ops.quantspec_cpu.fgemm(xk, prepared["fcodes"], prepared["fscales"], prepared["gscale"],
+                                                  int(prepared["fkind"]), scheme.group_len(in_features))
             if bias is not None:
                 y = y + bias.to(torch.float32)
             return y.to(x.dtype).reshape(*lead, out_features)

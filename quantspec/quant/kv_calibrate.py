@@ -43,7 +43,8 @@ def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progre
     with torch.no_grad():
         for j in tqdm(range(ids.shape[0]), disable=not progress, desc=desc, unit="sample"):
             obs = make()
-            model(input_ids=ids[j : j + 1].to(device), use_cache=True, **{kw: obs})
+            # logits of the last position only: the cache is what is observed, not the output
+            model(input_ids=ids[j : j + 1].to(device), use_cache=True, logits_to_keep=1, **{kw: obs})
             for layer, (k, v) in obs.stats.items():
                 if layer in seen:
                     k, v = merge(seen[layer][0], k), merge(seen[layer][1], v)

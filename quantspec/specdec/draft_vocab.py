@@ -100,9 +100,9 @@ class PrunedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self._call(x)
         out = part.new_full((*part.shape[:-1], self.out_features), float("-inf"))
-        out[..., self.token_ids] = part
+        out.index_copy_(-1, self.token_ids, part)
         if self.extra is not None:
-            out[..., self.extra_ids] = self.extra(x.to(self.extra.weight.dtype)).to(out.dtype)
+            out.index_copy_(-1, self.extra_ids, self.extra(x.to(self.extra.weight.dtype)).to(out.dtype))
         return out
 
 
