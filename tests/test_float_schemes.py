@@ -659,7 +659,7 @@ def test_cpu_float_dense_regime_is_the_reference(preset, monkeypatch):
     bit-equal) and multiplies in fp32: with fp32 x, max |y - y_ref| <= 1e-6 x max |y_ref| (the
     same products, matmul's summation); bf16 x widened; N spanning several tiles (2 + a partial)."""
     _needs_ext()
-    import quantspec.kernels.cpu as cpu
+    from quantspec.kernels import cpu
 
     monkeypatch.setattr(cpu, "DENSE_TILE_N", 32)
     calls = []
