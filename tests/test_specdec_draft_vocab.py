@@ -147,3 +147,16 @@ def test_draft_vocab_flag():
     parser = argparse.ArgumentParser()
     add_specdec_args(parser)
     assert parser.parse_args(["--draft", "self:w4g128", "--draft-vocab", "32768"]).draft_vocab == 32768
+    assert parser.parse_args(["--draft", "self:w4g128"]).draft_vocab is None  # make_proposer's default
+    assert f"default: {draft_vocab.DEFAULT_DRAFT_VOCAB}" in " ".join(parser.format_help().split())
+
+
+def test_default_prunes_only_larger_vocabularies(tmp_path, tok):
+    """The default (DEFAULT_DRAFT_VOCAB) prunes a head of more logits than it, and leaves a smaller
+    one whole (the 320 of the other tests); 0 keeps every token."""
+    big_dir = make_tiny_model(tmp_path, "llama", seed=0, vocab_size=draft_vocab.DEFAULT_DRAFT_VOCAB + 100)
+    big = AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32).eval()
+    prop = make_proposer("self:w8gpc", big, tok)
+    assert prop.pruned is not None and prop.pruned.token_ids.numel() == draft_vocab.DEFAULT_DRAFT_VOCAB
+    assert prop.model.get_output_embeddings().out_features == draft_vocab.DEFAULT_DRAFT_VOCAB + 100
+    assert make_proposer("self:w8gpc", big, tok, vocab=0).pruned is None

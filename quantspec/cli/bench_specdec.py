@@ -32,10 +32,11 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
                         "AVX-512 BF16, else the target's), float32, bfloat16, float16")
     g.add_argument("--draft-head", default="w8gpc",
                    help="output head of a self: draft: a scheme (w8gpc, w4g32, ...), same (the body's) or dense")
-    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="a draft model's output head scores only the N most frequent tokens of local "
                         "prose and code, plus those of the prompt and of the text written since "
-                        "(lossless: the target verifies every draft); 0 = the whole vocabulary")
+                        "(lossless: the target verifies every draft); 0 = the whole vocabulary "
+                        "(default: 65536, so only larger vocabularies are pruned)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                    help="grow k while every draft is accepted, shrink it when fewer than half are")

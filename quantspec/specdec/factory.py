@@ -17,7 +17,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantScheme
-from .draft_vocab import corpus_frequent_tokens, prune_head, wrap_head
+from .draft_vocab import DEFAULT_DRAFT_VOCAB, corpus_frequent_tokens, prune_head, wrap_head
 from .proposers import DraftModel, NGram, Proposer
 from .selfdraft import QuantizedSelf
 
@@ -144,14 +144,18 @@ def draft_token_ids(target: torch.nn.Module, tokenizer, size: int) -> torch.Tens
 
 
 def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
-                  dtype: torch.dtype | str | None = None, head: str = "w8gpc", vocab: int = 0) -> Proposer:
+                  dtype: torch.dtype | str | None = None, head: str = "w8gpc",
+                  vocab: int | None = None) -> Proposer:
     """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's,
     ``dtype`` the draft model's (see ``draft_dtype``). ``head``: the output head of a ``self:``
     draft: a scheme name (default ``w8gpc``, see ``selfdraft.DRAFT_HEAD``), ``same`` (the
     body's scheme) or ``dense``. ``vocab``: a draft model's head scores this many tokens
-    (``draft_token_ids``) and those of the text it continues; 0: every token."""
+    (``draft_token_ids``) and those of the text it continues; 0: every token; None: the default
+    (``draft_vocab.DEFAULT_DRAFT_VOCAB``; n-gram and eagle: drafts have no head to prune)."""
     spec = spec.strip()
     model_draft = not (spec == "ngram" or spec.startswith(("ngram:", "eagle:")))
+    if vocab is None:
+        vocab = DEFAULT_DRAFT_VOCAB if model_draft else 0
     if vocab and not model_draft:
         raise QuantspecError(f"--draft-vocab prunes a draft model's output head; {spec} has none of its own.",
                              "drop --draft-vocab (an eagle: head keeps the vocabulary it was trained with).")
