@@ -18,12 +18,7 @@ from quantspec.specdec import draft_vocab, make_proposer, speculative_generate
 from quantspec.specdec.draft_vocab import PrunedHead, frequent_tokens, head_rows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
 
 @pytest.fixture(autouse=True)
