@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="self:w4g128", help="a draft model spec (self:..., a model)")
     p.add_argument("--vocabs", type=_ints, default=[0, 16384, 32768, 65536], help="comma-separated sizes; 0 = all")
     p.add_argument("--ks", type=_ints, default=[4], help="comma-separated chain lengths")
+    p.add_argument("--verify", default="default",
+                   help="comma-separated: default (speculative_generate's choice), transformers, runtime "
+                        "(quantspec's static decoder; adds the mode target_fast: the target alone through it)")
     p.add_argument("--prompts", default=str(HERE / "specdec_prompts_validation.jsonl"))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
@@ -70,16 +73,26 @@ def main(argv: list[str] | None = None) -> int:
                               max_new_tokens=args.max_new_tokens, pad_token_id=pad)
         return Run(out, out.shape[1] - inputs[i].shape[1])
 
-    def spec(v: int, k: int):
+    fast = {"default": None, "transformers": False, "runtime": True}
+    verifies = [x.strip() for x in args.verify.split(",") if x.strip()]
+    if not verifies or any(x not in fast for x in verifies):
+        p.error(f"--verify takes {', '.join(fast)}")
+
+    def spec(v: int, k: int, verify: str):
         def run(i: int) -> Run:
-            out, st = speculative_generate(target, drafts[v], inputs[i], max_new_tokens=args.max_new_tokens, k=k)
+            out, st = speculative_generate(target, drafts[v], inputs[i], max_new_tokens=args.max_new_tokens, k=k,
+                                           fast_verify=fast[verify])
             return Run(out, st.new_tokens, st)
         return run
 
     modes = {"target": target_alone}
+    if "runtime" in verifies:
+        modes["target_fast"] = spec(args.vocabs[0], 0, "runtime")  # k = 0: one token per step
     for v in args.vocabs:
         for k in args.ks:
-            modes[f"vocab={v or 'all'} k={k}"] = spec(v, k)
+            for verify in verifies:
+                label = "" if verify == "default" else f" verify={verify}"
+                modes[f"vocab={v or 'all'} k={k}{label}"] = spec(v, k, verify)
     with torch.inference_mode():
         for run in modes.values():  # warm-up, untimed
             run(0)
@@ -95,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(bool(r.ids.shape == outputs[("target", i)].ids.shape and torch.equal(r.ids, outputs[("target", i)].ids))
                    for i, r in enumerate(runs))
         row = {**medians[name], "greedy_matches_target": same}
-        if name != "target":
+        if name not in ("target", "target_fast"):
             stats = SpecStats()
             for r in runs:
                 stats = stats.merge(r.stats)
