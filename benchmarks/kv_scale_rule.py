@@ -52,12 +52,16 @@ def main() -> None:
     ap.add_argument("--kinds", default="fp8,int8")
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--samples", type=int, default=KVCacheConfig().samples)
+    ap.add_argument("--search-samples", default="",
+                    help="comma-separated: also the mse rule with its error pass over only the first N samples "
+                         "(rows 'mse@N'; the maxima still come from all --samples)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv-scale-rule")
     args = ap.parse_args()
     folder = dense_folder(args.model)
     model, _, _ = load_dense(str(folder), dtype="float32")
     data = load_data(folder, args.windows)
     calib, splits = data["calib"][: args.samples], {"val": data["val"], "wikitext2": data["test"]}
+    searches = [int(n) for n in args.search_samples.split(",") if n.strip()]
     t0 = time.perf_counter()
     amax = observe_kv(model, calib)
     rows = [{"kind": "none", "strategy": "-", "rule": "-", **{s: round(ppl(model, w, None), 4) for s, w in splits.items()}}]
@@ -67,12 +71,15 @@ def main() -> None:
                      **{s: round(ppl(model, w, (KVSetting(kind, "dynamic"), None)), 4) for s, w in splits.items()}})
         print(rows[-1], flush=True)
         for strategy in ("tensor", "head"):
-            errors = observe_errors(model, calib, error_bases(amax, strategy), kind)
-            for rule in ("amax", "mse"):
+            bases = error_bases(amax, strategy)
+            errors = {None: observe_errors(model, calib, bases, kind)}
+            for n in searches:
+                errors[n] = observe_errors(model, calib[:n], bases, kind)
+            for rule, n in [("amax", None), ("mse", None)] + [("mse", n) for n in searches]:
                 cfg = KVCacheConfig(kind, strategy, args.samples, rule)
-                scales = {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in kv_scales(amax, cfg, errors).items()}
+                scales = {i: (k.reshape(-1), v.reshape(-1)) for i, (k, v) in kv_scales(amax, cfg, errors[n]).items()}
                 kv = (KVSetting(kind, "calibrated"), scales)
-                rows.append({"kind": kind, "strategy": strategy, "rule": rule,
+                rows.append({"kind": kind, "strategy": strategy, "rule": rule if n is None else f"{rule}@{n}",
                              **{s: round(ppl(model, w, kv), 4) for s, w in splits.items()}})
                 print(rows[-1], flush=True)
     meta = {"model": args.model, "weights": "float32, unquantized", "calibration": f"c4 64 x 512 seed 0, first {args.samples}",
@@ -82,7 +89,8 @@ def main() -> None:
             "command": shlex.join(["python", *sys.argv])}
     path = args.out.with_suffix(".json")
     runs = json.loads(path.read_text()) if path.exists() else {}
-    runs[args.model] = {"meta": meta, "rows": rows}  # one entry per model: a rerun replaces its own
+    key = args.model + (f" search {args.search_samples}" if searches else "")
+    runs[key] = {"meta": meta, "rows": rows}  # one entry per model (and search list): a rerun replaces its own
     path.write_text(json.dumps(runs, indent=1) + "\n")
     lines = ["# KV-cache scale rule: amax vs mse on the validation split", "",
              "Perplexity, lower is better; `val` chooses, wikitext2 beside it. Raw rows: `kv-scale-rule.json`.", ""]
