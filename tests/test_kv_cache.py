@@ -164,6 +164,30 @@ def test_observed_errors_cover_every_layer_and_candidate(tiny, ids):
     torch.testing.assert_close(errors[0][0][64], want, rtol=1e-5, atol=1e-12)
 
 
+def test_search_samples_limit_the_error_pass(tiny, tmp_path, monkeypatch):
+    """kv_cache.search_samples: the maxima come from every sample, the mse rule's errors from the
+    first search_samples only (and never more than samples)."""
+    from dataclasses import replace
+
+    from quantspec.quant import kv_calibrate
+
+    assert KVCacheConfig(samples=32).searched == 32 and KVCacheConfig(samples=32, search_samples=8).searched == 8
+    assert KVCacheConfig(samples=4, search_samples=8).searched == 4
+    with pytest.raises(QuantspecError, match="search_samples"):
+        KVCacheConfig(search_samples=0)
+    seen = {}
+    for name in ("observe_kv", "observe_errors"):
+        real = getattr(kv_calibrate, name)
+        monkeypatch.setattr(kv_calibrate, name, lambda model, ids, *a, _real=real, _n=name, **k:
+                            seen.setdefault(_n, ids.shape[0]) and _real(model, ids, *a, **k))
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors",
+                    kv_cache=KVCacheConfig("fp8", "tensor", samples=4, search_samples=2))
+    recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=8, seqlen=64))
+    quantspec.quantize(str(tiny), recipe, tmp_path / "kv", progress=False)
+    assert seen == {"observe_kv": 4, "observe_errors": 2}
+    assert Recipe.from_yaml(tmp_path / "kv" / "recipe.yaml").kv_cache.search_samples == 2
+
+
 def test_compressed_tensors_accepts_the_kv_scheme():
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationArgs
@@ -212,6 +236,7 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
     (["--kv-cache", "fp8", "--format", "gptq"], "kv_cache_scheme, not the"),
     (["--kv-cache-strategy", "head"], "--kv-cache"),
     (["--kv-scale-rule", "amax"], "--kv-scale-rule needs --kv-cache"),
+    (["--kv-search-samples", "8"], "--kv-search-samples needs --kv-cache"),
 ])
 def test_cli_refuses_kv_before_work(tmp_path, extra, expect):
     r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(tmp_path / "no-model"), *extra,

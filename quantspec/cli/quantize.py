@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                    help="KV scales: the observed max on the top code (amax), or the multiple of that scale with the "
                         "smallest squared error of the observed keys / values (mse, a second pass); default auto: mse "
                         "for fp8, amax for int8 (chosen on a validation split, docs/decisions/kv-scale-rule.md)")
+    p.add_argument("--kv-search-samples", type=int, default=None, metavar="N",
+                   help="the mse KV scale rule's second pass reads only the first N calibration samples "
+                        "(default: every --kv-cache sample)")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)
@@ -157,12 +160,14 @@ def recipe_from_args(args):
                              "clip": args.clip, "clip_min_gain": args.clip_min_gain, "duo_scaling": {"on": True, "off": False}.get(args.duo_scaling, args.duo_scaling),
                              "search_dtype": args.awq_search_dtype}.items()
            if v is not None}
-    for flag, value in (("--kv-cache-strategy", args.kv_cache_strategy), ("--kv-scale-rule", args.kv_scale_rule)):
+    for flag, value in (("--kv-cache-strategy", args.kv_cache_strategy), ("--kv-scale-rule", args.kv_scale_rule),
+                        ("--kv-search-samples", args.kv_search_samples)):
         if value and not args.kv_cache:
             raise QuantspecError(f"{flag} needs --kv-cache.", "add --kv-cache fp8 (or int8).")
     if args.kv_cache:
         top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor",
-                           **({"scale_rule": args.kv_scale_rule} if args.kv_scale_rule else {})}
+                           **({"scale_rule": args.kv_scale_rule} if args.kv_scale_rule else {}),
+                           **({"search_samples": args.kv_search_samples} if args.kv_search_samples else {})}
         if not args.format:
             top["format"] = "compressed-tensors"
     gptq = {k: v for k, v in {"asymmetric": args.asymmetric_calibration,

@@ -27,12 +27,14 @@ class KVCacheConfig:
     observed max lands on the top code), "mse" (of the multiples 2**(j/64), j = -64..64, of
     that scale, the one with the smallest squared error of the observed keys / values: a second
     pass over the samples) or "auto" (the default: mse for fp8, amax for int8; ``rule``). The
-    rule is how the scales were found, not part of the format."""
+    rule is how the scales were found, not part of the format. search_samples: the mse rule's
+    second pass reads only the first this many samples (None: all ``samples``)."""
 
     kind: str = "fp8"
     strategy: str = "tensor"
     samples: int = 32
     scale_rule: str = KV_SCALE_RULES[0]
+    search_samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KV_MAX:
@@ -45,6 +47,14 @@ class KVCacheConfig:
                                  f"use one of {list(KV_SCALE_RULES)}.")
         if self.samples < 1:
             raise QuantspecError(f"kv_cache samples must be >= 1, got {self.samples}.", "use e.g. 32.")
+        if self.search_samples is not None and self.search_samples < 1:
+            raise QuantspecError(f"kv_cache search_samples must be >= 1, got {self.search_samples}.",
+                                 "use e.g. 8, or leave it out to search on every sample.")
+
+    @property
+    def searched(self) -> int:
+        """How many samples the mse rule's error pass reads."""
+        return self.samples if self.search_samples is None else min(self.search_samples, self.samples)
 
     @property
     def rule(self) -> str:

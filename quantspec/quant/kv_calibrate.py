@@ -108,7 +108,7 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
                             progress: bool = False) -> dict[str, torch.Tensor]:
     """KV scales of the quantized checkpoint in ``folder`` (loaded as engines run it: the
     declared scheme, ``backend="exact"``) observed on the first ``cfg.samples`` rows of ``ids``
-    (twice for the "mse" rule: the maxima, then the errors around them); returns the checkpoint
+    (the "mse" rule then reads the first ``cfg.searched`` again for the errors around the maxima); returns the checkpoint
     tensors. Memory: the whole quantized model (not one block)."""
     from ..checkpoint.load import load_quantized
 
@@ -121,5 +121,5 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
                              "drop --kv-cache for this architecture.")
     errors = None
     if cfg.rule == "mse":
-        errors = observe_errors(model, ids[: cfg.samples], error_bases(amax, cfg.strategy), cfg.kind, progress)
+        errors = observe_errors(model, ids[: cfg.searched], error_bases(amax, cfg.strategy), cfg.kind, progress)
     return scale_tensors(kv_scales(amax, cfg, errors), attn)
