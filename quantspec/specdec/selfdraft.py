@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..quant.arch import head_name
 from ..core.scheme import QuantScheme
-from .draft_vocab import output_head, prune_head, wrap_head
+from .draft_vocab import PrunedHead, output_head, prune_head, wrap_head
 from .proposers import DraftModel
 
 
@@ -75,7 +75,8 @@ DRAFT_HEAD = QuantScheme(bits=8, group_size=-1)
 class QuantizedSelf(DraftModel):
     """A DraftModel over a quantized copy of the target (or a quantized checkpoint)."""
 
-    def __init__(self, model: nn.Module, name: str = "self", report: dict | None = None, pruned=None):
+    def __init__(self, model: nn.Module, name: str = "self", report: dict | None = None,
+                 pruned: PrunedHead | None = None):
         super().__init__(model, name=name, pruned=pruned)
         self.report = report or {}
 
