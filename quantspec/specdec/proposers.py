@@ -144,8 +144,10 @@ class DraftModel(Proposer):
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
         dec = self._decoder
-        if len(dec.lengths) != len(sequences):
-            self.reset()
+        if len(dec.lengths) != len(sequences):  # a new batch: the cache, and the tokens it brought in
+            dec.reset()
+            if self.pruned is not None:
+                self.pruned.reset_tokens()
             chunks = list(sequences)
         else:
             excess = [max(0, held - (len(s) - 1)) for held, s in zip(dec.lengths, sequences)]
