@@ -171,7 +171,8 @@ def test_search_samples_limit_the_error_pass(tiny, tmp_path, monkeypatch):
 
     from quantspec.quant import kv_calibrate
 
-    assert KVCacheConfig(samples=32).searched == 32 and KVCacheConfig(samples=32, search_samples=8).searched == 8
+    assert KVCacheConfig(samples=32).searched == 8  # the default, docs/decisions/kv-scale-rule.md
+    assert KVCacheConfig(samples=32, search_samples=None).searched == 32
     assert KVCacheConfig(samples=4, search_samples=8).searched == 4
     with pytest.raises(QuantspecError, match="search_samples"):
         KVCacheConfig(search_samples=0)
@@ -210,7 +211,7 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
     assert read_with_overrides(cfg["quantization_config"])[1].extra["kv_cache"] == KVCacheConfig("fp8", "tensor")
     report = json.loads((out / "quant_report.json").read_text())
     assert report["kv_cache"]["samples"] == 4 and report["kv_cache"]["max_k_scale"] > 0
-    assert report["kv_cache"]["scale_rule"] == "mse"
+    assert report["kv_cache"]["scale_rule"] == "mse" and report["kv_cache"]["search_samples"] == 4
     model = quantspec.load_quantized(out, backend="reference")
     kv_cfg, scales = model.quantspec_kv_cache
     assert kv_cfg.kind == "fp8" and len(scales) == model.config.num_hidden_layers

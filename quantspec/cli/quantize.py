@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
                         "for fp8, amax for int8 (chosen on a validation split, docs/decisions/kv-scale-rule.md)")
     p.add_argument("--kv-search-samples", type=int, default=None, metavar="N",
                    help="the mse KV scale rule's second pass reads only the first N calibration samples "
-                        "(default: every --kv-cache sample)")
+                        "(default 8, chosen on a validation split)")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")
     p.add_argument("--calib-samples", type=int)

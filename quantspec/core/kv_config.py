@@ -28,13 +28,14 @@ class KVCacheConfig:
     that scale, the one with the smallest squared error of the observed keys / values: a second
     pass over the samples) or "auto" (the default: mse for fp8, amax for int8; ``rule``). The
     rule is how the scales were found, not part of the format. search_samples: the mse rule's
-    second pass reads only the first this many samples (None: all ``samples``)."""
+    second pass reads only the first this many samples (None: all ``samples``); 8 by default,
+    chosen on a validation split (docs/decisions/kv-scale-rule.md, "Search samples")."""
 
     kind: str = "fp8"
     strategy: str = "tensor"
     samples: int = 32
     scale_rule: str = KV_SCALE_RULES[0]
-    search_samples: int | None = None
+    search_samples: int | None = 8
 
     def __post_init__(self) -> None:
         if self.kind not in KV_MAX:

@@ -210,6 +210,7 @@ def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, repor
     write_config(folder, config)
     report["kv_cache"] = {"kind": cfg.kind, "strategy": cfg.strategy, "scale_rule": cfg.rule,
                           "samples": min(cfg.samples, len(ids)),
+                          **({"search_samples": min(cfg.searched, len(ids))} if cfg.rule == "mse" else {}),
                           "seconds": round(time.perf_counter() - t0, 2),
                           "max_k_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("k_scale")),
                           "max_v_scale": max(float(t.max()) for n, t in tensors.items() if n.endswith("v_scale"))}
