@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantspec.eval.machine import describe_machine, machine_line
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
-    from quantspec.specdec.bench import encode, load_prompts
+    from quantspec.specdec.bench import Run, _same, encode, load_prompts
     from quantspec.specdec.schedule import mode_medians, run_interleaved
     from quantspec.specdec.stats import SpecStats
 
@@ -63,10 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         drafts[v] = make_proposer(args.draft, target, tok, vocab=v)
         print(f"draft vocab {v or 'all'}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-
-    class Run:
-        def __init__(self, ids, new_tokens, stats=None):
-            self.ids, self.new_tokens, self.stats = ids, new_tokens, stats
 
     def target_alone(i: int) -> Run:
         out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
@@ -105,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for name in modes:
         runs = [outputs[(name, i)] for i in range(len(inputs))]
-        same = sum(bool(r.ids.shape == outputs[("target", i)].ids.shape and torch.equal(r.ids, outputs[("target", i)].ids))
-                   for i, r in enumerate(runs))
+        same = sum(_same(r.ids, outputs[("target", i)].ids) for i, r in enumerate(runs))
         row = {**medians[name], "greedy_matches_target": same}
         if name not in ("target", "target_fast"):
             stats = SpecStats()
