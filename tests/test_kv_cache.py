@@ -120,6 +120,36 @@ def test_scale_errors_are_each_candidates_rounding_error(kind):
         torch.testing.assert_close(got[m], want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_extension_scale_errors_have_the_references_terms(kind):
+    """The extension's ``kv_scale_errors`` against ``scale_errors_reference``: each head holds
+    one nonzero value among 1024 (the vectorized path), so each sum is a single term and must be
+    bit-equal (values across E4M3's subnormal, normal and saturating ranges, random scales);
+    on dense data the sums (fp64 here, fp32 in torch) agree within 1e-5."""
+    from quantspec.kernels.cpu_ext import load_cpu_ext
+    from quantspec.runtime.kv_quant import scale_errors_reference, scales_from_amax
+
+    if load_cpu_ext() is None:
+        pytest.skip("no C++ compiler / the extension failed to build")
+    g = torch.Generator().manual_seed(2)
+    edges = torch.tensor([448.0, 449.0, 464.0, 465.0, 1e9, 2.0**-6, 2.0**-7, 2.0**-9, 2.0**-10, 1.5 * 2.0**-9,
+                          0.0009765625, 240.0, 0.1015625, 3.3, 127.5, 126.5, -0.5, -2.5,
+                          1.0625, 1.1875, 17.0, 19.0, 248.0, 432.0, 2.5 * 2.0**-9])  # ties: either neighbour, the same error
+    spread = torch.randn(487, generator=g) * torch.exp2(torch.randint(-16, 12, (487,), generator=g).float())
+    values = torch.cat([edges, -edges, spread])  # one per head
+    heads = values.numel()
+    x = torch.zeros(1, heads, 16, 64)
+    x[0, torch.arange(heads), torch.randint(0, 16, (heads,), generator=g), torch.randint(0, 64, (heads,), generator=g)] = values
+    scales = torch.cat([torch.ones(1, heads), torch.rand(2, heads, generator=g) * 3 + 0.01])
+    op = torch.ops.quantspec_cpu.kv_scale_errors.default
+    got = op(x.transpose(0, 1).reshape(heads, -1), scales, 0 if kind == "fp8" else 1)
+    assert torch.equal(got, scale_errors_reference(x, scales, kind))
+    dense = torch.randn(2, 3, 100, 64, generator=g) * torch.tensor([1.0, 40.0, 0.01]).reshape(1, 3, 1, 1)
+    base = dense.abs().amax(dim=(0, 2, 3))
+    want = scale_errors_reference(dense, scales_from_amax(base[None, :] * scale_multipliers()[:, None], kind), kind)
+    torch.testing.assert_close(scale_errors(dense, base, kind, scale_multipliers()), want, rtol=1e-5, atol=0)
+
+
 def test_mse_rule_picks_the_scale_of_least_error():
     """Keys of two magnitudes, 10 (the max) and 7: the amax scale puts 10 on the top code and 7
     between E4M3 codes; the rule picks a multiple that rounds both closer, per tensor and per head."""

@@ -26,7 +26,8 @@ import torch
 from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp")
+SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp",
+           _CSRC / "cpu_kvsearch.cpp")
 HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h")  # hashed with the sources: a change rebuilds
 
 
@@ -104,8 +105,8 @@ def load_cpu_ext() -> ModuleType | None:
     and ``qgemm_panel``; cpu_dense.cpp adds the ops ``rms_norm``, ``rope``, ``silu_mul``,
     ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
     ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights; cpu_moe.cpp the op ``moe_token``
-    of a few tokens through a MoE block's chosen experts), or None with one
-    warning."""
+    of a few tokens through a MoE block's chosen experts; cpu_kvsearch.cpp the op
+    ``kv_scale_errors`` of the KV-scale search), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
@@ -190,6 +191,10 @@ def _register_fake() -> None:
                         bits, gu_block, down_block, inter, panels, gu_bias=None, down_bias=None, glu=0,
                         alpha=1.0, limit=0.0):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("quantspec_cpu::kv_scale_errors")
+    def _kv_scale_errors_fake(x, scales, kind):
+        return x.new_empty((scales.shape[0], x.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("quantspec_cpu::argmax_rows")
     def _argmax_rows_fake(x):

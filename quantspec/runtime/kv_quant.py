@@ -27,6 +27,8 @@ from transformers import DynamicCache
 from ..errors import QuantspecError
 from ..core.floatcodes import round_fp8
 from ..core.kv_config import KV_MAX
+from ..kernels.cpu_ext import load_cpu_ext
+
 KV_SCALES = ("calibrated", "unit", "dynamic")
 
 
@@ -70,11 +72,21 @@ def scale_multipliers() -> torch.Tensor:
 
 def scale_errors(x: torch.Tensor, base: torch.Tensor, kind: str, mults: torch.Tensor, chunk: int = 16) -> torch.Tensor:
     """Summed squared error [M, H] of ``x`` [B, H, T, D] rounded to the ``kind`` grid under each
-    scale ``scales_from_amax(base * mults[m])`` (``base`` [H]: each head's amax)."""
+    scale ``scales_from_amax(base * mults[m])`` (``base`` [H]: each head's amax). On CPU through
+    the extension's ``kv_scale_errors`` where it is built (the same terms, summed in fp64; about
+    20x (fp8) and 10x (int8) faster than ``scale_errors_reference`` on 2 cores)."""
     x = x.detach().float()
+    s = scales_from_amax(base.to(x.device, torch.float32)[None, :] * mults.to(x.device)[:, None], kind)  # [M, H]
+    if x.is_cpu and load_cpu_ext() is not None:
+        heads = x.transpose(0, 1).reshape(x.shape[1], -1)
+        return torch.ops.quantspec_cpu.kv_scale_errors.default(heads, s, 0 if kind == "fp8" else 1)
+    return scale_errors_reference(x, s, kind, chunk)
+
+
+def scale_errors_reference(x: torch.Tensor, scales: torch.Tensor, kind: str, chunk: int = 16) -> torch.Tensor:
+    """``scale_errors`` in torch: ``x`` [B, H, T, D] fp32 under ``scales`` [M, H] -> [M, H]."""
     out = []
-    for m in mults.split(chunk):
-        s = scales_from_amax(base.to(x.device, torch.float32)[None, :] * m.to(x.device)[:, None], kind)
+    for s in scales.split(chunk):
         s = s[:, None, :, None, None]  # [m, 1, H, 1, 1]
         out.append(((round_codes(x[None] / s, kind) * s - x[None]) ** 2).sum(dim=(1, 3, 4)))
     return torch.cat(out)
