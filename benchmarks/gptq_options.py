@@ -10,6 +10,9 @@ documents from 1800 on that none of the draws reads; test: wikitext2's first win
 Quantize seconds are the block driver's wall time at --threads (the machine otherwise idle).
 
     python benchmarks/gptq_options.py --option asymmetric --values false,true --model smollm2-135m --configs nvfp4,mxfp4
+    python benchmarks/gptq_options.py --option asymmetric+forward_dtype --values false/float32,true/bfloat16 ...
+
+Options joined by ``+`` are set together: each value then names one setting per option, joined by ``/``.
     python benchmarks/gptq_hessian_dtype.py --model smollm2-135m --configs nvfp4,mxfp4 --seeds 0,1,2   # hessian_dtype
 """
 
@@ -108,21 +111,33 @@ def scheme_of(config: str) -> dict:
     return {**base, "act_order": True, "static_groups": True}
 
 
+def settings(option: str, value) -> dict:
+    """The gptq keys of one compared value: ``option`` may join keys by "+", the value then holds
+    one setting per key joined by "/" (``asymmetric+forward_dtype``, ``true/bfloat16``)."""
+    keys = option.split("+")
+    parts = [value] if len(keys) == 1 else [parse_value(v) for v in str(value).split("/")]
+    if len(parts) != len(keys):
+        raise SystemExit(f"value {value!r} does not hold one setting per option of {option!r} (join them by '/')")
+    return dict(zip(keys, parts))
+
+
 def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, option: str, value,
             fixed: dict | None = None) -> dict:
     model, _, _ = load_dense(str(model_dir), dtype="float32")
     scheme = scheme_of(config)
+    chosen = settings(option, value)
     recipe = Recipe.from_dict({"method": "gptq", "format": "compressed-tensors", "scheme": scheme,
-                               "gptq": {**(fixed or {}), option: value}})
+                               "gptq": {**(fixed or {}), **chosen}})
     plan = make_plan(model, recipe.scheme, get_format(recipe.format), recipe.targets, recipe.ignore)
     report: dict = {}
     t0 = time.perf_counter()
     run_blockwise(model, get_arch(model), calib, build_method(recipe), plan.quantize, progress=False, report=report)
     seconds = round(time.perf_counter() - t0, 1)
-    if option in REPORTED:
-        used = {r.get(option) for r in report.values() if isinstance(r, dict)} - {None}
-        if not REPORTED[option](used, value):
-            raise SystemExit(f"the report says {option} {used}, not {value!r}")
+    for key, setting in chosen.items():
+        if key in REPORTED:
+            used = {r.get(key) for r in report.values() if isinstance(r, dict)} - {None}
+            if not REPORTED[key](used, setting):
+                raise SystemExit(f"the report says {key} {used}, not {setting!r}")
     return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds}
 
 
@@ -166,16 +181,17 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
     args = ap.parse_args(argv)
     values = [parse_value(v) for v in args.values.split(",")]
     fixed = {k: parse_value(v) for k, v in (item.split("=", 1) for item in args.fixed.split(",") if item)}
-    if args.option in fixed:
+    if set(args.option.split("+")) & set(fixed):
         raise SystemExit(f"--fixed holds {args.option}, the option compared")
-    Recipe.from_dict({"method": "gptq", "gptq": {**fixed, args.option: values[0]}})  # an unknown key or a bad value: now
+    for value in values:  # an unknown key or a bad value: now
+        Recipe.from_dict({"method": "gptq", "gptq": {**fixed, **settings(args.option, value)}})
     torch.set_num_threads(args.threads)
     model_dir = dense_folder(args.model)
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = args.configs.split(",")
     for c in configs:
         scheme_of(c)
-    out = args.out or RESULTS / f"{stem.format(option=args.option.replace('_', '-'))}-{Path(str(model_dir)).name}"
+    out = args.out or RESULTS / f"{stem.format(option=args.option.replace('_', '-').replace('+', '-'))}-{Path(str(model_dir)).name}"
     data = load_data(model_dir, seeds, args.windows)
     meta = {"model": Path(str(model_dir)).name, "command": f"python benchmarks/{script} " + shlex.join(sys.argv[1:]),
             "option": args.option, "values": values, "fixed": fixed,
