@@ -207,16 +207,47 @@ def test_search_samples_limit_the_error_pass(tiny, tmp_path, monkeypatch):
     with pytest.raises(QuantspecError, match="search_samples"):
         KVCacheConfig(search_samples=0)
     seen = {}
-    for name in ("observe_kv", "observe_errors"):
-        real = getattr(kv_calibrate, name)
-        monkeypatch.setattr(kv_calibrate, name, lambda model, ids, *a, _real=real, _n=name, **k:
-                            seen.setdefault(_n, ids.shape[0]) and _real(model, ids, *a, **k))
+    real_keeping, real_kept, real_errors = kv_calibrate.observe_kv_keeping, kv_calibrate.errors_of_kept, kv_calibrate.observe_errors
+
+    def keeping(model, ids, keep, *a, **k):
+        seen["maxima"], seen["keep"] = ids.shape[0], keep
+        return real_keeping(model, ids, keep, *a, **k)
+    monkeypatch.setattr(kv_calibrate, "observe_kv_keeping", keeping)
+    monkeypatch.setattr(kv_calibrate, "errors_of_kept", lambda kept, *a: seen.setdefault("kept", len(kept)) and real_kept(kept, *a))
+    monkeypatch.setattr(kv_calibrate, "observe_errors", lambda model, ids, *a: seen.setdefault("forward", ids.shape[0])
+                        and real_errors(model, ids, *a))
     recipe = Recipe(name="kv", method="rtn", format="compressed-tensors",
                     kv_cache=KVCacheConfig("fp8", "tensor", samples=4, search_samples=2))
     recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=8, seqlen=64))
     quantspec.quantize(str(tiny), recipe, tmp_path / "kv", progress=False)
-    assert seen == {"observe_kv": 4, "observe_errors": 2}
+    assert seen == {"maxima": 4, "keep": 2, "kept": 2}  # the errors of the kept samples: no second forward
     assert Recipe.from_yaml(tmp_path / "kv" / "recipe.yaml").kv_cache.search_samples == 2
+    # where the kept keys and values would not fit, the errors come from a second forward over the same samples
+    seen.clear()
+    monkeypatch.setattr(kv_calibrate, "KEEP_SHARE", 0.0)
+    monkeypatch.setattr(kv_calibrate, "KEEP_UNKNOWN_BYTES", 0)
+    quantspec.quantize(str(tiny), recipe, tmp_path / "kv2", progress=False)
+    assert seen == {"maxima": 4, "keep": 2, "forward": 2}
+    assert (tmp_path / "kv" / "model-kv-scales.safetensors").read_bytes() == (tmp_path / "kv2" / "model-kv-scales.safetensors").read_bytes()
+
+
+def test_kept_keys_and_values_give_the_second_forwards_errors(tiny, ids):
+    """``errors_of_kept`` on the keys and values kept by the maxima pass equals ``observe_errors``'
+    second forward exactly (the same tensors, sums in the same order), and the maxima are those of
+    ``observe_kv``; a limit too small for them keeps nothing."""
+    from quantspec.quant.kv_calibrate import errors_of_kept, observe_kv_keeping
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    amax, kept = observe_kv_keeping(model, ids, 2)
+    assert len(kept) == 2 and sorted(kept[0]) == sorted(amax)
+    assert all(torch.equal(a[i], b[i]) for a, b in zip(amax.values(), observe_kv(model, ids).values()) for i in (0, 1))
+    for strategy in ("tensor", "head"):
+        base = error_bases(amax, strategy)
+        got, want = errors_of_kept(kept, base, "fp8"), observe_errors(model, ids[:2], base, "fp8")
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[i][w], want[i][w]) for i in want for w in (0, 1))
+    assert observe_kv_keeping(model, ids, 2, limit_bytes=1)[1] is None
+    assert observe_kv_keeping(model, ids, 0)[1] is None
 
 
 def test_compressed_tensors_accepts_the_kv_scheme():

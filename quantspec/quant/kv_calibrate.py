@@ -11,8 +11,12 @@ from torch import nn
 
 from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
-from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_multipliers, scales_from_amax
+from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_errors, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
+from .heap import available_memory_bytes
+
+KEEP_SHARE = 0.25  # of the available memory: at most this for the kept keys and values of the search samples
+KEEP_UNKNOWN_BYTES = 2 << 30  # the same limit where the available memory is unknown
 
 def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
     """``{block}.self_attn`` of every block, or QuantspecError when a block has no attention
@@ -32,9 +36,10 @@ def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
     return names
 
 
-def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progress: bool) -> dict:
-    """One forward per sample of ``ids`` [n, L] into the cache ``make()``; its per-layer
-    statistics (``.stats``: layer -> (keys', values')) merged over the samples by ``merge``."""
+def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progress: bool, on_sample=None) -> dict:
+    """One forward per sample of ``ids`` [n, L] into the cache ``make(j)``; its per-layer
+    statistics (``.stats``: layer -> (keys', values')) merged over the samples by ``merge``;
+    ``on_sample(j, cache)`` after each forward."""
     from tqdm.auto import tqdm
 
     kw = cache_kwarg(model)
@@ -42,19 +47,47 @@ def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progre
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
         for j in tqdm(range(ids.shape[0]), disable=not progress, desc=desc, unit="sample"):
-            obs = make()
+            obs = make(j)
             # logits of the last position only: the cache is what is observed, not the output
             model(input_ids=ids[j : j + 1].to(device), use_cache=True, logits_to_keep=1, **{kw: obs})
             for layer, (k, v) in obs.stats.items():
                 if layer in seen:
                     k, v = merge(seen[layer][0], k), merge(seen[layer][1], v)
                 seen[layer] = (k, v)
+            if on_sample is not None:
+                on_sample(j, obs)
     return seen
 
 
 def observe_kv(model: nn.Module, ids: torch.Tensor, progress: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, each KV head's max |key| and max |value| over the samples ``ids`` [n, L]."""
-    return _observe(model, ids, lambda: KVObserver(config=model.config), torch.maximum, "kv maxima", progress)
+    return observe_kv_keeping(model, ids, 0, progress)[0]
+
+
+def observe_kv_keeping(model: nn.Module, ids: torch.Tensor, keep: int, progress: bool = False,
+                       limit_bytes: int | None = None) -> tuple[dict, list[dict] | None]:
+    """``observe_kv``, and the keys and values of the first ``keep`` samples (per sample: layer
+    -> (keys, values)) for ``errors_of_kept``, so the "mse" rule needs no second forward. None
+    instead when they would take more than ``limit_bytes`` (default: ``KEEP_SHARE`` of the
+    available memory; judged on the first sample), or ``keep`` is 0."""
+    if limit_bytes is None:
+        free = available_memory_bytes()
+        limit_bytes = int(KEEP_SHARE * free) if free is not None else KEEP_UNKNOWN_BYTES
+    kept: list[dict] | None = [] if keep > 0 else None
+
+    def hold(j: int, obs: KVObserver) -> None:
+        nonlocal kept
+        if kept is None or j >= keep:
+            return
+        size = sum(t.numel() * t.element_size() for pair in obs.kept.values() for t in pair)
+        if size * min(keep, ids.shape[0]) > limit_bytes:
+            kept = None  # too big to hold: the caller runs the second forward
+            return
+        kept.append(obs.kept)
+
+    amax = _observe(model, ids, lambda j: KVObserver(config=model.config, keep=kept is not None and j < keep),
+                    torch.maximum, "kv maxima", progress, hold)
+    return amax, kept
 
 
 def observe_errors(model: nn.Module, ids: torch.Tensor, base: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -62,8 +95,22 @@ def observe_errors(model: nn.Module, ids: torch.Tensor, base: dict[int, tuple[to
     """Per layer, the summed squared error [M, H] of the keys and of the values of the samples
     ``ids`` under each scale ``base * scale_multipliers()[m] / top code``."""
     mults = scale_multipliers()
-    return _observe(model, ids, lambda: KVErrorObserver(base, kind, mults, config=model.config), torch.add,
+    return _observe(model, ids, lambda j: KVErrorObserver(base, kind, mults, config=model.config), torch.add,
                     "kv scale search", progress)
+
+
+def errors_of_kept(kept: list[dict], base: dict[int, tuple[torch.Tensor, torch.Tensor]], kind: str
+                   ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``observe_errors`` of the samples whose keys and values ``observe_kv_keeping`` kept (the
+    same sums, in the same order)."""
+    mults = scale_multipliers()
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for sample in kept:
+        for layer, (k, v) in sample.items():
+            kb, vb = base[layer]
+            ek, ev = scale_errors(k, kb, kind, mults).cpu(), scale_errors(v, vb, kind, mults).cpu()
+            out[layer] = (out[layer][0] + ek, out[layer][1] + ev) if layer in out else (ek, ev)
+    return out
 
 
 def error_bases(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], strategy: str
@@ -108,18 +155,22 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
                             progress: bool = False) -> dict[str, torch.Tensor]:
     """KV scales of the quantized checkpoint in ``folder`` (loaded as engines run it: the
     declared scheme, ``backend="exact"``) observed on the first ``cfg.samples`` rows of ``ids``
-    (the "mse" rule then reads the first ``cfg.searched`` again for the errors around the maxima); returns the checkpoint
-    tensors. Memory: the whole quantized model (not one block)."""
+    (the "mse" rule then computes the errors around the maxima on the keys and values of the
+    first ``cfg.searched``, kept from that pass, or from a second forward where they would not
+    fit: ``observe_kv_keeping``); returns the checkpoint tensors. Memory: the whole quantized
+    model (not one block), and the kept keys and values."""
     from ..checkpoint.load import load_quantized
 
     model = load_quantized(folder, backend="exact")
     attn = attention_names(model, blocks)
-    amax = observe_kv(model, ids[: cfg.samples], progress)
+    amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
     missing = sorted(set(range(len(attn))) - set(amax))
     if missing:
         raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
                              "drop --kv-cache for this architecture.")
     errors = None
     if cfg.rule == "mse":
-        errors = observe_errors(model, ids[: cfg.searched], error_bases(amax, cfg.strategy), cfg.kind, progress)
+        bases = error_bases(amax, cfg.strategy)
+        errors = (errors_of_kept(kept, bases, cfg.kind) if kept is not None
+                  else observe_errors(model, ids[: cfg.searched], bases, cfg.kind, progress))
     return scale_tensors(kv_scales(amax, cfg, errors), attn)

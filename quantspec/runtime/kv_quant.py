@@ -93,13 +93,23 @@ def scale_errors_reference(x: torch.Tensor, scales: torch.Tensor, kind: str, chu
 
 
 class KVObserver(DynamicCache):
-    """A DynamicCache that also records, per layer, each KV head's max |key| and max |value|."""
+    """A DynamicCache that also records, per layer, each KV head's max |key| and max |value|;
+    with ``keep``, also the keys and values written (``kept``: layer -> (keys, values), the
+    tensors themselves, not copies)."""
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, keep: bool = False):
         super().__init__(config=config)
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k amax [H], v amax [H])
+        self.keep = keep
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.keep:
+            if layer_idx in self.kept:  # a second write to a layer (not in one calibration forward)
+                k0, v0 = self.kept[layer_idx]
+                self.kept[layer_idx] = (torch.cat([k0, key_states.detach()], 2), torch.cat([v0, value_states.detach()], 2))
+            else:
+                self.kept[layer_idx] = (key_states.detach(), value_states.detach())
         k = key_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
         v = value_states.detach().abs().float().amax(dim=(0, 2, 3)).cpu()
         if layer_idx in self.stats:
