@@ -55,10 +55,10 @@ def add_parser(sub) -> None:
                    help="one KV scale per layer (tensor, the default, what vLLM reads) or per KV head")
     p.add_argument("--kv-scale-rule", choices=list(KV_SCALE_RULES), default=None,
                    help="KV scales: the observed max on the top code (amax), or the multiple of that scale with the "
-                        "smallest squared error of the observed keys / values (mse, a second pass); default auto: mse "
+                        "smallest squared error of the observed keys / values (mse); default auto: mse "
                         "for fp8, amax for int8 (chosen on a validation split, docs/decisions/kv-scale-rule.md)")
     p.add_argument("--kv-search-samples", type=int, default=None, metavar="N",
-                   help="the mse KV scale rule's second pass reads only the first N calibration samples "
+                   help="the mse KV scale rule's errors are of the first N calibration samples only "
                         "(default 8, chosen on a validation split)")
     p.add_argument("--calib", help="calibration data: c4 (the default), wikitext2, c4-bundled, pydoc or a .txt/.jsonl "
                                    "path; offline without a local copy, c4 and wikitext2 fall back to c4-bundled")

@@ -25,10 +25,10 @@ class KVCacheConfig:
     for keys and one for values) or "head" (one per KV head); samples: calibration samples
     observed (the first ones of the recipe's calibration draw); scale_rule: "amax" (the
     observed max lands on the top code), "mse" (of the multiples 2**(j/64), j = -64..64, of
-    that scale, the one with the smallest squared error of the observed keys / values: a second
-    pass over the samples) or "auto" (the default: mse for fp8, amax for int8; ``rule``). The
+    that scale, the one with the smallest squared error of the observed keys / values, computed
+    after the maxima on the search samples' keys and values) or "auto" (the default: mse for fp8, amax for int8; ``rule``). The
     rule is how the scales were found, not part of the format. search_samples: the mse rule's
-    second pass reads only the first this many samples (None: all ``samples``); 8 by default,
+    errors are of the first this many samples only (None: all ``samples``); 8 by default,
     chosen on a validation split (docs/decisions/kv-scale-rule.md, "Search samples")."""
 
     kind: str = "fp8"
