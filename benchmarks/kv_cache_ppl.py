@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(HERE))
 from quant_peers import DATA, RESULTS, prepare, python_of  # noqa: E402
 
 import quantspec  # noqa: E402
+from quantspec.eval.machine import describe_machine, machine_line  # noqa: E402
 from quantspec.eval.perplexity import perplexity  # noqa: E402
 from quantspec.models import load_tokenizer  # noqa: E402
 from quantspec.models.source import dense_folder  # noqa: E402
@@ -102,11 +102,11 @@ def main() -> None:
             rows += peer_rows(folder, Path(tmp), tok, wiki, args.windows)
     meta = {"model": args.model, "weights": "fp8-weight RTN (FP8 E4M3 per channel, fp32 activations)",
             "calibration": "c4 64 x 512 seed 0 (KV: first 32)", "eval": f"wikitext2 seqlen 512 x {args.windows} windows",
-            "backend": "exact (cpu fgemm where built, else reference)", "machine": f"{platform.machine()}",
+            "backend": "exact (cpu fgemm where built, else reference)", "machine": machine_line(describe_machine()),
             "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python", *sys.argv])}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# KV-cache quantization on {args.model} ({meta['weights']}; {meta['eval']})", "",
-             f"Command: `{meta['command']}`. Raw rows: `{args.out.name}.json`.", "",
+             f"Command: `{meta['command']}`. Raw rows: `{args.out.name}.json`. {meta['machine']}, {meta['date']}.", "",
              ("quantize s: quantspec's whole `quantize` call (load, FP8 weights, KV scales, write; KV scales alone in "
               "brackets); llm-compressor's `oneshot` call alone (no load, no save)."), "",
              "| checkpoint by | KV cache | scales from | scale rule | wikitext2 ppl | quantize s |", "|---|---|---|---|---:|---|"]
