@@ -34,7 +34,7 @@ from ..errors import QuantspecError
 from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
 from .distributed import Reducer
 from .fused_scales import block_global_scales
-from .heap import available_memory_bytes
+from .heap import free_memory_bytes
 from .precision import forward_precision, native_bf16, precision_name
 from .gptq import accumulate_hessian, asymmetric_target, gptq_quantize_with_values, make_empty_hessian
 from .hessian import cross_term, weight_cross_term
@@ -112,16 +112,6 @@ def float_stream_bytes(modules: dict[str, nn.Module], inputs: torch.Tensor) -> i
     tokens = inputs.shape[0] * inputs.shape[1]
     widths = {m.in_features for m in modules.values() if isinstance(m, nn.Linear)}
     return tokens * (2 * inputs.shape[-1] + sum(widths)) * max(inputs.element_size(), 4)
-
-
-def free_memory_bytes(device: torch.device) -> int | None:
-    """Bytes free on ``device`` now: CUDA/ROCm's free memory, the host's available memory for the
-    CPU; None where it cannot be asked."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu":
-        return available_memory_bytes()
-    return None
 
 
 def single_pass_limit(options: GPTQOptions, device: torch.device) -> float:

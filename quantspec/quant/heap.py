@@ -87,3 +87,15 @@ def available_memory_bytes() -> int | None:
     except OSError:
         return None
     return int(line.split()[1]) * 1024 if line else None
+
+
+def free_memory_bytes(device) -> int | None:
+    """Bytes free on ``device`` (a torch.device) now: CUDA/ROCm's free memory, the host's
+    available memory for the CPU; None where it cannot be asked."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return available_memory_bytes()
+    return None

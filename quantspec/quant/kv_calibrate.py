@@ -13,10 +13,10 @@ from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_errors, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
-from .heap import available_memory_bytes
+from .heap import free_memory_bytes
 
-KEEP_SHARE = 0.25  # of the available memory: at most this for the kept keys and values of the search samples
-KEEP_UNKNOWN_BYTES = 2 << 30  # the same limit where the available memory is unknown
+KEEP_SHARE = 0.25  # of the model's device's free memory: at most this for the kept keys and values of the search samples
+KEEP_UNKNOWN_BYTES = 2 << 30  # the same limit where the free memory is unknown
 
 def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
     """``{block}.self_attn`` of every block, or QuantspecError when a block has no attention
@@ -68,10 +68,10 @@ def observe_kv_keeping(model: nn.Module, ids: torch.Tensor, keep: int, progress:
                        limit_bytes: int | None = None) -> tuple[dict, list[dict] | None]:
     """``observe_kv``, and the keys and values of the first ``keep`` samples (per sample: layer
     -> (keys, values)) for ``errors_of_kept``, so the "mse" rule needs no second forward. None
-    instead when they would take more than ``limit_bytes`` (default: ``KEEP_SHARE`` of the
-    available memory; judged on the first sample), or ``keep`` is 0."""
+    instead when they would take more than ``limit_bytes`` (default: ``KEEP_SHARE`` of the free
+    memory of the model's device; judged on the first sample), or ``keep`` is 0."""
     if limit_bytes is None:
-        free = available_memory_bytes()
+        free = free_memory_bytes(next(model.parameters()).device)
         limit_bytes = int(KEEP_SHARE * free) if free is not None else KEEP_UNKNOWN_BYTES
     kept: list[dict] | None = [] if keep > 0 else None
 
