@@ -70,10 +70,10 @@ def observe_kv_keeping(model: nn.Module, ids: torch.Tensor, keep: int, progress:
     -> (keys, values)) for ``errors_of_kept``, so the "mse" rule needs no second forward. None
     instead when they would take more than ``limit_bytes`` (default: ``KEEP_SHARE`` of the free
     memory of the model's device; judged on the first sample), or ``keep`` is 0."""
-    if limit_bytes is None:
+    kept: list[dict] | None = [] if keep > 0 else None
+    if limit_bytes is None and keep > 0:
         free = free_memory_bytes(next(model.parameters()).device)
         limit_bytes = int(KEEP_SHARE * free) if free is not None else KEEP_UNKNOWN_BYTES
-    kept: list[dict] | None = [] if keep > 0 else None
 
     def hold(j: int, obs: KVObserver) -> None:
         nonlocal kept
