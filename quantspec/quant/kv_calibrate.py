@@ -163,9 +163,8 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
 
     model = load_quantized(folder, backend="exact")
     attn = attention_names(model, blocks)
-    # the forwards reuse their large buffers instead of a fresh mmap each (quant/heap.py): after
-    # quantize's block run, whose exit sets glibc's thresholds explicitly, SmolLM2's 32 samples
-    # took 53 s instead of 33 s
+    # the forwards reuse their large buffers (above glibc's 32 MiB mmap ceiling on larger
+    # models and windows) instead of a fresh mmap each, as quantize's block run does (quant/heap.py)
     with reuse_freed_memory():
         amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
         missing = sorted(set(range(len(attn))) - set(amax))
