@@ -220,8 +220,48 @@ def test_asymmetric_refuses_the_per_group_path_and_bad_values():
         _run(tiny_llama(), GPTQOptions(single_pass_gb=0, asymmetric=True))
     with pytest.raises(QuantspecError, match="gptq.asymmetric="):
         GPTQOptions(asymmetric="yes")
+    assert GPTQOptions(asymmetric="auto").asymmetric == "auto"
     with pytest.raises(QuantspecError, match="gptq.asymmetric_alpha="):
         GPTQOptions(asymmetric_alpha=0)
     with pytest.raises(QuantspecError, match="gptq.asymmetric_max_shift="):
         GPTQOptions(asymmetric_max_shift=-1)
 
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].qweight, b[n].qweight) and torch.equal(a[n].scales, b[n].scales) for n in a)
+
+
+def test_auto_runs_it_where_it_fits_and_plain_gptq_elsewhere_with_the_reason():
+    """``asymmetric: auto`` gives asymmetric calibration's results where the single pass holds
+    the float stream, and plain GPTQ's (not an error) where it does not, saying so per layer."""
+    from quantspec.quant.block_methods import float_stream_bytes, single_pass_bytes
+
+    model = tiny_llama(layers=2)
+    arch = get_arch(model)
+    h, _ = capture_inputs(model, arch, calib(), torch.device("cpu"))
+    modules = dict(arch.block_list(model)[0].named_modules())
+    plain, extra = single_pass_bytes(modules, h), float_stream_bytes(modules, h)
+    down = "model.layers.1.mlp.down_proj"
+    for gb in (None, (plain + extra / 2) / 2**30, 0):
+        auto, report = _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb, asymmetric="auto"))
+        if gb is None:  # fits: asymmetric calibration's results
+            asym, asym_report = _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb, asymmetric=True))
+            assert _same(auto, asym) and report[down]["asymmetric"] == asym_report[down]["asymmetric"] == "on"
+            assert not _same(auto, _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb))[0])
+        else:  # plain GPTQ's, in the single pass where that alone fits, else per group
+            assert _same(auto, _run(copy.deepcopy(model), GPTQOptions(single_pass_gb=gb))[0])
+            assert report[down]["asymmetric"].startswith("off (auto): the single pass with the float stream")
+            assert report[down]["gptq_pass"] == ("per-group" if gb == 0 else "single")
+
+
+def test_auto_is_plain_gptq_when_the_calibration_is_split_across_processes():
+    from quantspec.quant.distributed import Reducer
+
+    model, two = tiny_llama(layers=1), Reducer(rank=0, world=2)  # identity reductions, active
+    auto, report = _run(copy.deepcopy(model), GPTQOptions(asymmetric="auto"), reducer=two)
+    assert _same(auto, _run(copy.deepcopy(model), GPTQOptions(), reducer=two)[0])
+    assert report["model.layers.0.mlp.down_proj"]["asymmetric"] == "off (auto): the calibration is split across processes"
+    with pytest.raises(QuantspecError, match="does not split its calibration across processes"):
+        _run(copy.deepcopy(model), GPTQOptions(asymmetric=True), reducer=two)

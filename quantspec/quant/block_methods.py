@@ -165,16 +165,17 @@ class GPTQMethod(BlockMethod):
         self._fp_stream = state.get("fp_stream")
         self._fp_next = int(state["fp_next"]) if "fp_next" in state else 0
 
-    def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None) -> bool:
-        """Whether the single pass applies (the same answer in every process)."""
-        return (reducer or Reducer()).all_true(self._single_pass_fits(block, inputs, kwargs))
+    def _single_pass_ok(self, block, inputs, kwargs, reducer: Reducer | None = None, asym: bool = False) -> bool:
+        """Whether the single pass applies (the same answer in every process); ``asym``: with
+        asymmetric calibration's float stream."""
+        return (reducer or Reducer()).all_true(self._single_pass_fits(block, inputs, kwargs, asym))
 
-    def _single_pass_fits(self, block, inputs, kwargs) -> bool:
+    def _single_pass_fits(self, block, inputs, kwargs, asym: bool = False) -> bool:
         if self._limit is None:  # once: a run does not switch paths as its memory use moves
             self._limit = single_pass_limit(self.options, inputs.device)
         mods = dict(block.named_modules())
         need = single_pass_bytes(mods, inputs)
-        if self.options.asymmetric:  # the float stream and the float inputs it keeps
+        if asym:  # the float stream and the float inputs it keeps
             need += float_stream_bytes(mods, inputs)
         if need > self._limit:
             return False
@@ -220,12 +221,13 @@ class GPTQMethod(BlockMethod):
         self._fp_next = index + 1
         return seen, not follows and index > 0
 
-    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer, index) -> BlockOutput:
+    def _single_pass(self, block, block_name, inputs, kwargs, modules, plan, reducer, index,
+                     asym: bool = False) -> BlockOutput:
         results: dict[str, QuantResult] = {}
         last: list = [None, None, 0, None]  # (input, its Hessian, rows, cross term): kept alive, shared by q/k/v
         precision = forward_precision(block, self.options.forward_dtype)
         fp_inputs, restarted = (self._float_pass(block, inputs, kwargs, modules, index, precision)
-                                if self.options.asymmetric else ({}, False))
+                                if asym else ({}, False))
 
         def hook(name: str):
             def pre(mod, args):
@@ -256,7 +258,7 @@ class GPTQMethod(BlockMethod):
                         last[3] = cross_term(xf, x, self._bf16)
                     cross = mod.weight.detach().float() @ last[3]
             results[name] = self._quantize(name, mod, last[1], plan[name], last[2], cross)
-            if self.options.asymmetric and cross is None:
+            if asym and cross is None:
                 self.info[name]["asymmetric"] = (
                     "off: the float and quantized forwards gave it different rows (routing)"
                     if name in fp_inputs else "off: the float forward did not call it")
@@ -285,18 +287,26 @@ class GPTQMethod(BlockMethod):
         self._gscales = block_global_scales(block, block_name, plan, ctx.arch)  # NVFP4: one per fused siblings
         if self._bf16 is None:
             self._bf16 = hessian_bf16(self.options, inputs.device)
-        if self.options.asymmetric and ctx.reducer.active:
+        explicit = self.options.asymmetric is True
+        if explicit and ctx.reducer.active:
             raise QuantspecError("gptq.asymmetric does not split its calibration across processes.",
                                  "run it in one process (without torchrun), or drop gptq.asymmetric.")
+        asym, off = self._asymmetric_here(block, inputs, kwargs, ctx.reducer)
         results: dict[str, QuantResult] = {}
         try:
-            if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
-                return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer, ctx.index)
-            if self.options.asymmetric:
+            if asym:
+                return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer, ctx.index, True)
+            if explicit:
                 raise QuantspecError(
                     f"gptq.asymmetric needs the single pass, and {block_name} takes the per-group path "
                     f"(its activations and the float stream exceed gptq.single_pass_gb, or the block does not batch).",
-                    "raise gptq.single_pass_gb (or give fewer calibration samples), or drop gptq.asymmetric.")
+                    "raise gptq.single_pass_gb (or give fewer calibration samples), use gptq.asymmetric: auto "
+                    "(plain GPTQ where it cannot run), or drop it.")
+            if off:  # auto, and this block cannot run it: the next one restarts the float stream
+                self._fp_stream = None
+            if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
+                out = self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer, ctx.index)
+                return self._say_off(out, off)
             for group in block_groups(block, block_name, plan, ctx.arch):
                 rows: dict[str, int] = {}
                 hessians = collect_hessians(
@@ -312,7 +322,26 @@ class GPTQMethod(BlockMethod):
             with torch.no_grad():
                 for n, w in dense.items():
                     modules[n].weight.copy_(w)
-        return BlockOutput(results, self.info)
+        return self._say_off(BlockOutput(results, self.info), off)
+
+    def _asymmetric_here(self, block, inputs, kwargs, reducer: Reducer) -> tuple[bool, str | None]:
+        """Whether this block runs asymmetric calibration, and (``auto`` only) why not where it
+        does not: one process, and the single pass with the float stream within the limit."""
+        if self.options.asymmetric is False:
+            return False, None
+        if self.options.asymmetric == "auto" and reducer.active:
+            return False, "off (auto): the calibration is split across processes"
+        if self._single_pass_ok(block, inputs, kwargs, reducer, asym=True):
+            return True, None
+        return False, ("off (auto): the single pass with the float stream exceeds gptq.single_pass_gb, "
+                       "or the block does not batch")
+
+    @staticmethod
+    def _say_off(out: BlockOutput, off: str | None) -> BlockOutput:
+        if off:
+            for name in out.results:
+                out.info[name]["asymmetric"] = off
+        return out
 
     def _quantize(self, name: str, mod: nn.Linear, H: torch.Tensor, scheme: QuantScheme, rows: int,
                   cross: torch.Tensor | None = None) -> QuantResult:

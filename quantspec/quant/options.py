@@ -82,8 +82,10 @@ class GPTQOptions:
     # its own weight on the quantized model's inputs, ||(W - Q) Xq||, so a layer also corrects
     # the error the quantized layers before it left in its input. Costs one more float forward
     # of each block and one more K x K product per Linear input (in hessian_dtype); the single
-    # pass only, whose memory limit (single_pass_gb) then counts the float stream too
-    asymmetric: bool = False
+    # pass only, whose memory limit (single_pass_gb) then counts the float stream too. true
+    # refuses what it cannot run (torchrun, a block beyond the limit); "auto" runs it where it
+    # can and plain GPTQ elsewhere, saying why in the report (block_methods.GPTQMethod)
+    asymmetric: bool | str = False
     # the share of the asymmetric correction applied (W + alpha * W C Hd^-1): the full one
     # (1) overshoots where the quantized inputs have little variance (GPTAQ's code uses 0.25)
     asymmetric_alpha: float = 0.25
@@ -99,9 +101,10 @@ class GPTQOptions:
         if not (isinstance(self.asymmetric_max_shift, (int, float)) and self.asymmetric_max_shift > 0):
             raise QuantspecError(f"gptq.asymmetric_max_shift={self.asymmetric_max_shift!r} is not a positive number.",
                                  "use e.g. 0.5.")
-        if not isinstance(self.asymmetric, bool):
-            raise QuantspecError(f"gptq.asymmetric={self.asymmetric!r} is not true or false.",
-                                 "use true (asymmetric calibration) or false (GPTQ's own objective).")
+        if not (isinstance(self.asymmetric, bool) or self.asymmetric == "auto"):
+            raise QuantspecError(f"gptq.asymmetric={self.asymmetric!r} is not true, false or auto.",
+                                 "use true (asymmetric calibration), false (GPTQ's own objective) or auto "
+                                 "(asymmetric where it can run).")
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise QuantspecError(f"gptq.hessian_dtype={self.hessian_dtype!r} is not one of {', '.join(HESSIAN_DTYPES)}.",
                                  "use auto, float32 or bfloat16.")
