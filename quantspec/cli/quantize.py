@@ -84,7 +84,8 @@ def add_parser(sub) -> None:
                         "bfloat16 about halves the search on CPUs with AMX; auto: bfloat16 where native)")
     p.add_argument("--asymmetric-calibration", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: round each layer toward the float model's output on the float model's inputs "
-                        "(GPTAQ; recipe gptq.asymmetric; about twice GPTQ's time; default off). Not --no-sym, "
+                        "(GPTAQ; recipe gptq.asymmetric; about twice GPTQ's time; default off; the recipe's "
+                        "gptq.asymmetric: auto runs it where it can and plain GPTQ elsewhere). Not --no-sym, "
                         "which is asymmetric quantization (zero points)")
     p.add_argument("--gptq-forward-dtype", choices=["float32", "bfloat16", "auto"],
                    help="GPTQ: precision of the single pass's block forwards over an fp32 model (recipe "
