@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 import quantspec
-from quantspec.quant.heap import TRIM_ENV, reuse_freed_memory, trims_each_block
+from quantspec.quant.heap import TRIM_ENV, trims_each_block
 from quantspec.quant.recipe import CalibrationConfig, Recipe
 from quantspec.core.scheme import QuantScheme
 from quantspec.errors import QuantspecError
@@ -170,38 +170,44 @@ def test_heap_trim_policy():
         trims_each_block(1, 24 * gib, "sometimes")
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+HEAP_PROBE = textwrap.dedent("""
+    import ctypes, ctypes.util, json
+    from quantspec.quant.heap import reuse_freed_memory
 
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-def _is_mapped(libc, nbytes: int) -> bool:
-    """Whether glibc serves a malloc of ``nbytes`` with its own mmap (mallinfo2's count of
-    mapped blocks rises while it is held)."""
-    before = libc.mallinfo2().hblks
-    ptr = libc.malloc(ctypes.c_size_t(nbytes))
-    assert ptr
-    try:
-        return libc.mallinfo2().hblks > before
-    finally:
-        libc.free(ctypes.c_void_p(ptr))
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallinfo2.restype, libc.malloc.restype = MallInfo2, ctypes.c_void_p
+
+    def mapped(nbytes):  # glibc serves the malloc with its own mmap: the count of mapped blocks rises
+        before = libc.mallinfo2().hblks
+        ptr = libc.malloc(ctypes.c_size_t(nbytes))
+        assert ptr
+        try:
+            return libc.mallinfo2().hblks > before
+        finally:
+            libc.free(ctypes.c_void_p(ptr))
+
+    with reuse_freed_memory():
+        inside = mapped(256 << 20)
+    print(json.dumps({"inside_256m": inside, "after_4m": mapped(4 << 20), "after_64m": mapped(64 << 20)}))
+""")
 
 
 def test_heap_leaves_large_buffers_in_the_heap_after_a_run():
     """After ``reuse_freed_memory()`` a 4 MiB buffer comes from the heap (as under glibc's own
     dynamic threshold), not from a fresh mmap: restoring the 128 KiB default, which also switches
     the dynamic rule off, made a KV calibration after quantize 1.6x slower. Buffers above 32 MiB
-    are still mapped (and so returned to the system on free)."""
+    are still mapped (and so returned to the system on free). In a fresh process: free chunks
+    that earlier tests left in this one's heap would serve the mallocs without a mapping."""
     name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallinfo2"):
+    if name is None or not hasattr(ctypes.CDLL(name), "mallinfo2"):
         pytest.skip("not glibc >= 2.33 (mallinfo2): reuse_freed_memory is a no-op elsewhere")
-    libc.mallinfo2.restype = _MallInfo2
-    libc.malloc.restype = ctypes.c_void_p
-    with reuse_freed_memory():
-        assert not _is_mapped(libc, 256 << 20)
-    assert not _is_mapped(libc, 4 << 20)
-    assert _is_mapped(libc, 64 << 20)
+    run = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"inside_256m": False, "after_4m": False, "after_64m": True}
 
 
 def test_bad_trim_policy_fails_before_calibrating(tmp_path, monkeypatch):

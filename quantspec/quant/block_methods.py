@@ -263,7 +263,8 @@ class GPTQMethod(BlockMethod):
                     "off: the float and quantized forwards gave it different rows (routing)"
                     if name in fp_inputs else "off: the float forward did not call it")
             elif restarted and self.info[name].get("asymmetric") == "on":
-                self.info[name]["asymmetric"] = "on, from this block's quantized inputs (the block before had nothing planned)"
+                self.info[name]["asymmetric"] = ("on, from this block's quantized inputs (the block before had nothing "
+                                                  "planned or ran plain GPTQ)")
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
         try:

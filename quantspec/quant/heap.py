@@ -13,8 +13,9 @@ Why not glibc's defaults on exit: glibc raises its mmap threshold by itself (up 
 trim threshold to twice that) each time a mapped block is freed, but any ``mallopt`` of either
 threshold turns that rule off for the rest of the process. Restoring the 128 KiB defaults left
 every later buffer above 128 KiB a fresh mmap: a KV-cache calibration run after quantize's block
-run took 53 s instead of 33 s (SmolLM2-135M, 32 samples). ``trims_each_block`` decides whether the streaming
-path also returns it after every block.
+run took 53 s instead of 33 s (SmolLM2-135M, 32 samples).
+
+``trims_each_block`` decides whether the streaming path also returns it after every block.
 """
 
 from __future__ import annotations
