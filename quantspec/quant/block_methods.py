@@ -288,21 +288,11 @@ class GPTQMethod(BlockMethod):
         self._gscales = block_global_scales(block, block_name, plan, ctx.arch)  # NVFP4: one per fused siblings
         if self._bf16 is None:
             self._bf16 = hessian_bf16(self.options, inputs.device)
-        explicit = self.options.asymmetric is True
-        if explicit and ctx.reducer.active:
-            raise QuantspecError("gptq.asymmetric does not split its calibration across processes.",
-                                 "run it in one process (without torchrun), or drop gptq.asymmetric.")
-        asym, off = self._asymmetric_here(block, inputs, kwargs, ctx.reducer)
+        asym, off = self._asymmetric_here(block, block_name, inputs, kwargs, ctx.reducer)
         results: dict[str, QuantResult] = {}
         try:
             if asym:
                 return self._single_pass(block, block_name, inputs, kwargs, modules, plan, ctx.reducer, ctx.index, True)
-            if explicit:
-                raise QuantspecError(
-                    f"gptq.asymmetric needs the single pass, and {block_name} takes the per-group path "
-                    f"(its activations and the float stream exceed gptq.single_pass_gb, or the block does not batch).",
-                    "raise gptq.single_pass_gb (or give fewer calibration samples), use gptq.asymmetric: auto "
-                    "(plain GPTQ where it cannot run), or drop it.")
             if off:  # auto, and this block cannot run it: the next one restarts the float stream
                 self._fp_stream = None
             if self._single_pass_ok(block, inputs, kwargs, ctx.reducer):
@@ -325,15 +315,26 @@ class GPTQMethod(BlockMethod):
                     modules[n].weight.copy_(w)
         return self._say_off(BlockOutput(results, self.info), off)
 
-    def _asymmetric_here(self, block, inputs, kwargs, reducer: Reducer) -> tuple[bool, str | None]:
-        """Whether this block runs asymmetric calibration, and (``auto`` only) why not where it
-        does not: one process, and the single pass with the float stream within the limit."""
+    def _asymmetric_here(self, block, block_name, inputs, kwargs, reducer: Reducer) -> tuple[bool, str | None]:
+        """Whether this block runs asymmetric calibration (one process, and the single pass with
+        the float stream within the limit), and why not where ``auto`` does not; ``true`` raises
+        there instead."""
+        explicit = self.options.asymmetric is True
         if self.options.asymmetric is False:
             return False, None
-        if self.options.asymmetric == "auto" and reducer.active:
+        if reducer.active:
+            if explicit:
+                raise QuantspecError("gptq.asymmetric does not split its calibration across processes.",
+                                     "run it in one process (without torchrun), or drop gptq.asymmetric.")
             return False, "off (auto): the calibration is split across processes"
         if self._single_pass_ok(block, inputs, kwargs, reducer, asym=True):
             return True, None
+        if explicit:
+            raise QuantspecError(
+                f"gptq.asymmetric needs the single pass, and {block_name} takes the per-group path "
+                f"(its activations and the float stream exceed gptq.single_pass_gb, or the block does not batch).",
+                "raise gptq.single_pass_gb (or give fewer calibration samples), use gptq.asymmetric: auto "
+                "(plain GPTQ where it cannot run), or drop it.")
         return False, ("off (auto): the single pass with the float stream exceeds gptq.single_pass_gb, "
                        "or the block does not batch")
 

@@ -13,7 +13,7 @@ from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_errors, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
-from .heap import free_memory_bytes, reuse_freed_memory
+from .heap import free_memory_bytes
 
 KEEP_SHARE = 0.25  # of the model's device's free memory: at most this for the kept keys and values of the search samples
 KEEP_UNKNOWN_BYTES = 2 << 30  # the same limit where the free memory is unknown
@@ -163,17 +163,14 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
 
     model = load_quantized(folder, backend="exact")
     attn = attention_names(model, blocks)
-    # the forwards reuse their large buffers (above glibc's 32 MiB mmap ceiling on larger
-    # models and windows) instead of a fresh mmap each, as quantize's block run does (quant/heap.py)
-    with reuse_freed_memory():
-        amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
-        missing = sorted(set(range(len(attn))) - set(amax))
-        if missing:
-            raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
-                                 "drop --kv-cache for this architecture.")
-        errors = None
-        if cfg.rule == "mse":
-            bases = error_bases(amax, cfg.strategy)
-            errors = (errors_of_kept(kept, bases, cfg.kind) if kept is not None
-                      else observe_errors(model, ids[: cfg.searched], bases, cfg.kind, progress))
+    amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
+    missing = sorted(set(range(len(attn))) - set(amax))
+    if missing:
+        raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
+                             "drop --kv-cache for this architecture.")
+    errors = None
+    if cfg.rule == "mse":
+        bases = error_bases(amax, cfg.strategy)
+        errors = (errors_of_kept(kept, bases, cfg.kind) if kept is not None
+                  else observe_errors(model, ids[: cfg.searched], bases, cfg.kind, progress))
     return scale_tensors(kv_scales(amax, cfg, errors), attn)
