@@ -146,7 +146,9 @@ def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
     held = ", ".join(f"{k} = {v}" for k, v in meta.get("fixed", {}).items())
     lines = [f"# GPTQ {option} = {' vs '.join(map(str, values))} ({meta['model']}{'; ' + held if held else ''})", "",
              f"Command: `{meta['command']}`; raw: {path.name[:-3]}.json; {meta['machine']}, "
-             f"{meta['threads']} threads; {meta['when']}.", "",
+             f"{meta['threads']} threads; {meta['when']}"
+             + (f" (resumed {meta['resumed']} time(s) after a stop: each row is one whole measurement)" if meta.get("resumed") else "")
+             + ".", "",
              "GPTQ weight-only, static act-order, float32 model, 64 C4 x 512 calibration per draw (the values "
              "interleaved within each draw). Validation: the first "
              f"{meta['windows']} windows of 512 of the C4 documents from {VAL_FIRST_DOC} on outside every draw "
@@ -166,6 +168,24 @@ def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+# the meta keys that must match for a resumed run's rows to stand beside the new ones
+SAME_RUN = ("model", "command", "option", "values", "fixed", "machine", "threads", "windows", "val_docs")
+
+
+def resume(path: Path, meta: dict) -> list[dict]:
+    """The rows of an earlier run of the same comparison at ``path``; ``meta["when"]`` then names
+    every day it ran on. Refuses a file of another comparison or machine."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    differ = [k for k in SAME_RUN if old["meta"].get(k) != meta[k]]
+    if differ:
+        raise SystemExit(f"{path} holds another run ({', '.join(differ)} differ): drop --resume or pick another --out")
+    meta["when"] = ", ".join(dict.fromkeys(old["meta"]["when"].split(", ") + [meta["when"]]))
+    meta["resumed"] = old["meta"].get("resumed", 0) + 1
+    return old["rows"]
+
+
 def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: str = "gptq-{option}") -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--option", required=True, help="a gptq recipe key (hessian_dtype, asymmetric, damp_percent, ...)")
@@ -178,6 +198,8 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=None, help="result stem (default results/gptq-OPTION-MODEL)")
+    ap.add_argument("--resume", action="store_true", help="keep the rows of the --out JSON of the same comparison "
+                                                           "(same meta, same machine) and measure only the others")
     args = ap.parse_args(argv)
     values = [parse_value(v) for v in args.values.split(",")]
     fixed = {k: parse_value(v) for k, v in (item.split("=", 1) for item in args.fixed.split(",") if item)}
@@ -193,14 +215,18 @@ def main(argv: list[str] | None = None, script: str = "gptq_options.py", stem: s
         scheme_of(c)
     out = args.out or RESULTS / f"{stem.format(option=args.option.replace('_', '-').replace('+', '-'))}-{Path(str(model_dir)).name}"
     data = load_data(model_dir, seeds, args.windows)
-    meta = {"model": Path(str(model_dir)).name, "command": f"python benchmarks/{script} " + shlex.join(sys.argv[1:]),
+    command = [a for a in sys.argv[1:] if a != "--resume"]  # what the user typed (a wrapper passes argv)
+    meta = {"model": Path(str(model_dir)).name, "command": f"python benchmarks/{script} " + shlex.join(command),
             "option": args.option, "values": values, "fixed": fixed,
             "machine": machine_line(describe_machine()), "threads": args.threads, "windows": args.windows, "val_docs": data["val_docs"],
             "when": time.strftime("%Y-%m-%d")}
-    rows: list[dict] = []
+    rows = resume(Path(f"{out}.json"), meta) if args.resume else []
+    done = {(r["seed"], r["config"], json.dumps(r["value"])) for r in rows}
     for seed in seeds:
         for config in configs:
             for value in (values if seed % 2 == 0 else values[::-1]):  # alternate which runs first
+                if (seed, config, json.dumps(value)) in done:
+                    continue
                 row = {"config": config, "value": value, "seed": seed,
                        **measure(model_dir, data["calib"][seed], data, config, args.option, value, fixed)}
                 print(json.dumps(row), flush=True)

@@ -82,3 +82,23 @@ def test_specdec_acceptance_puts_trees_beside_each_drafts_chain(tmp_path):
     assert all(r["greedy_matches_target"] == 1 for r in rows.values())
     assert rows[chain]["mean_proposed"] <= 3 < rows[tree]["mean_proposed"] <= 6
     assert f"| {tree} |" in (tmp_path / "acc.md").read_text()
+
+
+def test_gptq_options_resume_keeps_rows_of_the_same_run_only(tmp_path):
+    """--resume keeps an earlier run's rows only when every key of the comparison and the machine
+    match, and the days it ran on add up."""
+    import json
+
+    import pytest
+
+    mod = runpy.run_path(str(BENCH / "gptq_options.py"))
+    meta = {k: f"v-{k}" for k in mod["SAME_RUN"]} | {"when": "2026-12-06"}
+    path = tmp_path / "r.json"
+    assert mod["resume"](path, dict(meta)) == []  # nothing to resume: a fresh run
+    rows = [{"config": "nvfp4", "value": False, "seed": 0, "val_ppl": 31.0}]
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    new = dict(meta, when="2026-12-07")
+    assert mod["resume"](path, new) == rows
+    assert new["when"] == "2026-12-06, 2026-12-07" and new["resumed"] == 1
+    with pytest.raises(SystemExit, match="machine differ"):
+        mod["resume"](path, dict(meta, machine="another CPU"))
