@@ -24,6 +24,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the widest matrix instructions a CPU has, by their /proc/cpuinfo flag: they set a measurement's
+# speed and whether bf16 products run in hardware (native) or emulated (bf16 numbers can differ)
+MATRIX_ISA = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("bf16", "Arm BF16"),
+              ("avx512f", "AVX-512, no native bf16"), ("avx2", "AVX2, no native bf16"),
+              ("asimd", "NEON, no native bf16"))
+
+
+def cpu_matrix_isa(flags: str) -> str | None:
+    """The first of ``MATRIX_ISA`` whose flag the CPU's flags line holds (None: none known)."""
+    have = set(flags.split())
+    return next((name for flag, name in MATRIX_ISA if flag in have), None)
+
+
 def package_version(name: str) -> str | None:
     try:
         return md.version(name)
@@ -56,9 +69,12 @@ def describe_machine() -> dict[str, Any]:
     import psutil
     import torch
 
+    from ..kernels.cpu_ext import cpu_flags
+
     return {
         "os": f"{platform.system()} {platform.release()}",
         "cpu": cpu_model(),
+        "cpu_isa": cpu_matrix_isa(cpu_flags()),
         "cpu_cores_logical": os.cpu_count(),
         "cpu_cores_physical": psutil.cpu_count(logical=False),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -73,4 +89,5 @@ def machine_line(machine: dict[str, Any]) -> str:
     """One line for tables and plot titles."""
     gpu = ", ".join(machine.get("gpus") or []) or "no GPU"
     cores = machine.get("cpu_affinity") or machine.get("cpu_cores_logical")
-    return f"{machine.get('cpu')}{f' ({cores} cores)' if cores else ''}, {gpu}"
+    about = ", ".join(x for x in (f"{cores} cores" if cores else "", machine.get("cpu_isa") or "") if x)
+    return f"{machine.get('cpu')}{f' ({about})' if about else ''}, {gpu}"
