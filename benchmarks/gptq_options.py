@@ -64,6 +64,17 @@ REPORTED = {"hessian_dtype": _reported_alone, "forward_dtype": _reported_alone,
             "asymmetric": lambda used, value: ("on" in used) if value else not used}
 
 
+# what each layer's report says it ran in, recorded per row whatever the comparison: ``auto``
+# resolves by the machine (bf16 where native), so two machines can run one setting differently
+PRECISIONS = ("hessian_dtype", "forward_dtype")
+
+
+def precisions_used(report: dict) -> dict[str, list[str]]:
+    """{key: the sorted values the layers of ``report`` name} for each key of PRECISIONS."""
+    layers = [r for r in report.values() if isinstance(r, dict)]
+    return {key: sorted({str(r[key]) for r in layers if key in r}) for key in PRECISIONS}
+
+
 def parse_value(text: str):
     """A --values item as YAML would read it: true/false, a number, else the string."""
     low = text.strip().lower()
@@ -138,7 +149,8 @@ def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, optio
             used = {r.get(key) for r in report.values() if isinstance(r, dict)} - {None}
             if not REPORTED[key](used, setting):
                 raise SystemExit(f"the report says {key} {used}, not {setting!r}")
-    return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds}
+    return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds,
+            "used": precisions_used(report)}
 
 
 def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
@@ -165,7 +177,23 @@ def write_md(path: Path, meta: dict, rows: list[dict]) -> None:
                 vals = [r[k] for r in sel]
                 return fmt.format(statistics.median(vals)) + " (" + ", ".join(fmt.format(v) for v in vals) + ")"
             lines.append(f"| {config} | {value} | {cell('val_ppl')} | {cell('test_ppl')} | {cell('seconds', '{:.1f}')} |")
+    lines += precision_lines(rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+def precision_lines(rows: list[dict]) -> list[str]:
+    """Under the table: which precision each draw's layers ran in, per key of PRECISIONS (rows of
+    runs from before the record have none)."""
+    out = []
+    for key in PRECISIONS:
+        seeds: dict[str, list] = {}
+        for r in rows:
+            if "used" in r:
+                seeds.setdefault(" + ".join(r["used"][key]) or "-", []).append(r["seed"])
+        if seeds:
+            parts = [f"{v} (draw{'s' * (len(set(s)) > 1)} {', '.join(map(str, dict.fromkeys(s)))})" for v, s in seeds.items()]
+            out.append(f"{key} as the layers ran it: {'; '.join(parts)}.")
+    return ["", *out] if out else []
 
 
 # the meta keys that must match for a resumed run's rows to stand beside the new ones

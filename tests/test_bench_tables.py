@@ -102,3 +102,17 @@ def test_gptq_options_resume_keeps_rows_of_the_same_run_only(tmp_path):
     assert new["when"] == "2026-12-06, 2026-12-07" and new["resumed"] == 1
     with pytest.raises(SystemExit, match="machine differ"):
         mod["resume"](path, dict(meta, machine="another CPU"))
+
+
+def test_gptq_options_rows_record_the_precisions_the_layers_ran_in():
+    mod = runpy.run_path(str(BENCH / "gptq_options.py"))
+    report = {"a": {"hessian_dtype": "bfloat16", "forward_dtype": "float32"},
+              "b": {"hessian_dtype": "float32", "forward_dtype": "float32", "gptq_pass": "single"},
+              "c": {"skipped": "not a Linear"}, "summary": 3}
+    assert mod["precisions_used"](report) == {"hessian_dtype": ["bfloat16", "float32"], "forward_dtype": ["float32"]}
+    rows = [{"seed": 0, "used": {"hessian_dtype": ["bfloat16"], "forward_dtype": ["float32"]}},
+            {"seed": 1, "used": {"hessian_dtype": ["bfloat16"], "forward_dtype": ["float32"]}},
+            {"seed": 2, "used": {"hessian_dtype": ["float32"], "forward_dtype": ["float32"]}}, {"seed": 3}]
+    assert mod["precision_lines"](rows) == ["", "hessian_dtype as the layers ran it: bfloat16 (draws 0, 1); float32 (draw 2).",
+                                            "forward_dtype as the layers ran it: float32 (draws 0, 1, 2)."]
+    assert mod["precision_lines"]([{"seed": 0}]) == []
