@@ -8,6 +8,9 @@ config and calibration draw, the values interleaved per draw (the order alternat
 perplexity of the fake-quantized model. Validation: the first windows of 512 of the C4
 documents from 1800 on that none of the draws reads; test: wikitext2's first windows of 512.
 Quantize seconds are the block driver's wall time at --threads (the machine otherwise idle).
+Each row also records the Hessian and forward precisions its layers ran in (``auto`` resolves by
+machine). The result files are rewritten after each row; ``--resume`` keeps the rows of a stopped
+run of the same comparison on the same machine line and measures the rest.
 
     python benchmarks/gptq_options.py --option asymmetric --values false,true --model smollm2-135m --configs nvfp4,mxfp4
     python benchmarks/gptq_options.py --option asymmetric+forward_dtype --values false/float32,true/bfloat16 ...
