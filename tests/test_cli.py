@@ -161,3 +161,26 @@ def test_no_act_order_alone_turns_static_groups_off_and_experts_flag_reaches_the
     assert not r.scheme.act_order and not r.scheme.static_groups and r.calibration.experts == "routed"
     with pytest.raises(QuantspecError, match="static_groups"):
         recipe_from_args(parse(["quantize", "--method", "gptq", "--no-act-order", "--static-groups"]))
+
+
+def test_quantspecs_warnings_print_as_one_line(capsys, monkeypatch):
+    """A warning raised from quantspec's code prints as ``quantspec: warning: ...`` under the CLI;
+    with --debug, and for other packages, it goes to Python's own display (file and line)."""
+    import warnings
+    from pathlib import Path
+
+    import quantspec.quant.job as job
+    from quantspec.cli.main import one_line_warnings
+
+    ours, theirs = str(Path(job.__file__)), str(Path(pytest.__file__))
+    for debug in (False, True):
+        passed_on: list[tuple[str, str]] = []
+        monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, *a, **k: passed_on.append((str(m), f)))
+        with one_line_warnings(debug):
+            warnings.simplefilter("always")
+            warnings.warn_explicit("gptq.forward_dtype=bfloat16 on cpu ...", UserWarning, ours, 10)
+            warnings.warn_explicit("a note of another package", UserWarning, theirs, 20)
+        err = capsys.readouterr().err.splitlines()
+        assert err == ([] if debug else ["quantspec: warning: gptq.forward_dtype=bfloat16 on cpu ..."])
+        assert passed_on == ([("gptq.forward_dtype=bfloat16 on cpu ...", ours)] if debug else []) + [
+            ("a note of another package", theirs)]

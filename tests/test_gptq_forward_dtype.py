@@ -112,3 +112,35 @@ def test_bad_forward_dtype_and_the_cli_flag():
     assert got.gptq.forward_dtype == "bfloat16"
     with pytest.raises(QuantspecError, match="--gptq-forward-dtype is a GPTQ setting"):
         recipe_from_args(parse(["quantize", "--method", "rtn", "--gptq-forward-dtype", "auto"]))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_asked_where_it_is_emulated_is_said_before_the_work(native, monkeypatch):
+    """bfloat16 named explicitly on a device without native bf16 products (emulated there, ~3x
+    slower) is said before calibrating, for the sections the method reads; auto never is."""
+    import warnings
+
+    import quantspec.quant.job as job
+    from quantspec.formats import get_format
+    from quantspec.quant.precision import emulated_bf16
+    from quantspec.quant.recipe import Recipe
+    from quantspec.quant.registry import option_sections
+
+    bf16 = {"gptq": {"forward_dtype": "bfloat16", "hessian_dtype": "auto"}, "awq": {"search_dtype": "bfloat16"}}
+    recipe = Recipe.from_dict({"method": "awq+gptq", **bf16})
+    sections = {n: getattr(recipe, n) for n in option_sections("awq+gptq")}
+    assert emulated_bf16(sections, native) == ([] if native else ["awq.search_dtype", "gptq.forward_dtype"])
+    rtn = Recipe.from_dict({"method": "rtn", **bf16})  # RTN reads neither section
+    assert emulated_bf16({n: getattr(rtn, n) for n in option_sections("rtn")}, False) == []
+
+    monkeypatch.setattr(job, "native_bf16", lambda device: native)
+    model = tiny_model()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(QuantspecError, match="needs calibration data"):  # the first check after it
+            job.prepare(model, None, Recipe.from_dict({"method": "gptq", **bf16}), get_format("gptq"),
+                        torch.device("cpu"))
+    said = [str(w.message) for w in seen if "without native bf16" in str(w.message)]
+    assert said == ([] if native else [
+        "gptq.forward_dtype=bfloat16 on cpu without native bf16 products: bf16 is emulated there, slower than "
+        "float32 (gptq.forward_dtype: auto takes float32 on this device)."])

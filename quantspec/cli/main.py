@@ -8,9 +8,13 @@ Exit codes: 0 success, 2 bad input (QuantspecError, one line), 1 internal error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import traceback
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 from ..errors import QuantspecError
 
@@ -47,6 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def one_line_warnings(debug: bool) -> Iterator[None]:
+    """quantspec's own warnings as one line, ``quantspec: warning: ...``, as errors are (with
+    --debug, and for other packages' warnings, Python's usual form with the source line)."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if debug or not issubclass(category, UserWarning) or _PACKAGE not in Path(filename).resolve().parents:
+            return shown(message, category, filename, lineno, file, line)
+        print(f"quantspec: warning: {message}", file=sys.stderr if file is None else file)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
@@ -58,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with one_line_warnings(args.debug):
+            return int(args.func(args) or 0)
     except QuantspecError as exc:
         if args.debug:
             traceback.print_exc()

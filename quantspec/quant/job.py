@@ -5,6 +5,7 @@ writes a checkpoint from them; ``api.quantize_model`` swaps QuantLinear modules 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,9 @@ from .method import BlockMethod
 from .moe import plan_moe
 from ..models.experts import experts_modules, set_calibration
 from .plan import LayerPlan, make_plan
+from .precision import emulated_bf16, native_bf16
 from .recipe import Recipe
-from .registry import build_method
+from .registry import build_method, option_sections
 from ..core.scheme import QuantResult, QuantScheme
 
 
@@ -56,6 +58,10 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
     architecture (refusing a smoothing method on a model without pairs), the plan (with
     ``overrides``: other schemes for some planned layers), the calibration ids."""
     method = build_method(recipe)
+    sections = {name: getattr(recipe, name) for name in option_sections(recipe.method)}
+    for option in emulated_bf16(sections, native_bf16(device)):
+        warnings.warn(f"{option}=bfloat16 on {device.type} without native bf16 products: bf16 is emulated "
+                      f"there, slower than float32 ({option}: auto takes float32 on this device).", stacklevel=2)
     if method.needs_calibration and tokenizer is None:
         raise QuantspecError(f"{recipe.method} needs calibration data, so a tokenizer.",
                              "pass the model's tokenizer, or use --method rtn.")

@@ -24,6 +24,21 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_has_native_bf16()
 
 
+# the options a recipe section may set to bfloat16 (all of FORWARD_DTYPES, or HESSIAN_DTYPES):
+# where the device has no native bf16 products, bfloat16 is emulated there and slower than fp32
+BF16_OPTIONS = {"gptq": ("forward_dtype", "hessian_dtype"), "awq": ("search_dtype",)}
+
+
+def emulated_bf16(sections: dict[str, object], native: bool) -> list[str]:
+    """The ``section.option`` names set to "bfloat16" in ``sections`` (recipe section name ->
+    its options) when the device does not multiply bf16 natively ([] where it does). "auto"
+    is never listed: it takes float32 there."""
+    if native:
+        return []
+    return [f"{sec}.{opt}" for sec, options in sections.items() for opt in BF16_OPTIONS.get(sec, ())
+            if getattr(options, opt) == "bfloat16"]
+
+
 def forward_precision(block: nn.Module, choice: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of contexts for forward passes over ``block``: bf16 autocast for an fp32 block
     when ``choice`` (``FORWARD_DTYPES``) is bfloat16, or auto on a device with native bf16

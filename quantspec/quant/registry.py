@@ -74,6 +74,13 @@ def method_spec(name: str) -> MethodSpec:
     return METHODS[name]
 
 
+def option_sections(method: str) -> tuple[str, ...]:
+    """The recipe sections whose options ``method`` reads: its own and each step's."""
+    spec = method_spec(method)
+    names = [spec.options, *(method_spec(step).options for step in spec.steps)]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
 def default_scheme(method: str) -> QuantScheme:
     """The scheme a method quantizes with when the recipe gives none."""
     return method_spec(method).default_scheme
