@@ -169,13 +169,13 @@ def test_quantspecs_warnings_print_as_one_line(capsys, monkeypatch):
     import warnings
     from pathlib import Path
 
-    import quantspec.quant.job as job
     from quantspec.cli.main import one_line_warnings
+    from quantspec.quant import job
 
     ours, theirs = str(Path(job.__file__)), str(Path(pytest.__file__))
     for debug in (False, True):
         passed_on: list[tuple[str, str]] = []
-        monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, *a, **k: passed_on.append((str(m), f)))
+        monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, *a, log=passed_on, **k: log.append((str(m), f)))
         with one_line_warnings(debug):
             warnings.simplefilter("always")
             warnings.warn_explicit("gptq.forward_dtype=bfloat16 on cpu ...", UserWarning, ours, 10)

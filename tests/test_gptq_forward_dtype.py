@@ -120,8 +120,8 @@ def test_bf16_asked_where_it_is_emulated_is_said_before_the_work(native, monkeyp
     slower) is said before calibrating, for the sections the method reads; auto never is."""
     import warnings
 
-    import quantspec.quant.job as job
     from quantspec.formats import get_format
+    from quantspec.quant import job
     from quantspec.quant.precision import emulated_bf16
     from quantspec.quant.recipe import Recipe
     from quantspec.quant.registry import option_sections
@@ -142,5 +142,5 @@ def test_bf16_asked_where_it_is_emulated_is_said_before_the_work(native, monkeyp
                         torch.device("cpu"))
     said = [str(w.message) for w in seen if "without native bf16" in str(w.message)]
     assert said == ([] if native else [
-        "gptq.forward_dtype=bfloat16 on cpu without native bf16 products: bf16 is emulated there, slower than "
-        "float32 (gptq.forward_dtype: auto takes float32 on this device)."])
+        ("gptq.forward_dtype=bfloat16 on cpu without native bf16 products: bf16 is emulated there, slower than "
+         "float32 (gptq.forward_dtype: auto takes float32 on this device).")])
