@@ -56,18 +56,21 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def one_line_warnings(debug: bool) -> Iterator[None]:
-    """quantspec's own warnings as one line, ``quantspec: warning: ...``, as errors are (with
-    --debug, and for other packages' warnings, Python's usual form with the source line)."""
-    shown = warnings.showwarning
+    """quantspec's own warnings shown as one line, ``quantspec: warning: ...``, as errors are (with
+    --debug, and for other packages' warnings, Python's usual form with the source line). Only
+    the display changes: a caller that records warnings still receives them."""
+    formatted = warnings.formatwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    def fmt(message, category, filename, lineno, line=None):
         if debug or not issubclass(category, UserWarning) or _PACKAGE not in Path(filename).resolve().parents:
-            return shown(message, category, filename, lineno, file, line)
-        print(f"quantspec: warning: {message}", file=sys.stderr if file is None else file)
+            return formatted(message, category, filename, lineno, line)
+        return f"quantspec: warning: {message}\n"
 
-    with warnings.catch_warnings():
-        warnings.showwarning = show
+    warnings.formatwarning = fmt
+    try:
         yield
+    finally:
+        warnings.formatwarning = formatted
 
 
 def main(argv: list[str] | None = None) -> int:
