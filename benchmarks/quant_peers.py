@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent / "tests"))
 from interop import venvs  # noqa: E402  (the engine venvs of the interop suite, shared)
 
+from quantspec.eval.machine import describe_machine, machine_line  # noqa: E402
 from quantspec.models.paths import cache_root  # noqa: E402
 
 DATA = Path(os.environ.get("QUANTSPEC_DATA", HERE.parents[1] / "shared" / "data"))
@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="results prefix (default results/METHOD-peers)")
     ap.add_argument("--reuse", type=Path, default=None,
                     help="an earlier results .json: its rows of tools not run now, for the configs run now, join the "
-                         "table, marked with the file they come from (a peer that takes hours need not run again)")
+                         "table, marked with the file they come from (a peer that takes hours need not run again); "
+                         "refused unless it was measured on the same protocol and machine line")
     args = ap.parse_args()
     tools = args.tools.split(",") if args.tools else list(METHODS[args.method])
     if args.setup:
@@ -185,8 +186,11 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
         return []
     old = json.loads(path.read_text())
     meta = old["meta"]
+    # the machine too: GPTQ's "auto" precisions follow the CPU (bf16 Hessians where native), so
+    # another machine's rows are another measurement even of the same protocol
     want = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
-            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args)}
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args),
+            "machine": machine_line(describe_machine())}
     if meta.get("threads", args.threads) != args.threads:  # GPTQ's rows move with the thread count
         want["threads"] = args.threads
     if any(meta.get(k, [0] if k == "seeds" else None) != v for k, v in want.items()):
@@ -234,7 +238,7 @@ def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
     meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
             "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args), "runs": args.runs,
             "threads": args.threads,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+            "machine": machine_line(describe_machine()), "torch": torch.__version__,
             "command": "python benchmarks/quant_peers.py " + " ".join(sys.argv[1:])}
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
     lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; "

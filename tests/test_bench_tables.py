@@ -116,3 +116,25 @@ def test_gptq_options_rows_record_the_precisions_the_layers_ran_in():
     assert mod["precision_lines"](rows) == ["", "hessian_dtype as the layers ran it: bfloat16 (draws 0, 1); float32 (draw 2).",
                                             "forward_dtype as the layers ran it: float32 (draws 0, 1, 2)."]
     assert mod["precision_lines"]([{"seed": 0}]) == []
+
+
+def test_quant_peers_reuses_rows_of_the_same_machine_only(tmp_path):
+    """--reuse joins an earlier run's rows of the tools not run now only when its protocol and its
+    machine line are this run's (GPTQ's auto precisions follow the CPU)."""
+    import argparse
+    import json
+
+    import pytest
+
+    mod = runpy.run_path(str(BENCH / "quant_peers.py"))
+    args = argparse.Namespace(model="m", samples=64, seqlen=512, windows=40, seeds="0", threads=2, method="gptq")
+    here = mod["machine_line"](mod["describe_machine"]())
+    meta = {"model": "m", "calibration": "c4 64 x 512", "eval": "wikitext2 seqlen 512 x 40 windows", "seeds": [0],
+            "threads": 2, "machine": here}
+    rows = [{"method": "gptq", "config": "nvfp4", "tool": "llmc", "ppl": 45.7}]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert mod["reused"](path, args, {("nvfp4", "ours"): []}) == [{**rows[0], "from": "old.json"}]
+    path.write_text(json.dumps({"meta": {**meta, "machine": "x86_64, 2 CPUs"}, "rows": rows}))
+    with pytest.raises(SystemExit, match="another protocol"):
+        mod["reused"](path, args, {("nvfp4", "ours"): []})
