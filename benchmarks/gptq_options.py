@@ -72,10 +72,14 @@ REPORTED = {"hessian_dtype": _reported_alone, "forward_dtype": _reported_alone,
 PRECISIONS = ("hessian_dtype", "forward_dtype")
 
 
+def layer_values(report: dict, key: str) -> set:
+    """The values the layers of a per-layer ``report`` give ``key`` (layers without it left out)."""
+    return {r[key] for r in report.values() if isinstance(r, dict) and key in r}
+
+
 def precisions_used(report: dict) -> dict[str, list[str]]:
     """{key: the sorted values the layers of ``report`` name} for each key of PRECISIONS."""
-    layers = [r for r in report.values() if isinstance(r, dict)]
-    return {key: sorted({str(r[key]) for r in layers if key in r}) for key in PRECISIONS}
+    return {key: sorted(map(str, layer_values(report, key))) for key in PRECISIONS}
 
 
 def parse_value(text: str):
@@ -149,7 +153,7 @@ def measure(model_dir: Path, calib: torch.Tensor, data: dict, config: str, optio
     seconds = round(time.perf_counter() - t0, 1)
     for key, setting in chosen.items():
         if key in REPORTED:
-            used = {r.get(key) for r in report.values() if isinstance(r, dict)} - {None}
+            used = layer_values(report, key) - {None}
             if not REPORTED[key](used, setting):
                 raise SystemExit(f"the report says {key} {used}, not {setting!r}")
     return {"val_ppl": perplexity(model, data["val"]), "test_ppl": perplexity(model, data["test"]), "seconds": seconds,

@@ -25,16 +25,20 @@ def cpu_model() -> str:
 
 
 # the widest matrix instructions a CPU has, by their /proc/cpuinfo flag: they set a measurement's
-# speed and whether bf16 products run in hardware (native) or emulated (bf16 numbers can differ)
+# speed; whether bf16 products run in hardware (bf16 numbers can differ from emulated ones) is
+# said beside them, by the flags of kernels.cpu_ext.NATIVE_BF16_FLAGS
 MATRIX_ISA = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("bf16", "Arm BF16"),
-              ("avx512f", "AVX-512, no native bf16"), ("avx2", "AVX2, no native bf16"),
-              ("asimd", "NEON, no native bf16"))
+              ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"))
 
 
 def cpu_matrix_isa(flags: str) -> str | None:
-    """The first of ``MATRIX_ISA`` whose flag the CPU's flags line holds (None: none known)."""
+    """The first of ``MATRIX_ISA`` whose flag the CPU's flags line holds, with ", no native bf16"
+    where the line names no native bf16 products (None: no known flag)."""
+    from ..kernels.cpu_ext import has_native_bf16
+
     have = set(flags.split())
-    return next((name for flag, name in MATRIX_ISA if flag in have), None)
+    name = next((name for flag, name in MATRIX_ISA if flag in have), None)
+    return name if name is None or has_native_bf16(flags) else f"{name}, no native bf16"
 
 
 def package_version(name: str) -> str | None:

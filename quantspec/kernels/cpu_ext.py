@@ -42,11 +42,20 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+# the /proc/cpuinfo flags of native bf16 products: x86 AVX-512 BF16 or AMX, Arm BF16
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def has_native_bf16(flags: str) -> bool:
+    """Whether a CPU flags line names native bf16 products (``NATIVE_BF16_FLAGS``)."""
+    have = flags.split()
+    return any(f in have for f in NATIVE_BF16_FLAGS)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (x86 AVX-512 BF16 or AMX, Arm BF16), where torch's
     bf16 matmul is ~2-3x its fp32 one; elsewhere it is emulated and slower."""
-    flags = cpu_flags().split()
-    return any(f in flags for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    return has_native_bf16(cpu_flags())
 
 
 def build_name() -> str:
