@@ -401,6 +401,14 @@ def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
                                        folder=parts)
     assert torch.equal(again[0], marked[0]) and torch.equal(again[1], out[1]) and torch.equal(n2, lengths)
     assert (parts / "distilled-00001.safetensors").is_file()
+    # a file of another batch size (rows 0-1 where this run's batch starting at 0 has one row) is
+    # written again, not read as that batch
+    save_file({"windows": torch.cat([marked, marked]), "lengths": torch.cat([lengths[:1]] * 2)},
+              str(parts / "distilled-00000.safetensors"))
+    third, n3 = self_distilled_windows(model, window_prompts(tok, windows, 9), 24, batch_size=1, progress=False,
+                                       folder=parts)
+    assert torch.equal(third, out) and torch.equal(n3, lengths)
+    assert torch.equal(load_file(str(parts / "distilled-00000.safetensors"))["windows"], out[:1])
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])

@@ -69,13 +69,16 @@ def request_prompts(tokenizer, texts: list[str]) -> list[torch.Tensor]:
 
 
 def self_distilled_windows(model: torch.nn.Module, prompts: list[torch.Tensor], length: int,
-                           batch_size: int = 16, progress: bool = True,
+                           batch_size: int = 64, progress: bool = True,
                            folder: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [n, length], int64 [n] lengths): each prompt (int64 [P]) and the target's greedy
     reply, to its end-of-turn token (``continue_greedily`` with the target's stop tokens).
 
-    ``folder``: each batch is written there (``distilled-00000.safetensors``, atomically) and a
-    batch already there is read back, so a stopped run continues where it stopped.
+    ``folder``: each batch is written there (``distilled-NNNNN.safetensors``, NNNNN its first
+    prompt's index, atomically) and a batch already there is read back, so a stopped run continues
+    where it stopped (a file holding another number of rows, from another batch size, is written
+    again). ``batch_size``: rows decoded together; on a CPU 64 writes about 1.5x the tokens per
+    second of 16 (the weights are read once per step for more rows).
     """
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
@@ -87,9 +90,10 @@ def self_distilled_windows(model: torch.nn.Module, prompts: list[torch.Tensor], 
     windows, lengths = [], []
     with tqdm(total=len(prompts), desc="target writes", unit="win", disable=not progress) as bar:
         for i in range(0, len(prompts), batch_size):
-            path = None if folder is None else Path(folder) / f"distilled-{i // batch_size:05d}.safetensors"
-            if path is not None and path.is_file():
-                held = load_file(str(path))
+            rows = len(prompts[i:i + batch_size])
+            path = None if folder is None else Path(folder) / f"distilled-{i:05d}.safetensors"
+            held = load_file(str(path)) if path is not None and path.is_file() else None
+            if held is not None and held["windows"].shape == (rows, length):
                 w, n = held["windows"], held["lengths"]
             else:
                 w, n = continue_greedily(model, prompts[i:i + batch_size], length, stops)
