@@ -192,12 +192,19 @@ def test_training_learns():
     assert report["history"][-1]["loss"] < report["history"][0]["loss"]
 
 
-def test_a_stopped_training_resumes_to_the_same_head(tmp_path, monkeypatch):
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_a_stopped_training_resumes_to_the_same_head(tmp_path, monkeypatch, noise):
+    """Bit for bit, also with input-feature noise (drawn per step from the seed)."""
     model = target()
     windows = self_windows(model, 30, 32)
-    cfg = TrainConfig(samples=30, seqlen=32, epochs=2, batch_size=4, draft_vocab=256, val_fraction=0.2, save_every=3)
+    cfg = TrainConfig(samples=30, seqlen=32, epochs=2, batch_size=4, draft_vocab=256, val_fraction=0.2, save_every=3,
+                      noise=noise)
     key = {"target": "tiny"}
     full = train_head(model, windows, cfg, tmp_path / "full", key, progress=False)
+    if noise:  # the noise is applied: the head differs from one trained without it
+        quiet = train_head(model, windows, TrainConfig(**{**cfg.__dict__, "noise": 0.0}), tmp_path / "quiet", key,
+                           progress=False)
+        assert quiet["history"][-1]["loss"] != full["history"][-1]["loss"]
     calls = {"n": 0}
     real = torch.nn.utils.clip_grad_norm_
 
@@ -254,7 +261,8 @@ def test_a_head_of_another_target_is_refused(tmp_path):
         eagle_proposer(str(tmp_path / "h"), other)
 
 
-@pytest.mark.parametrize("field,value", [("samples", 1), ("unroll", 0), ("lr", 0.0), ("val_fraction", 1.0)])
+@pytest.mark.parametrize("field,value", [("samples", 1), ("unroll", 0), ("lr", 0.0), ("val_fraction", 1.0),
+                                         ("noise", -0.1)])
 def test_bad_training_settings_are_refused(field, value):
     with pytest.raises(QuantspecError, match=field):
         TrainConfig(**{field: value})

@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     defaults = TrainConfig()
     helps = {"data": "training text: c4 (default), wikitext2, c4-bundled, pydoc, python-stdlib (code), a .txt/.jsonl path, or a mixture such as c4+python-stdlib",
              "samples": "token windows (a held-out fraction is kept for validation)",
+             "noise": "amplitude of the uniform noise added to the real input features in training (0: none)",
              "unroll": "draft depths trained per window (EAGLE-3's training-time test; 1: none)",
              "draft_vocab": "the head scores the N most frequent next tokens of the training text",
              "prompt_tokens": "0: learn from the text as it is; P > 0: from the target's own greedy "

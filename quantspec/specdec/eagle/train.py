@@ -60,6 +60,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: float = 0.05  # fraction of the steps
     cls_weight: float = 0.1
+    noise: float = 0.0  # uniform noise U(-noise, noise) on the real input features in training (EAGLE-1: 0.1)
     unroll: int = 2
     draft_vocab: int = 8192
     val_fraction: float = 0.05
@@ -77,6 +78,7 @@ class TrainConfig:
             (self.lr > 0, f"lr={self.lr}", "use a positive learning rate"),
             (0 <= self.warmup < 1, f"warmup={self.warmup}", "use a fraction in [0, 1)"),
             (self.cls_weight >= 0, f"cls_weight={self.cls_weight}", "use a weight >= 0"),
+            (self.noise >= 0, f"noise={self.noise}", "use an amplitude >= 0 (0: none)"),
             (1 <= self.unroll <= 8, f"unroll={self.unroll}", "use 1 (no training-time test) to 8"),
             (self.draft_vocab >= 2, f"draft_vocab={self.draft_vocab}", "use at least 2 tokens"),
             (0 < self.val_fraction < 1, f"val_fraction={self.val_fraction}", "use a fraction in (0, 1)"),
@@ -111,11 +113,15 @@ def scored(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unrolled_losses(head: EagleHead, feats: torch.Tensor, emb: torch.Tensor, unroll: int,
-                    cls_weight: float, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                    cls_weight: float, valid: torch.Tensor | None = None,
+                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The training loss of windows (features [B, L, H], next-token embeddings [B, L-1, H]; the
     positions ``valid`` [B, L-1] scores, default all) and the head's predictions [B, L-1, H] of
-    each pass (pass d predicts at depth d)."""
+    each pass (pass d predicts at depth d). ``noise`` [B, L-1, H] is added to the real features
+    the head reads (not to the features it predicts)."""
     real_in, target = feats[:, :-1], feats[:, 1:]
+    if noise is not None:
+        real_in = real_in + noise
     pos = torch.arange(real_in.shape[1], device=feats.device).unsqueeze(0).expand(feats.shape[0], -1)
     weight = torch.ones(real_in.shape[:2], device=feats.device) if valid is None else valid.to(feats.dtype)
     with torch.no_grad():
@@ -284,7 +290,11 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
             idx = perm[within * cfg.batch_size:(within + 1) * cfg.batch_size]
             head.train()
             feats, emb, ok = batch_of(idx)
-            loss, _ = unrolled_losses(head, feats, emb, cfg.unroll, cfg.cls_weight, ok)
+            noise = None
+            if cfg.noise:  # seeded by the step, so a resumed run draws the same noise
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                noise = (torch.rand(feats[:, :-1].shape, generator=g) * 2 - 1) * cfg.noise
+            loss, _ = unrolled_losses(head, feats, emb, cfg.unroll, cfg.cls_weight, ok, noise)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
