@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     from quantspec.eval.machine import describe_machine, machine_line
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
-    from quantspec.specdec.bench import Run, _same, encode, load_prompts
-    from quantspec.specdec.schedule import mode_medians, run_interleaved
-    from quantspec.specdec.stats import SpecStats
+    from quantspec.specdec.bench import Run, encode, load_prompts
+    from quantspec.specdec.schedule import run_interleaved
+    from specdec_timing import mode_rows, prompts_line, table_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -97,22 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
                                            + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
                                            file=sys.stderr, flush=True))
-    medians = mode_medians(timings, base="target")
-    rows = {}
-    for name in modes:
-        runs = [outputs[(name, i)] for i in range(len(inputs))]
-        same = sum(_same(r.ids, outputs[("target", i)].ids) for i, r in enumerate(runs))
-        row = {**medians[name], "greedy_matches_target": same}
-        if name not in ("target", "target_fast"):
-            stats = SpecStats()
-            for r in runs:
-                stats = stats.merge(r.stats)
-            d = stats.to_dict()
-            row.update({key: d[key] for key in ("acceptance_rate", "tokens_per_call", "target_calls", "draft_calls",
-                                                "draft_s", "target_s")})
-            row["draft_ms_per_step"] = round(1e3 * d["draft_s"] / max(1, d["draft_calls"]), 2)
-            row["target_ms_per_call"] = round(1e3 * d["target_s"] / max(1, d["target_calls"]), 2)
-        rows[name] = row
+    rows = mode_rows(modes, timings, outputs, len(inputs))
     command = "python benchmarks/draft_vocab.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     machine = describe_machine()
     result = {"command": command, "target": model_label(desc), "draft": args.draft, "dtype": args.dtype,
@@ -123,14 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     lines = [f"# Draft vocabulary sizes: {args.draft} for {model_label(desc)} ({args.dtype})", "",
              f"Command: `{command}`; raw: {args.name}.json; {machine_line(machine)}; {time.strftime('%Y-%m-%d')}.",
-             (f"Greedy, {len(inputs)} prompts of {Path(args.prompts).name}, {args.max_new_tokens} new tokens, "
-              f"{args.repeats} interleaved repeats, {args.threads} thread(s); medians over repeats."), "",
-             "| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | verify ms / call | greedy == target |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | {r.get('tokens_per_call', 1.0):.2f} | "
-                     f"{r.get('acceptance_rate', '-')} | {r.get('draft_ms_per_step', '-')} | "
-                     f"{r.get('target_ms_per_call', '-')} | {r['greedy_matches_target']}/{len(inputs)} |")
+             prompts_line(args.prompts, len(inputs), args.max_new_tokens, args.repeats, args.threads), "",
+             *table_lines(rows, len(inputs))]
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -138,3 +138,38 @@ def test_quant_peers_reuses_rows_of_the_same_machine_only(tmp_path):
     path.write_text(json.dumps({"meta": {**meta, "machine": "x86_64, 2 CPUs"}, "rows": rows}))
     with pytest.raises(SystemExit, match="another protocol"):
         mod["reused"](path, args, {("nvfp4", "ours"): []})
+
+
+def test_specdec_timing_rows_merge_every_prompt_and_leave_the_target_alone_plain():
+    """Speed-ups against ``target`` in the same repeat; draft statistics summed over the prompts
+    (draft ms per step from the merged seconds and calls), none for the target's own modes."""
+    import sys
+
+    import torch
+
+    from quantspec.specdec.bench import Run
+    from quantspec.specdec.schedule import Timing
+    from quantspec.specdec.stats import SpecStats
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        mod = runpy.run_path(str(BENCH / "specdec_timing.py"))
+    finally:
+        sys.path.remove(str(BENCH))
+    ids = torch.tensor([[1, 2, 3]])
+    modes = ["target", "target_fast", "d k=4"]
+    seconds = {"target": 4.0, "target_fast": 2.0, "d k=4": 1.0}
+    timings = [Timing(r, p, m, 10, seconds[m] * (1 + r)) for r in range(2) for p in range(2) for m in modes]
+    stats = [SpecStats(target_calls=4, draft_calls=4, draft_s=0.4, target_s=0.2),
+             SpecStats(target_calls=6, draft_calls=6, draft_s=0.2, target_s=0.4)]
+    outputs = {("target", p): Run(ids, 10) for p in range(2)}
+    outputs |= {("target_fast", p): Run(ids, 10, SpecStats()) for p in range(2)}
+    outputs |= {("d k=4", p): Run(ids if p == 0 else torch.tensor([[1, 2, 4]]), 10, stats[p]) for p in range(2)}
+    rows = mod["mode_rows"](modes, timings, outputs, 2)
+    assert rows["d k=4"]["speedup"] == 4.0 and rows["target_fast"]["speedup"] == 2.0
+    assert rows["d k=4"]["greedy_matches_target"] == 1
+    assert rows["d k=4"]["draft_calls"] == 10 and rows["d k=4"]["draft_ms_per_step"] == 60.0
+    assert rows["d k=4"]["target_ms_per_call"] == 60.0
+    assert "draft_calls" not in rows["target_fast"] and "draft_calls" not in rows["target"]
+    lines = mod["table_lines"](rows, 2)
+    assert lines[-1].startswith("| d k=4 | ") and lines[-1].endswith("| 60.0 | 60.0 | 1/2 |"), lines[-1]

@@ -1,0 +1,112 @@
+"""Several drafts for one target, timed side by side in one interleaved run.
+
+Modes: the target alone through transformers' ``generate`` (``target``, the base of every
+speed-up) and through quantspec's runtime one token per step (``target_fast``), then every
+``--draft`` spec as a chain of each ``--ks`` and, for drafts that grow trees (draft models, EAGLE
+heads), as each ``--tree KIND:NODES:TOPK`` (depth k). Greedy; every mode runs every prompt in
+every repeat, in rotated order (``specdec.schedule``). Per mode: tokens/s and speed-up over the
+target (medians over repeats), tokens per target call, acceptance, milliseconds per draft step
+and per verification, and whether the output equals the target's.
+
+    python benchmarks/specdec_drafts.py smollm2-135m --draft eagle:heads/smol --draft self:w4g128 \\
+        --draft ngram --ks 4 --tree dynamic:16:4 --repeats 3 --name specdec-drafts-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from quantspec.eval.machine import describe_machine, machine_line
+    from quantspec.models.load import load_model, model_label
+    from quantspec.specdec import make_proposer, speculative_generate
+    from quantspec.specdec.bench import Run, encode, load_prompts
+    from quantspec.specdec.schedule import run_interleaved
+    from specdec_acceptance import tree_spec
+    from specdec_timing import mode_rows, prompts_line, table_lines
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target")
+    p.add_argument("--draft", action="append", required=True, help="a proposer spec (repeatable)")
+    p.add_argument("--ks", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[4],
+                   help="comma-separated chain lengths (and tree depths)")
+    p.add_argument("--tree", action="append", default=[], metavar="KIND:NODES:TOPK",
+                   help="also time token trees of this shape (depth k) for drafts that grow them; repeatable")
+    p.add_argument("--prompts", default=str(HERE / "specdec_prompts.jsonl"))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--name", required=True, help="result stem under --out")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args(argv)
+    trees = {t: [tree_spec(t, k) for k in args.ks] for t in args.tree}
+    torch.set_num_threads(args.threads)
+    target, tok, desc = load_model(args.target, dtype=args.dtype)
+    prompts = load_prompts(args.prompts)
+    inputs = [encode(tok, row["prompt"], True) for row in prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    drafts = {}
+    for spec in args.draft:
+        t0 = time.perf_counter()
+        drafts[spec] = make_proposer(spec, target, tok)
+        print(f"draft {spec}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def target_alone(i: int) -> Run:
+        out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
+                              max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+        return Run(out, out.shape[1] - inputs[i].shape[1])
+
+    def spec_mode(proposer, k: int, tree=None, fast=None):
+        def run(i: int) -> Run:
+            out, st = speculative_generate(target, proposer, inputs[i], max_new_tokens=args.max_new_tokens, k=k,
+                                           tree=tree, fast_verify=fast)
+            return Run(out, st.new_tokens, st)
+        return run
+
+    modes = {"target": target_alone, "target_fast": spec_mode(drafts[args.draft[0]], 0, fast=True)}
+    for spec, proposer in drafts.items():
+        for j, k in enumerate(args.ks):
+            modes[f"{spec} k={k}"] = spec_mode(proposer, k)
+            for text, shapes in trees.items():
+                if proposer.grows_trees:
+                    modes[f"{spec} tree {text} depth {k}"] = spec_mode(proposer, k, shapes[j])
+    with torch.inference_mode():
+        for run in modes.values():  # warm-up, untimed
+            run(0)
+        timings, outputs = run_interleaved(
+            modes, len(inputs), args.repeats,
+            progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
+                                           + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
+                                           file=sys.stderr, flush=True))
+    rows = mode_rows(modes, timings, outputs, len(inputs))
+    command = "python benchmarks/specdec_drafts.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    machine = describe_machine()
+    result = {"command": command, "target": model_label(desc), "drafts": args.draft, "dtype": args.dtype,
+              "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
+              "max_new_tokens": args.max_new_tokens, "machine": machine, "rows": rows,
+              "timings": [asdict(t) for t in timings]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    lines = [f"# Drafts side by side: {model_label(desc)} ({args.dtype})", "",
+             f"Command: `{command}`; raw: {args.name}.json; {machine_line(machine)}; {time.strftime('%Y-%m-%d')}.",
+             prompts_line(args.prompts, len(inputs), args.max_new_tokens, args.repeats, args.threads), "",
+             *table_lines(rows, len(inputs))]
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

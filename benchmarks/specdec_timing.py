@@ -1,0 +1,53 @@
+"""The rows and table of a timed, interleaved speculative-decoding run (draft_vocab.py,
+specdec_drafts.py): per mode the medians over repeats (tokens/s, speed-up over ``target``), and
+for speculative modes the merged statistics of every prompt's run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HEADER = ["| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | "
+          "verify ms / call | greedy == target |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+PLAIN = ("target", "target_fast")  # the target alone: no draft statistics
+
+
+def mode_rows(modes, timings, outputs, n_inputs: int) -> dict[str, dict]:
+    """One row per mode of ``run_interleaved``'s ``timings`` and ``outputs``."""
+    from quantspec.specdec.bench import _same
+    from quantspec.specdec.schedule import mode_medians
+    from quantspec.specdec.stats import SpecStats
+
+    medians = mode_medians(timings, base="target")
+    rows = {}
+    for name in modes:
+        runs = [outputs[(name, i)] for i in range(n_inputs)]
+        same = sum(_same(r.ids, outputs[("target", i)].ids) for i, r in enumerate(runs))
+        row = {**medians[name], "greedy_matches_target": same}
+        if name not in PLAIN:
+            stats = SpecStats()
+            for r in runs:
+                stats = stats.merge(r.stats)
+            d = stats.to_dict()
+            row.update({key: d[key] for key in ("acceptance_rate", "tokens_per_call", "target_calls", "draft_calls",
+                                                "draft_s", "target_s")})
+            row["draft_ms_per_step"] = round(1e3 * d["draft_s"] / max(1, d["draft_calls"]), 2)
+            row["target_ms_per_call"] = round(1e3 * d["target_s"] / max(1, d["target_calls"]), 2)
+        rows[name] = row
+    return rows
+
+
+def table_lines(rows: dict[str, dict], n_inputs: int) -> list[str]:
+    lines = list(HEADER)
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['speedup']:.3f}x | {r.get('tokens_per_call', 1.0):.2f} | "
+                     f"{r.get('acceptance_rate', '-')} | {r.get('draft_ms_per_step', '-')} | "
+                     f"{r.get('target_ms_per_call', '-')} | {r['greedy_matches_target']}/{n_inputs} |")
+    return lines
+
+
+def prompts_line(prompts: str, n_inputs: int, max_new_tokens: int, repeats: int, threads: int) -> str:
+    return (f"Greedy, {n_inputs} prompts of {Path(prompts).name}, {max_new_tokens} new tokens, "
+            f"{repeats} interleaved repeats, {threads} thread(s); medians over repeats.")
