@@ -176,7 +176,8 @@ def test_training_learns():
     (measured 0.073 vs ~0.01 at depth 1 on this setup while it was written)."""
     model = target()
     windows = self_windows(model, 40, 32)
-    cfg = TrainConfig(samples=40, seqlen=32, epochs=8, batch_size=4, lr=3e-3, draft_vocab=256, val_fraction=0.2)
+    cfg = TrainConfig(samples=40, seqlen=32, epochs=8, batch_size=4, lr=3e-3, draft_vocab=256, val_fraction=0.2,
+                      unroll=2, prompts="text")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,7 +199,7 @@ def test_a_stopped_training_resumes_to_the_same_head(tmp_path, monkeypatch, nois
     model = target()
     windows = self_windows(model, 30, 32)
     cfg = TrainConfig(samples=30, seqlen=32, epochs=2, batch_size=4, draft_vocab=256, val_fraction=0.2, save_every=3,
-                      noise=noise)
+                      noise=noise, unroll=2, prompts="text")
     key = {"target": "tiny"}
     full = train_head(model, windows, cfg, tmp_path / "full", key, progress=False)
     if noise:  # the noise is applied: the head differs from one trained without it
@@ -268,6 +269,15 @@ def test_bad_training_settings_are_refused(field, value):
         TrainConfig(**{field: value})
     with pytest.raises(QuantspecError, match="prompts='instructions' with prompt_tokens=8"):
         TrainConfig(prompts="instructions", prompt_tokens=8)
+    with pytest.raises(QuantspecError, match="--prompts text --prompt-tokens P"):  # requests are the default
+        TrainConfig(prompt_tokens=8)
+
+
+def test_the_default_recipe_learns_from_replies_to_instructions():
+    """The defaults of docs/decisions/eagle-training.md; '' is the earlier spelling of 'text'."""
+    cfg = TrainConfig()
+    assert (cfg.prompts, cfg.samples, cfg.seqlen, cfg.epochs, cfg.unroll) == ("instructions", 384, 384, 8, 1)
+    assert TrainConfig(prompts="").prompts == "text" and TrainConfig(prompts="text", prompt_tokens=8).prompt_tokens == 8
 
 
 def _cli(*args, cwd=None):
@@ -286,7 +296,8 @@ def test_cli_trains_on_the_quantized_target_and_drafts_with_the_head(tmp_path):
     text.write_text(" ".join(["Speculative decoding drafts tokens and the target verifies them."] * 200))
     head = tmp_path / "head"
     r = _cli("train-draft", str(folder), "--quantized", str(ckpt), "--out", str(head), "--data", str(text),
-             "--samples", "8", "--seqlen", "32", "--epochs", "1", "--draft-vocab", "64", "--no-progress")
+             "--samples", "8", "--seqlen", "32", "--epochs", "1", "--draft-vocab", "64", "--unroll", "2",
+             "--prompts", "text", "--no-progress")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((head / "eagle_config.json").read_text())
     assert cfg["target_features"] == str(ckpt) and cfg["draft_vocab_size"] == 64
@@ -392,7 +403,8 @@ def test_self_distilled_windows_are_the_targets_greedy_continuations(tmp_path):
         assert prompt.numel() != 9 or not torch.equal(prompt, w[:9])  # the template was applied
         ref, end = greedy_reply(model, prompt, 24)
         assert torch.equal(row, ref) and int(n) == end
-    cfg = TrainConfig(samples=2, seqlen=24, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.5, prompt_tokens=9)
+    cfg = TrainConfig(samples=2, seqlen=24, epochs=1, batch_size=1, draft_vocab=64, val_fraction=0.5, prompt_tokens=9,
+                      prompts="text")
     train_head(model, windows, cfg, tmp_path / "h", {"target": "tiny"}, progress=False, tokenizer=tok)
     from safetensors.torch import load_file, save_file
 

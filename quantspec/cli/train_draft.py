@@ -33,10 +33,11 @@ def add_parser(sub) -> None:
              "noise": "amplitude of the uniform noise added to the real input features in training (0: none)",
              "unroll": "draft depths trained per window (EAGLE-3's training-time test; 1: none)",
              "draft_vocab": "the head scores the N most frequent next tokens of the training text",
-             "prompt_tokens": "0: learn from the text as it is; P > 0: from the target's own greedy "
-                              "continuation of each window's first P tokens (as a chat prompt)",
-             "prompts": "learn from the target's own replies to --samples requests: 'instructions' (made "
-                        "from local C4 and Python code) or a JSONL file of {\"prompt\": ...}; --data is then the prose of 'instructions'"}
+             "prompt_tokens": "with --prompts text: 0 learns from the text as it is; P > 0 from the target's own "
+                              "greedy continuation of each window's first P tokens (as a chat prompt)",
+             "prompts": "learn from the target's own replies to --samples requests: 'instructions' (the default, made "
+                        "from local C4 and Python code; --data is then their prose) or a JSONL file of "
+                        "{\"prompt\": ...}; 'text': from --data windows (see --prompt-tokens)"}
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
@@ -50,14 +51,14 @@ def run(args) -> int:
     from ..data.calibration import calibration_samples
     from ..data.tokens import tokenizer_fingerprint
     from ..models.load import load_model, model_label
-    from ..specdec.eagle.prompts import BUILTIN, training_prompts
+    from ..specdec.eagle.prompts import BUILTIN, TEXT, training_prompts
     from ..specdec.eagle.train import TrainConfig, train_head
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise QuantspecError(f"--out {out} is a file.", "give a folder for the head.")
-    if cfg.prompts and cfg.prompts != BUILTIN:
+    if cfg.prompts not in (BUILTIN, TEXT):
         training_prompts(cfg.prompts, cfg.samples, cfg.seed)  # a bad file is refused before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,7 +80,7 @@ def run(args) -> int:
         del target
     if args.overwrite and out.exists():
         shutil.rmtree(out)
-    windows = None if cfg.prompts else calibration_samples(tokenizer, cfg.data, cfg.samples, cfg.seqlen, cfg.seed)
+    windows = None if cfg.prompts != TEXT else calibration_samples(tokenizer, cfg.data, cfg.samples, cfg.seqlen, cfg.seed)
     key = {"target": name, "features": args.quantized or "dense", "data": cfg.data, "samples": cfg.samples,
            "seqlen": cfg.seqlen, "seed": cfg.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
     report = train_head(model, windows, cfg, out, key, progress=not args.no_progress, tokenizer=tokenizer)

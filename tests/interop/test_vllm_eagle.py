@@ -41,8 +41,8 @@ def test_vllm_loads_our_eagle_head_and_stays_lossless(engine_python, smollm2_dir
     py = engine_python("vllm")
     head = tmp_path / "head"
     r = subprocess.run([sys.executable, "-m", "quantspec", "train-draft", str(smollm2_dir), "--out", str(head),
-                        "--data", "c4-bundled", "--samples", "8", "--seqlen", "128", "--epochs", "1",
-                        "--no-progress"], capture_output=True, text=True, timeout=1800)
+                        "--data", "c4-bundled", "--prompts", "text", "--samples", "8", "--seqlen", "128",
+                        "--epochs", "1", "--no-progress"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     script, out = tmp_path / "run.py", tmp_path / "out.json"
     script.write_text(SCRIPT)

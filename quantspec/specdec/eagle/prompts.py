@@ -22,6 +22,7 @@ from pathlib import Path
 from ...errors import QuantspecError
 
 BUILTIN = "instructions"
+TEXT = "text"  # no requests: train on the text windows as they are (or on replies to their first tokens)
 
 PROSE = (
     "Summarize the following text in three or four sentences:\n\n{text}",
