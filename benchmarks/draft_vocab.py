@@ -29,13 +29,13 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
+    from specdec_timing import mode_rows, prompts_line, table_lines
 
     from quantspec.eval.machine import describe_machine, machine_line
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
     from quantspec.specdec.bench import Run, encode, load_prompts
     from quantspec.specdec.schedule import run_interleaved
-    from specdec_timing import mode_rows, prompts_line, table_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")

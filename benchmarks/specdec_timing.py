@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-HEADER = ["| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | "
-          "verify ms / call | greedy == target |",
+HEADER = [("| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | "
+           "verify ms / call | greedy == target |"),
           "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
 
