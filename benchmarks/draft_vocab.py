@@ -14,7 +14,6 @@ target's. Choosing the default uses the validation prompts (the default ``--prom
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -29,13 +28,12 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from specdec_timing import mode_rows, prompts_line, table_lines
+    from specdec_timing import run_modes, target_mode, write_result
 
-    from quantspec.eval.machine import describe_machine, machine_line
+    from quantspec.eval.machine import describe_machine
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
     from quantspec.specdec.bench import Run, encode, load_prompts
-    from quantspec.specdec.schedule import run_interleaved
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -64,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         drafts[v] = make_proposer(args.draft, target, tok, vocab=v)
         print(f"draft vocab {v or 'all'}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    def target_alone(i: int) -> Run:
-        out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
-                              max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-        return Run(out, out.shape[1] - inputs[i].shape[1])
+    target_alone = target_mode(target, inputs, args.max_new_tokens, pad)
 
     fast = {"default": None, "transformers": False, "runtime": True}
     verifies = [x.strip() for x in args.verify.split(",") if x.strip()]
@@ -89,29 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             for verify in verifies:
                 label = "" if verify == "default" else f" verify={verify}"
                 modes[f"vocab={v or 'all'} k={k}{label}"] = spec(v, k, verify)
-    with torch.inference_mode():
-        for run in modes.values():  # warm-up, untimed
-            run(0)
-        timings, outputs = run_interleaved(
-            modes, len(inputs), args.repeats,
-            progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
-                                           + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
-                                           file=sys.stderr, flush=True))
-    rows = mode_rows(modes, timings, outputs, len(inputs))
+    rows, _ = run_modes(modes, inputs, prompts, args.repeats)
     command = "python benchmarks/draft_vocab.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     machine = describe_machine()
     result = {"command": command, "target": model_label(desc), "draft": args.draft, "dtype": args.dtype,
               "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "machine": machine,
               "draft_reports": {str(v): getattr(d, "report", {}) for v, d in drafts.items()}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    lines = [f"# Draft vocabulary sizes: {args.draft} for {model_label(desc)} ({args.dtype})", "",
-             f"Command: `{command}`; raw: {args.name}.json; {machine_line(machine)}; {time.strftime('%Y-%m-%d')}.",
-             prompts_line(args.prompts, len(inputs), args.max_new_tokens, args.repeats, args.threads), "",
-             *table_lines(rows, len(inputs))]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, args.name, f"# Draft vocabulary sizes: {args.draft} for {model_label(desc)} ({args.dtype})",
+                 result, args, len(inputs))
     return 0
 
 

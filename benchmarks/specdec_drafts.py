@@ -15,7 +15,6 @@ and per verification, and whether the output equals the target's.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -28,13 +27,12 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     import torch
     from specdec_acceptance import tree_spec
-    from specdec_timing import mode_rows, prompts_line, table_lines
+    from specdec_timing import run_modes, target_mode, write_result
 
-    from quantspec.eval.machine import describe_machine, machine_line
+    from quantspec.eval.machine import describe_machine
     from quantspec.models.load import load_model, model_label
     from quantspec.specdec import make_proposer, speculative_generate
     from quantspec.specdec.bench import Run, encode, load_prompts
-    from quantspec.specdec.schedule import run_interleaved
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -63,11 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         drafts[spec] = make_proposer(spec, target, tok)
         print(f"draft {spec}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    def target_alone(i: int) -> Run:
-        out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
-                              max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-        return Run(out, out.shape[1] - inputs[i].shape[1])
-
     def spec_mode(proposer, k: int, tree=None, fast=None):
         def run(i: int) -> Run:
             out, st = speculative_generate(target, proposer, inputs[i], max_new_tokens=args.max_new_tokens, k=k,
@@ -75,36 +68,23 @@ def main(argv: list[str] | None = None) -> int:
             return Run(out, st.new_tokens, st)
         return run
 
-    modes = {"target": target_alone, "target_fast": spec_mode(drafts[args.draft[0]], 0, fast=True)}
+    modes = {"target": target_mode(target, inputs, args.max_new_tokens, pad),
+             "target_fast": spec_mode(drafts[args.draft[0]], 0, fast=True)}
     for spec, proposer in drafts.items():
         for j, k in enumerate(args.ks):
             modes[f"{spec} k={k}"] = spec_mode(proposer, k)
             for text, shapes in trees.items():
                 if proposer.grows_trees:
                     modes[f"{spec} tree {text} depth {k}"] = spec_mode(proposer, k, shapes[j])
-    with torch.inference_mode():
-        for run in modes.values():  # warm-up, untimed
-            run(0)
-        timings, outputs = run_interleaved(
-            modes, len(inputs), args.repeats,
-            progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
-                                           + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
-                                           file=sys.stderr, flush=True))
-    rows = mode_rows(modes, timings, outputs, len(inputs))
+    rows, timings = run_modes(modes, inputs, prompts, args.repeats)
     command = "python benchmarks/specdec_drafts.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     machine = describe_machine()
     result = {"command": command, "target": model_label(desc), "drafts": args.draft, "dtype": args.dtype,
               "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "machine": machine, "rows": rows,
               "timings": [asdict(t) for t in timings]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    lines = [f"# Drafts side by side: {model_label(desc)} ({args.dtype})", "",
-             f"Command: `{command}`; raw: {args.name}.json; {machine_line(machine)}; {time.strftime('%Y-%m-%d')}.",
-             prompts_line(args.prompts, len(inputs), args.max_new_tokens, args.repeats, args.threads), "",
-             *table_lines(rows, len(inputs))]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, args.name, f"# Drafts side by side: {model_label(desc)} ({args.dtype})", result, args,
+                 len(inputs))
     return 0
 
 

@@ -1,9 +1,14 @@
-"""The rows and table of a timed, interleaved speculative-decoding run (draft_vocab.py,
-specdec_drafts.py): per mode the medians over repeats (tokens/s, speed-up over ``target``), and
-for speculative modes the merged statistics of every prompt's run."""
+"""A timed, interleaved speculative-decoding run and its table (draft_vocab.py,
+specdec_drafts.py): the target alone as the base mode, every mode on every prompt in every repeat
+(``specdec.schedule``), per mode the medians over repeats (tokens/s, speed-up over ``target``)
+and for speculative modes the merged statistics of every prompt's run; the raw JSON and the
+markdown table written side by side."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
 
 HEADER = [("| mode | tokens/s | speed-up vs target | tokens per call | acceptance | draft ms / step | "
@@ -51,3 +56,49 @@ def table_lines(rows: dict[str, dict], n_inputs: int) -> list[str]:
 def prompts_line(prompts: str, n_inputs: int, max_new_tokens: int, repeats: int, threads: int) -> str:
     return (f"Greedy, {n_inputs} prompts of {Path(prompts).name}, {max_new_tokens} new tokens, "
             f"{repeats} interleaved repeats, {threads} thread(s); medians over repeats.")
+
+
+def target_mode(target, inputs, max_new_tokens: int, pad: int):
+    """The base mode: the target alone through transformers' ``generate`` (what a user runs)."""
+    import torch
+
+    from quantspec.specdec.bench import Run
+
+    def run(i: int) -> Run:
+        out = target.generate(inputs[i], attention_mask=torch.ones_like(inputs[i]), do_sample=False,
+                              max_new_tokens=max_new_tokens, pad_token_id=pad)
+        return Run(out, out.shape[1] - inputs[i].shape[1])
+    return run
+
+
+def run_modes(modes, inputs, prompts: list[dict], repeats: int):
+    """Warm every mode up on the first prompt (untimed), then time them interleaved; returns
+    (rows, timings)."""
+    import torch
+
+    from quantspec.specdec.schedule import run_interleaved
+
+    with torch.inference_mode():
+        for run in modes.values():
+            run(0)
+        timings, outputs = run_interleaved(
+            modes, len(inputs), repeats,
+            progress=lambda r, i, s: print(f"repeat {r + 1} {prompts[i].get('id')}: "
+                                           + ", ".join(f"{m} {x:.2f}s" for m, x in s.items()),
+                                           file=sys.stderr, flush=True))
+    return mode_rows(modes, timings, outputs, len(inputs)), timings
+
+
+def write_result(out: Path, name: str, title: str, result: dict, args, n_inputs: int) -> None:
+    """``NAME.json`` (``result``, which holds ``command``, ``machine`` and ``rows``) and ``NAME.md``."""
+    from quantspec.eval.machine import machine_line
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    lines = [title, "",
+             (f"Command: `{result['command']}`; raw: {name}.json; {machine_line(result['machine'])}; "
+              f"{time.strftime('%Y-%m-%d')}."),
+             prompts_line(args.prompts, n_inputs, args.max_new_tokens, args.repeats, args.threads), "",
+             *table_lines(result["rows"], n_inputs)]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
