@@ -27,13 +27,18 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    from specdec_timing import run_modes, target_mode, write_result
+    from specdec_timing import (
+        add_run_arguments,
+        load_run,
+        run_modes,
+        target_mode,
+        write_result,
+    )
 
     from quantspec.eval.machine import describe_machine
-    from quantspec.models.load import load_model, model_label
+    from quantspec.models.load import model_label
     from quantspec.specdec import make_proposer, speculative_generate
-    from quantspec.specdec.bench import Run, encode, load_prompts
+    from quantspec.specdec.bench import Run
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -43,19 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", default="default",
                    help="comma-separated: default (speculative_generate's choice), transformers, runtime "
                         "(quantspec's static decoder; adds the mode target_fast: the target alone through it)")
-    p.add_argument("--prompts", default=str(HERE / "specdec_prompts_validation.jsonl"))
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--name", required=True, help="result stem under --out")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    add_run_arguments(p, HERE / "specdec_prompts_validation.jsonl", repeats=2)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, tok, desc = load_model(args.target, dtype=args.dtype)
-    prompts = load_prompts(args.prompts)
-    inputs = [encode(tok, row["prompt"], True) for row in prompts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    target, tok, desc, prompts, inputs, pad = load_run(args)
     drafts = {}
     for v in args.vocabs:
         t0 = time.perf_counter()

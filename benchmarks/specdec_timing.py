@@ -58,6 +58,32 @@ def prompts_line(prompts: str, n_inputs: int, max_new_tokens: int, repeats: int,
             f"{repeats} interleaved repeats, {threads} thread(s); medians over repeats.")
 
 
+def add_run_arguments(p, prompts: Path, repeats: int) -> None:
+    """The options every timed run takes (prompts, tokens, dtype, repeats, threads, output)."""
+    p.add_argument("--prompts", default=str(prompts))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--name", required=True, help="result stem under --out")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+
+
+def load_run(args):
+    """(target, tokenizer, description, prompt rows, encoded chat prompts, pad id) of ``args``."""
+    import torch
+
+    from quantspec.models.load import load_model
+    from quantspec.specdec.bench import encode, load_prompts
+
+    torch.set_num_threads(args.threads)
+    target, tok, desc = load_model(args.target, dtype=args.dtype)
+    prompts = load_prompts(args.prompts)
+    inputs = [encode(tok, row["prompt"], True) for row in prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return target, tok, desc, prompts, inputs, pad
+
+
 def target_mode(target, inputs, max_new_tokens: int, pad: int):
     """The base mode: the target alone through transformers' ``generate`` (what a user runs)."""
     import torch
