@@ -77,8 +77,8 @@ def self_distilled_windows(model: torch.nn.Module, prompts: list[torch.Tensor], 
     ``folder``: each batch is written there (``distilled-NNNNN.safetensors``, NNNNN its first
     prompt's index, atomically) and a batch already there is read back, so a stopped run continues
     where it stopped (a file holding another number of rows, from another batch size, is written
-    again). ``batch_size``: rows decoded together; on a CPU 64 writes about 1.5x the tokens per
-    second of 16 (the weights are read once per step for more rows).
+    again). ``batch_size``: rows decoded together (each step reads the weights once for all of
+    them, so larger batches write more tokens per second on a CPU).
     """
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
