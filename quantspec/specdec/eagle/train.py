@@ -11,7 +11,7 @@ will serve). A seeded ``val_fraction`` of the windows is held out.
 The defaults (instructions, 384 windows of 384 tokens, 8 epochs, ``unroll`` 1) were chosen on
 SmolLM2-135M by the acceptance on the validation prompts (docs/decisions/eagle-training.md):
 1.51 tokens per target call at k = 4 against 1.12 for the earlier defaults (C4 text, 256 x 512,
-3 epochs, unroll 2), in about 30 minutes on a 2-core CPU.
+3 epochs, unroll 2), trained from scratch in 21.5 minutes on a 2-core CPU.
 
 Objective per position t (EAGLE-1): the head reads ``(f_t, x_{t+1})`` and predicts ``f_{t+1}``;
 loss = smooth-L1 to the real ``f_{t+1}`` + ``cls_weight`` x the cross-entropy of the head's
@@ -209,8 +209,8 @@ def _save_state(path: Path, **state) -> None:
 
 def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainConfig, out: str | Path,
                key: dict, progress: bool = True, tokenizer=None) -> dict:
-    """Train an EAGLE head for ``model`` on ``windows`` (int64 [n, L]; None unless ``cfg.prompts``
-    is ``text``: its requests are read here); write it to ``out``.
+    """Train an EAGLE head for ``model``; write it to ``out``. ``windows``: int64 [n, L] when
+    ``cfg.prompts`` is ``text``, else None (the requests ``cfg.prompts`` names are read here).
 
     ``key``: what the features are of (target, data, quantized checkpoint), for the feature
     cache and the resume check. ``tokenizer``: the target's, needed with ``cfg.prompts`` and
