@@ -31,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         add_run_arguments,
         load_run,
         run_modes,
+        spec_mode,
         target_mode,
         write_result,
     )
 
     from quantspec.eval.machine import describe_machine
     from quantspec.models.load import model_label
-    from quantspec.specdec import make_proposer, speculative_generate
-    from quantspec.specdec.bench import Run
+    from quantspec.specdec import make_proposer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -65,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--verify takes {', '.join(fast)}")
 
     def spec(v: int, k: int, verify: str):
-        def run(i: int) -> Run:
-            out, st = speculative_generate(target, drafts[v], inputs[i], max_new_tokens=args.max_new_tokens, k=k,
-                                           fast_verify=fast[verify])
-            return Run(out, st.new_tokens, st)
-        return run
+        return spec_mode(target, drafts[v], inputs, args.max_new_tokens, k, fast_verify=fast[verify])
 
     modes = {"target": target_alone}
     if "runtime" in verifies:

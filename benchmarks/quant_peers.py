@@ -179,6 +179,14 @@ def main() -> None:
     write_tables(out, args, rows, reused(args.reuse, args, rows))
 
 
+def protocol(args) -> dict:
+    """What a run's rows were measured on: model, calibration, evaluation, draws and machine line
+    (its results' meta; --reuse takes rows only of the same)."""
+    return {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
+            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args),
+            "machine": machine_line(describe_machine())}
+
+
 def reused(path: Path | None, args, rows: dict) -> list[dict]:
     """The rows of an earlier run (same method, model, calibration and eval) of the tools not run
     now, for the configs run now (an older row of a tool run now would read as current)."""
@@ -188,9 +196,7 @@ def reused(path: Path | None, args, rows: dict) -> list[dict]:
     meta = old["meta"]
     # the machine too: GPTQ's "auto" precisions follow the CPU (bf16 Hessians where native), so
     # another machine's rows are another measurement even of the same protocol
-    want = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
-            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args),
-            "machine": machine_line(describe_machine())}
+    want = protocol(args)
     if meta.get("threads", args.threads) != args.threads:  # GPTQ's rows move with the thread count
         want["threads"] = args.threads
     if any(meta.get(k, [0] if k == "seeds" else None) != v for k, v in want.items()):
@@ -235,10 +241,7 @@ def table_row(args, key: tuple, runs: list[dict]) -> dict:
 def write_tables(out: Path, args, rows: dict, earlier: list[dict] = ()) -> None:
     table = [table_row(args, k, v) for k, v in rows.items()] + list(earlier)
     table.sort(key=lambda r: r["config"])
-    meta = {"model": args.model, "calibration": f"c4 {args.samples} x {args.seqlen}",
-            "eval": f"wikitext2 seqlen {args.seqlen} x {args.windows} windows", "seeds": seeds_of(args), "runs": args.runs,
-            "threads": args.threads,
-            "machine": machine_line(describe_machine()), "torch": torch.__version__,
+    meta = {**protocol(args), "runs": args.runs, "threads": args.threads, "torch": torch.__version__,
             "command": "python benchmarks/quant_peers.py " + " ".join(sys.argv[1:])}
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
     lines = [f"# {args.method} vs peers ({Path(args.model).name}; {meta['calibration']} calibration, {meta['eval']}; "

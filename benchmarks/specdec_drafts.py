@@ -30,14 +30,14 @@ def main(argv: list[str] | None = None) -> int:
         add_run_arguments,
         load_run,
         run_modes,
+        spec_mode,
         target_mode,
         write_result,
     )
 
     from quantspec.eval.machine import describe_machine
     from quantspec.models.load import model_label
-    from quantspec.specdec import make_proposer, speculative_generate
-    from quantspec.specdec.bench import Run
+    from quantspec.specdec import make_proposer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
@@ -56,21 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         drafts[spec] = make_proposer(spec, target, tok)
         print(f"draft {spec}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    def spec_mode(proposer, k: int, tree=None, fast=None):
-        def run(i: int) -> Run:
-            out, st = speculative_generate(target, proposer, inputs[i], max_new_tokens=args.max_new_tokens, k=k,
-                                           tree=tree, fast_verify=fast)
-            return Run(out, st.new_tokens, st)
-        return run
+    def mode(proposer, k: int, tree=None, fast=None):
+        return spec_mode(target, proposer, inputs, args.max_new_tokens, k, tree, fast)
 
     modes = {"target": target_mode(target, inputs, args.max_new_tokens, pad),
-             "target_fast": spec_mode(drafts[args.draft[0]], 0, fast=True)}
+             "target_fast": mode(drafts[args.draft[0]], 0, fast=True)}
     for spec, proposer in drafts.items():
         for j, k in enumerate(args.ks):
-            modes[f"{spec} k={k}"] = spec_mode(proposer, k)
+            modes[f"{spec} k={k}"] = mode(proposer, k)
             for text, shapes in trees.items():
                 if proposer.grows_trees:
-                    modes[f"{spec} tree {text} depth {k}"] = spec_mode(proposer, k, shapes[j])
+                    modes[f"{spec} tree {text} depth {k}"] = mode(proposer, k, shapes[j])
     rows, timings = run_modes(modes, inputs, prompts, args.repeats)
     command = "python benchmarks/specdec_drafts.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     machine = describe_machine()

@@ -97,6 +97,18 @@ def target_mode(target, inputs, max_new_tokens: int, pad: int):
     return run
 
 
+def spec_mode(target, proposer, inputs, max_new_tokens: int, k: int, tree=None, fast_verify=None):
+    """A mode: ``speculative_generate`` with ``proposer`` (k = 0: the target alone, one token per step)."""
+    from quantspec.specdec import speculative_generate
+    from quantspec.specdec.bench import Run
+
+    def run(i: int) -> Run:
+        out, st = speculative_generate(target, proposer, inputs[i], max_new_tokens=max_new_tokens, k=k, tree=tree,
+                                       fast_verify=fast_verify)
+        return Run(out, st.new_tokens, st)
+    return run
+
+
 def run_modes(modes, inputs, prompts: list[dict], repeats: int):
     """Warm every mode up on the first prompt (untimed), then time them interleaved; returns
     (rows, timings)."""
