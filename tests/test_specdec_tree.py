@@ -381,6 +381,29 @@ def test_a_proposer_without_trees_refuses():
                              tree="static", adaptive=True)
 
 
+class _NoTreeGrowth(DraftModel):
+    """A draft model that fails the test if a tree is ever asked of it."""
+
+    def propose_tree(self, *args, **kwargs):
+        raise AssertionError("the run started: the refusal must come before any draft")
+
+
+def test_models_that_cannot_run_trees_are_refused_before_any_draft():
+    """An ALiBi target (BLOOM: its forward takes no position ids, its positions come from the
+    2-D mask) cannot place tree nodes at their depths; a draft whose own cache has
+    sliding-window layers cannot grow trees. Both are refused in one line before any draft
+    (before, BLOOM's forward failed inside transformers on the 4-D tree mask); chains still run."""
+    bloom = tiny("bloom")
+    prompt = _prompts()[0][None]
+    with pytest.raises(QuantspecError, match="BloomForCausalLM's forward takes no position ids"):
+        speculative_generate(bloom, _NoTreeGrowth(bloom), prompt, max_new_tokens=4, tree="static")
+    out, _ = speculative_generate(bloom, DraftModel(bloom), prompt, max_new_tokens=4)
+    assert torch.equal(out[0, prompt.shape[1]:], reference(bloom, prompt[0], 4))
+    target, draft = tiny("llama"), tiny("gemma2")
+    with pytest.raises(QuantspecError, match="the draft .*sliding-window layers"):
+        speculative_generate(target, _NoTreeGrowth(draft), prompt, max_new_tokens=4, tree="static")
+
+
 BAD_TREES = [
     (["--draft", "X", "--tree", "beam"], "--tree beam"),
     (["--draft", "X", "--tree", "static", "--tree-nodes", "0"], "--tree-nodes 0"),

@@ -11,7 +11,8 @@ Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``)
 transformers a 4-D additive float mask [B, 1, t, L + t] (taken as given, in every attention
 implementation) with each node's position ids; ``keep_path`` moves the kept nodes' keys and
 values (``cache.layers[i].keys/values``, [B, heads, L, D]) next to the committed ones and cuts
-the rest off. Sliding-window cache layers refuse trees.
+the rest off. Sliding-window cache layers, and models whose forward takes no position ids
+(ALiBi), refuse trees (``tree_refusal``).
 
 ``PlainDecoder`` is the same forward with nothing added, for rows that advance together: no
 attention mask, no position ids, what a plain greedy loop over transformers does.
@@ -116,15 +117,22 @@ class KVDecoder(Decoder):
         out = self._tree_run(chunks, parents, features=True)
         return out.logits, out.hidden_states[-1]
 
-    def tree_columns(self) -> int | None:
-        """0 when the model's cache has sliding-window layers (which trees do not support)."""
-        return 0 if _sliding(new_cache(self.model)) else None
+    def tree_refusal(self) -> str | None:
+        """A sliding-window cache layer, or a forward without ``position_ids`` (positions taken
+        from the 2-D mask, as ALiBi models such as BLOOM do: a node cannot be put at its depth
+        nor given a 4-D mask), rules trees out."""
+        if _sliding(new_cache(self.model)):
+            return "this model's KV cache has sliding-window layers, which token trees do not support"
+        params = inspect.signature(getattr(self.model, "_orig_mod", self.model).forward).parameters
+        if "position_ids" not in params:
+            return (f"{type(getattr(self.model, '_orig_mod', self.model)).__name__}'s forward takes no position ids "
+                    "(its positions come from the 2-D attention mask, e.g. ALiBi), which token trees need")
+        return None
 
     def _tree_run(self, chunks: list[torch.Tensor], parents: list[torch.Tensor], features: bool):
         self._ensure(len(chunks))
-        if _sliding(self.cache):
-            raise QuantspecError("token trees do not support sliding-window KV caches.",
-                                 "use chains (no tree) for this model.")
+        if self.tree is None and (why := self.tree_refusal()):
+            raise QuantspecError(f"{why}.", "use chains (no tree) for this model.")
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
             raise ValueError("forward_tree needs at least one node in some row")

@@ -80,8 +80,12 @@ class Decoder(ABC):
 
     def tree_columns(self) -> int | None:
         """The most cache columns (committed ones and a tree's nodes) a token tree may reach,
-        known before anything runs: a sliding window's length, 0 when this decoder cannot run
-        trees over its cache at all, None for no limit (the default)."""
+        known before anything runs: a sliding window's length, None for no limit (the default)."""
+        return None
+
+    def tree_refusal(self) -> str | None:
+        """Why this decoder cannot run token trees over its model at all (one line, known
+        before anything runs), or None (the default: it can)."""
         return None
 
     def keep_path(self, paths: list[Sequence[int]]) -> None:

@@ -160,6 +160,8 @@ def speculative_generate(
         else contextlib.nullcontext()
     if tree is not None:
         _check_tree_fits(decoder, max(s.numel() for s in seqs), max_new_tokens, tree)
+        if why := proposer.tree_refusal():
+            raise QuantspecError(f"{why}.", "use chains (drop --tree).")
     proposer.reset()
     start = time.perf_counter()
     feeds = proposer.needs_features
@@ -199,12 +201,12 @@ def _check_tree_fits(decoder, prompt_len: int, max_new_tokens: int, tree: TreeSp
     + g - 1`` columns and feeds the pending token and a tree of paths up to ``room = max_new_tokens
     - g - 1`` nodes (``_tree_step``), so the run needs ``prompt_len + max_new_tokens - 1`` columns
     plus the most, over the rooms, of a tree's nodes beyond its room."""
+    why = decoder.tree_refusal()
+    if why:
+        raise QuantspecError(f"{why}.", "use chains (drop --tree).")
     limit = decoder.tree_columns()
     if limit is None:
         return
-    if limit == 0:
-        raise QuantspecError("this model's KV cache has sliding-window layers, which token trees do not support.",
-                             "use chains (drop --tree).")
     rooms = range(1, min(tree.depth, max_new_tokens - 1) + 1)
     need = prompt_len + max_new_tokens - 1 + max([tree.max_nodes(r) - r for r in rooms] + [0])
     if need > limit:

@@ -94,6 +94,10 @@ class Proposer:
     def accept_tree(self, paths: list[list[int]]) -> None:
         """Each row kept the nodes ``paths[b]`` (from the root's child down) of its last tree."""
 
+    def tree_refusal(self) -> str | None:
+        """Why this draft cannot grow token trees (one line, known before anything runs), or None."""
+        return None if self.grows_trees else f"the {self.name} draft does not grow token trees"
+
     def observe(self, features: list[torch.Tensor]) -> None:
         """The target's features [n_b, H] of row b's committed tokens not handed over before,
         in order: after the prompt's prefill (every prompt token but the last) and after each
@@ -197,6 +201,10 @@ class DraftModel(Proposer):
         # an unfed node has no fed descendants: the fed part of a path is a prefix of it
         self._decoder.keep_path([[fed[b][n] for n in path if fed[b][n] >= 0] for b, path in enumerate(paths)])
         self._fed_nodes = None
+
+    def tree_refusal(self) -> str | None:
+        why = self._decoder.tree_refusal()
+        return f"the draft {self.name}: {why}" if why else None
 
     @torch.inference_mode()
     def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
