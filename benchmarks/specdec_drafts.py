@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
-    p.add_argument("--draft", action="append", required=True, help="a proposer spec (repeatable)")
+    p.add_argument("--draft", action="append", required=True,
+                   help="a proposer spec (repeatable); SPEC#HEAD builds it with --draft-head HEAD (e.g. "
+                        "eagle:H#dense beside eagle:H, whose weights default to w8gpc)")
     p.add_argument("--ks", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[4],
                    help="comma-separated chain lengths (and tree depths)")
     p.add_argument("--tree", action="append", default=[], metavar="KIND:NODES:TOPK",
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     drafts = {}
     for spec in args.draft:
         t0 = time.perf_counter()
-        drafts[spec] = make_proposer(spec, target, tok)
+        name, _, head = spec.partition("#")
+        drafts[spec] = make_proposer(name, target, tok, **({"head": head} if head else {}))
         print(f"draft {spec}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def mode(proposer, k: int, tree=None, fast=None):

@@ -10,6 +10,7 @@ refused in one line.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -20,13 +21,18 @@ from helpers import make_tiny_model, tiny_model
 from test_specdec_loop import _chi2, _exact_two_token_laws, left_pad, reference
 
 from quantspec.errors import QuantspecError
+from quantspec.kernels.cpu_ext import load_cpu_ext
+from quantspec.quant.rtn import rtn
 from quantspec.specdec import SamplingConfig, speculative_generate
 from quantspec.specdec.eagle import features as features_mod
 from quantspec.specdec.eagle import train as train_mod
+from quantspec.specdec.eagle.draft_weights import LINEARS, quantize_head
 from quantspec.specdec.eagle.features import model_features
 from quantspec.specdec.eagle.head import EagleConfig, EagleHead, load_head
 from quantspec.specdec.eagle.proposer import EagleProposer, eagle_proposer
 from quantspec.specdec.eagle.train import TrainConfig, draft_vocabulary, train_head
+from quantspec.specdec.factory import make_proposer
+from quantspec.specdec.selfdraft import DRAFT_HEAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls on a shared CPU
 
@@ -78,18 +84,74 @@ def test_head_files_round_trip(tmp_path):
         load_head(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("arch,fast_verify", [("llama", True), ("llama", False), ("qwen2", True)])
-def test_greedy_with_an_eagle_draft_equals_target_generate(arch, fast_verify):
+@pytest.mark.parametrize("arch,fast_verify,weights", [("llama", True, None), ("llama", False, None),
+                                                      ("qwen2", True, None), ("llama", True, DRAFT_HEAD)])
+def test_greedy_with_an_eagle_draft_equals_target_generate(arch, fast_verify, weights):
     model = target(arch)
     rows = [torch.arange(20, 31), torch.tensor([9, 40, 41, 42, 40, 41])]
     refs = [reference(model, r) for r in rows]
-    prop = EagleProposer(random_head(model, 200), model.get_input_embeddings())
+    head = random_head(model, 200)
+    if weights is not None:  # the head's weights quantized for drafting (eagle_proposer's default)
+        quantize_head(head, weights)
+    prop = EagleProposer(head, model.get_input_embeddings())
     ids, mask = left_pad(rows)
     out, stats = speculative_generate(model, prop, ids, attention_mask=mask, max_new_tokens=20, k=3,
                                       fast_verify=fast_verify)
     for b, ref in enumerate(refs):
         assert torch.equal(out[b, ids.shape[1]:ids.shape[1] + len(ref)], ref)
     assert stats.proposed > 0 and stats.draft_calls > 0
+
+
+# Each of the head's products runs in the CPU extension, within test_cpu_backend's EXT_TOL (2e-2, its
+# int8 activations) of the dequantized weights' product; the layer chains four of them (fc, attention,
+# o_proj, the MLP), and its logits one more: 4e-2 of the largest value, fp32 (observed ~1e-2).
+QUANTIZED_HEAD_TOL = 4e-2
+
+
+def test_a_head_quantized_for_drafting_computes_its_rounded_weights():
+    """``quantize_head`` swaps every Linear and the LM-head rows for 8-bit layers: the head then
+    computes what a dense head with the RTN-rounded weights computes (its features and its
+    logits), each layer in the report. A head quantized for drafting is never saved."""
+    if load_cpu_ext() is None:
+        pytest.skip("no C++ CPU extension here (the tolerance is the extension's)")
+    model = target()
+    dense = random_head(model, 200)
+    head = copy.deepcopy(dense)
+    report = quantize_head(head, DRAFT_HEAD)
+    assert report == {name: "w8gpc" for name in (*LINEARS, "lm_head")}
+    rounded = copy.deepcopy(dense)
+    with torch.no_grad():
+        for name in LINEARS:
+            w = getattr(rounded, name).weight
+            w.copy_(rtn(w, DRAFT_HEAD).dequantize(torch.float32))
+        rounded.lm_head.copy_(rtn(rounded.lm_head, DRAFT_HEAD).dequantize(torch.float32))
+    g = torch.Generator().manual_seed(0)
+    feats, emb = torch.randn(2, 1, 12, 64, generator=g)
+    pos = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        got, _ = head(feats, emb, pos)
+        want, _ = rounded(feats, emb, pos)
+        assert (got - want).abs().max() <= QUANTIZED_HEAD_TOL * want.abs().max()
+        assert (head.logits(want) - rounded.logits(want)).abs().max() <= QUANTIZED_HEAD_TOL * rounded.logits(want).abs().max()
+        assert not torch.equal(rounded.lm_head, dense.lm_head)  # the rounding is real: a dense head differs
+    with pytest.raises(ValueError, match="not saved"):
+        head.save("/nonexistent-never-written")
+
+
+def test_layers_a_format_cannot_hold_stay_dense_and_are_reported(tmp_path):
+    """A draft vocabulary of 201 rows does not pack into 8-bit GPTQ (rows in fours): the LM-head
+    rows stay dense with the reason, the layer is quantized; the proposer's report says so, and
+    ``--draft-head dense`` keeps the whole head as trained."""
+    model = target()
+    random_head(model, 201).save(tmp_path / "h")
+    prop = eagle_proposer(str(tmp_path / "h"), model)
+    weights = prop.report["weights"]
+    assert weights["lm_head"].startswith("dense: ") and "multiple of 4" in weights["lm_head"], weights
+    if load_cpu_ext() is not None:
+        assert all(weights[name] == "w8gpc" for name in LINEARS), weights
+    assert make_proposer(f"eagle:{tmp_path / 'h'}", model, head="dense").report == {"weights": "dense"}
+    with pytest.raises(QuantspecError, match="an eagle: head has none"):
+        make_proposer(f"eagle:{tmp_path / 'h'}", model, head="same")
 
 
 class _Spy(EagleProposer):

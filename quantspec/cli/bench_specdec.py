@@ -31,7 +31,8 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
                    help="the draft model's dtype: auto (bfloat16 for an fp32 target on a CPU with "
                         "AVX-512 BF16, else the target's), float32, bfloat16, float16")
     g.add_argument("--draft-head", default="w8gpc",
-                   help="output head of a self: draft: a scheme (w8gpc, w4g32, ...), same (the body's) or dense")
+                   help="output head of a self: draft, and the weights of an eagle: head: a scheme "
+                        "(w8gpc, w4g32, ...), same (a self: draft's body scheme) or dense")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="a draft model's output head scores only the N most frequent tokens of local "
                         "prose and code, plus those of the prompt and of the text written since "
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                                                max_new_tokens=args.max_new_tokens, chat=args.chat)
         a = result["agreement"]
         print(f"teacher-forced greedy agreement: {a['agreement']} ({a['matches']} of {a['positions']})")
-    result["draft_report"] = getattr(proposer, "report", None)
+    result["draft_report"] = proposer.report
     if args.json:
         write_json(args.json, result)
     return 0

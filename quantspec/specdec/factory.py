@@ -148,8 +148,8 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
                   vocab: int | None = None) -> Proposer:
     """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's,
     ``dtype`` the draft model's (see ``draft_dtype``). ``head``: the output head of a ``self:``
-    draft: a scheme name (default ``w8gpc``, see ``selfdraft.DRAFT_HEAD``), ``same`` (the
-    body's scheme) or ``dense``. ``vocab``: a draft model's head scores this many tokens
+    draft, and every weight of an ``eagle:`` head: a scheme name (default ``w8gpc``, see
+    ``selfdraft.DRAFT_HEAD``), ``same`` (a ``self:`` draft's body scheme) or ``dense``. ``vocab``: a draft model's head scores this many tokens
     (``draft_token_ids``) and those of the text it continues; 0: every token; None: the default
     (``draft_vocab.DEFAULT_DRAFT_VOCAB``; n-gram and eagle: drafts have no head to prune)."""
     spec = spec.strip()
@@ -165,7 +165,10 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
     if spec.startswith("eagle:"):
         from .eagle.proposer import eagle_proposer
 
-        return eagle_proposer(spec[len("eagle:"):], target)
+        if head == "same":
+            raise QuantspecError("--draft-head same names a self: draft's body scheme; an eagle: head has none.",
+                                 "use a scheme (w8gpc, the default) or dense for an eagle: head.")
+        return eagle_proposer(spec[len("eagle:"):], target, None if head == "dense" else _head_scheme(head))
     dtype = draft_dtype(target, dtype)
     token_ids = draft_token_ids(target, tokenizer, vocab)
     if spec.startswith("self:"):

@@ -67,6 +67,7 @@ class Proposer:
     name: str = "proposer"
     needs_features: bool = False
     grows_trees: bool = False  # propose_tree is implemented (draft models, EAGLE heads)
+    report: dict | None = None  # how the draft was built (quantized layers, vocabulary), for the JSON results
 
     def propose(
         self,

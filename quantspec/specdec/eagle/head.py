@@ -99,6 +99,8 @@ class EagleHead(nn.Module):
         self.up_proj = lin(c.hidden_size, c.intermediate_size)
         self.down_proj = lin(c.intermediate_size, c.hidden_size)
         self.lm_head = nn.Parameter(torch.zeros(c.draft_vocab_size, c.hidden_size, dtype=dtype), requires_grad=False)
+        # the LM-head rows as a quantized layer, for drafting only (``draft_weights.quantize_head``)
+        self.logits_layer: nn.Module | None = None
         self.register_buffer("token_ids", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -134,6 +136,8 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N]: the draft vocabulary's logits (column j is token ``token_ids[j]``)."""
+        if self.logits_layer is not None:
+            return self.logits_layer(features)
         return F.linear(features, self.lm_head)
 
     def set_vocabulary(self, token_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -148,6 +152,8 @@ class EagleHead(nn.Module):
         """Write ``eagle_config.json`` and ``eagle_head.safetensors`` into ``folder``."""
         from ...checkpoint.atomic import atomic_save_file, atomic_write_text
 
+        if any(not isinstance(m, nn.Linear) for m in self.children()):  # ``draft_weights`` swapped some
+            raise ValueError("a head quantized for drafting is not saved: save the trained one")
         folder = Path(folder)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         atomic_save_file(tensors, folder / WEIGHTS_FILE)

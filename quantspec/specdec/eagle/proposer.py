@@ -21,11 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...core.scheme import QuantScheme
 from ...errors import QuantspecError
 from ...kernels.small_ops import argmax
 from ..proposers import Proposal, Proposer, TreeProposal
 from ..sampling import SamplingConfig, probs_from_logits, sample
+from ..selfdraft import DRAFT_HEAD
 from ..tree import TokenTree, TreeSpec, grow_tree
+from .draft_weights import quantize_head
 from .head import EagleHead, load_head
 
 
@@ -47,10 +50,11 @@ class EagleProposer(Proposer):
     needs_features = True
     grows_trees = True
 
-    def __init__(self, head: EagleHead, embed: nn.Module, name: str = "eagle"):
+    def __init__(self, head: EagleHead, embed: nn.Module, name: str = "eagle", report: dict | None = None):
         self.head = head.eval()
         self.embed = embed
         self.name = name
+        self.report = report
         self.rows: list[_Row] = []
 
     def reset(self) -> None:
@@ -215,9 +219,11 @@ class EagleProposer(Proposer):
         return TreeProposal(trees=trees, model_calls=len(live) * (1 + grown.calls))
 
 
-def eagle_proposer(folder: str, target: nn.Module) -> EagleProposer:
+def eagle_proposer(folder: str, target: nn.Module, weights: QuantScheme | None = DRAFT_HEAD) -> EagleProposer:
     """The ``eagle:FOLDER`` draft of ``target``: the head's widths and vocabulary must be the
-    target's (a head trained for another model is refused)."""
+    target's (a head trained for another model is refused). ``weights``: the scheme its layer and
+    LM-head rows run in (``draft_weights.quantize_head``; default 8 bits per channel), None: as
+    trained. The proposer's ``report`` says what each of them runs in."""
     param = next(target.parameters())
     dtype = param.dtype if param.dtype != torch.bfloat16 or not param.is_cpu else torch.float32
     head = load_head(folder, dtype=dtype, device=param.device)
@@ -229,4 +235,5 @@ def eagle_proposer(folder: str, target: nn.Module) -> EagleProposer:
             f"EAGLE head {folder} was trained for a target with vocabulary {c.vocab_size} and width "
             f"{c.hidden_size}; this target has {int(vocab)} and {int(hidden)}.",
             "train a head for this target with `quantspec train-draft`.")
-    return EagleProposer(head, embed, name=f"eagle:{folder}")
+    report = {"weights": quantize_head(head, weights) if weights is not None else "dense"}
+    return EagleProposer(head, embed, name=f"eagle:{folder}", report=report)
