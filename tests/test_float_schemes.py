@@ -4,6 +4,7 @@ reference kernel, bad input. Engines: test_interop_transformers.py."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import make_tiny_model
+from helpers import checkpoint_tensors, make_tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.formats import get_format, read_quantization_config
 from quantspec.kernels.reference import ReferenceBackend
@@ -570,6 +571,46 @@ def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
     assert torch.isfinite(logits).all()
     shown = subprocess.run([sys.executable, "-m", "quantspec", "inspect", str(out)], capture_output=True, text=True)
     assert shown.returncode == 0 and "nvfp4" in shown.stdout, shown.stdout + shown.stderr
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4"])
+def test_cli_awq_scales_before_fp4_rounding(tmp_path, preset):
+    """AWQ's scale search on the FP4 grids, end to end: every Linear of the blocks is quantized
+    to the FP4 scheme, each one that can take AWQ's scales with them (its block loss never above
+    RTN's on the same grid, and below it somewhere: the scales found do something; the others
+    reported with the reason), the export loads, and its weights are not RTN's (the scales were
+    folded in)."""
+    import quantspec
+
+    model = make_tiny_model(tmp_path, arch="llama", hidden_size=128, intermediate_size=256)
+    outs = {}
+    for method in ("awq", "rtn"):
+        outs[method] = tmp_path / method
+        r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(model), "--method", method,
+                            "--scheme", preset, "--calib", "pydoc", "--calib-samples", "8", "--calib-seqlen", "64",
+                            "--out", str(outs[method]), "--no-progress"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    report = json.loads((outs["awq"] / "quant_report.json").read_text())
+    assert set(report["dense_layers"]) <= {"lm_head"}
+    layers = report["layers"]
+    quantized = {n: row for n, row in layers.items() if row["status"] == "quantized"}
+    assert len(quantized) == 14 and all(row["scheme"] == preset for row in quantized.values())
+    scaled = {n: row for n, row in quantized.items() if "awq_loss" in row}
+    # o_proj has no scale to take (GQA: v_proj's 64 outputs feed 128 inputs), and says so
+    assert set(quantized) - set(scaled) == {f"model.layers.{i}.self_attn.o_proj" for i in (0, 1)}
+    assert all("v_proj has 64 outputs" in quantized[n]["smoothing_skipped"][0] for n in set(quantized) - set(scaled))
+    assert all(row["awq_loss"] <= row["awq_loss_rtn"] for row in scaled.values())
+    better = [n for n, row in scaled.items() if row["awq_loss"] < row["awq_loss_rtn"]]
+    assert better
+    qm = quantspec.load_quantized(outs["awq"], dtype=torch.float32)
+    assert all(qm.get_submodule(n).scheme == SCHEME_PRESETS[preset] for n in quantized)
+    awq_t, rtn_t = checkpoint_tensors(outs["awq"]), checkpoint_tensors(outs["rtn"])
+    for n in better:  # a layer whose scales beat RTN holds other codes than RTN's
+        a, b = awq_t[f"{n}.weight_packed"], rtn_t[f"{n}.weight_packed"]
+        assert a.shape == b.shape and not torch.equal(a, b), n
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(qm(input_ids=ids).logits).all()
 
 
 def test_resume_journal_keeps_float_scales():
