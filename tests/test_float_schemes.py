@@ -17,7 +17,14 @@ from quantspec.errors import QuantspecError
 from quantspec.formats import get_format, read_quantization_config
 from quantspec.kernels.reference import ReferenceBackend
 from quantspec.quant.awq.clip import fake_quantize
-from quantspec.core.floatcodes import code_values, e2m1_codes, e4m3fn_to_fnuz, fp8_codes, quantize_per_token_fp8
+from quantspec.core.floatcodes import (
+    code_values,
+    decode_scales,
+    e2m1_codes,
+    e4m3fn_to_fnuz,
+    fp8_codes,
+    quantize_per_token_fp8,
+)
 from quantspec.quant.floatgrid import group_scales, mx_exponents
 from quantspec.quant.gptq import gptq_quantize
 from quantspec.quant.recipe import Recipe
@@ -448,11 +455,27 @@ def test_cross_check_compressed_tensors_compress(preset):
         assert torch.equal(a, b), name
 
 
+def _ct_fp4_arithmetic(r, stored_global: torch.Tensor | None) -> torch.Tensor:
+    """Our FP4 codes and scales put through compressed-tensors' dequantization arithmetic
+    (``NVFP4PackedCompressor.decompress`` / ``_dequantize``): element values and scales in bf16
+    (both exact there), ``scale / global_scale`` with the global scale as the checkpoint stores
+    it (our value, its shape and dtype), the product in that dtype, the result in bf16."""
+    n, k = r.qweight.shape
+    g = r.scheme.group_len(k)
+    values = code_values(r.scheme.weights)[r.qweight.long()].to(torch.bfloat16).view(n, k // g, g)
+    scale = decode_scales(r.scales, "mxfp4") if r.scheme.weights == "mxfp4" else r.scales
+    scale = scale.to(torch.bfloat16).unsqueeze(-1)
+    if r.global_scale is not None:
+        scale = scale / r.global_scale.to(stored_global.dtype).reshape(stored_global.shape)
+    return (values.to(scale.dtype) * scale).to(torch.bfloat16).view(n, k)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cross_check_compressed_tensors_decompress(preset):
-    """compressed-tensors' decompressors read our tensors as we do. They dequantize FP4 in
-    bf16 (values and scales exact in bf16, the product and the division by the global scale
-    rounded), so FP4 agrees to two bf16 roundings (2 * 2^-8 relative); FP8 exactly."""
+    """compressed-tensors' decompressors read our tensors as we do, bit for bit: FP8 equals
+    our dequantized weight; FP4, which they dequantize in bf16, equals our codes and scales put
+    through their arithmetic (``_ct_fp4_arithmetic``), and our fp32 weight to its bf16
+    roundings (2 * 2^-8 relative)."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
@@ -462,13 +485,16 @@ def test_cross_check_compressed_tensors_decompress(preset):
     cfg = CT.quantization_config(scheme, [])
     group = cfg["config_groups"]["group_0"]
     compressor = BaseCompressor.get_value_from_registry(cfg["format"])
-    out = compressor.decompress(CT.pack(r), QuantizationScheme.model_validate(group))
-    w = out["weight"].float()
+    packed = CT.pack(r)
+    out = compressor.decompress(dict(packed), QuantizationScheme.model_validate(group))
+    w = out["weight"]
     ref = r.dequantize()
     if scheme.weights == "fp8":
-        assert torch.equal(w, ref)
+        assert torch.equal(w.float(), ref)
     else:
-        assert torch.allclose(w, ref, rtol=2 * 2**-8, atol=0)
+        assert w.dtype == torch.bfloat16
+        assert torch.equal(w, _ct_fp4_arithmetic(r, packed.get("weight_global_scale")))
+        assert torch.allclose(w.float(), ref, rtol=2 * 2**-8, atol=0)
 
 
 def test_config_reads_llm_compressor_presets():
