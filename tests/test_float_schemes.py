@@ -614,7 +614,7 @@ def test_cli_awq_scales_before_fp4_rounding(tmp_path, preset):
         outs[method] = tmp_path / method
         r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(model), "--method", method,
                             "--scheme", preset, "--calib", "pydoc", "--calib-samples", "8", "--calib-seqlen", "64",
-                            "--out", str(outs[method]), "--no-progress"], capture_output=True, text=True)
+                            "--out", str(outs[method]), "--no-progress"], capture_output=True, text=True, check=False)
         assert r.returncode == 0, r.stderr
     report = json.loads((outs["awq"] / "quant_report.json").read_text())
     assert set(report["dense_layers"]) <= {"lm_head"}
