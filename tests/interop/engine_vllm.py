@@ -3,7 +3,9 @@
     <vllm-venv>/bin/python engine_vllm.py JOB.json RESULT.json
 
 JOB: {"model": DIR, "dtype": "bfloat16", "prompts": [[token ids], ...], "max_new_tokens": 16,
-      "top_k": 20, "max_model_len": 512, "probe": {"path": FILE, "tokens": [ids]} (optional)}
+      "top_k": 20, "max_model_len": 512, "probe": {"path": FILE, "tokens": [ids]} (optional),
+      "kv_cache_dtype": "fp8" (optional; default "auto"), "kv_scales": true (optional: report
+      every attention layer's k/v scales as loaded, RESULT["kv_scales"])}
 RESULT: {"ok": true, "prompt_logprobs": [[{id: logprob} per prompt position], ...],
          "greedy": [[ids], ...], "texts": [...], "quantization": ..., "seconds": {...},
          "probe": {"ok": ..., "path": FILE}: block 0's q/k/v input and output, see probe.py}
@@ -42,7 +44,7 @@ def run_probe(llm, probe: dict, TokensPrompt, SamplingParams) -> dict:
 def main(job_path: str, out_path: str) -> int:
     job = json.load(open(job_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if job.get("probe"):  # LLM.apply_model ships the hook function to the workers by pickle
+    if job.get("probe") or job.get("kv_scales"):  # LLM.apply_model ships functions to the workers by pickle
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # every vLLM process (engine core, workers) starts with vllm_site/ on its path, whose
     # sitecustomize installs the torch W4A16 fallback on hosts without AVX-512
@@ -73,6 +75,7 @@ def main(job_path: str, out_path: str) -> int:
             max_model_len=int(job.get("max_model_len", 512)),
             max_logprobs=k,
             seed=0,
+            kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
         )
         t_load = time.perf_counter() - t0
         try:  # which quantization method vLLM picked (gptq_marlin, compressed-tensors, ...)
@@ -99,6 +102,10 @@ def main(job_path: str, out_path: str) -> int:
                       seconds={"load": round(t_load, 1), "generate": round(t_gen, 1)})
         if job.get("probe"):
             result["probe"] = run_probe(llm, job["probe"], TokensPrompt, SamplingParams)
+        if job.get("kv_scales"):
+            from quantspec_probe import kv_scales
+
+            result["kv_scales"] = llm.apply_model(kv_scales)[0]
     except BaseException as exc:  # noqa: BLE001 - report every failure to the caller
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]

@@ -37,3 +37,12 @@ def describe(module) -> str:
     if kernel is not None:
         parts.append(type(kernel).__name__)
     return " / ".join(parts)
+
+
+def kv_scales(model) -> dict:
+    """{attention layer: [k_scale, v_scale]} as vLLM loaded them (the floats its kernels use)."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
+            out[name] = [float(module._k_scale_float), float(module._v_scale_float)]
+    return out
