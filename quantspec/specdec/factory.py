@@ -149,9 +149,10 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
     """A proposer from a spec string (see module docstring); ``tokenizer`` is the target's,
     ``dtype`` the draft model's (see ``draft_dtype``). ``head``: the output head of a ``self:``
     draft, and every weight of an ``eagle:`` head: a scheme name (default ``w8gpc``, see
-    ``selfdraft.DRAFT_HEAD``), ``same`` (a ``self:`` draft's body scheme) or ``dense``. ``vocab``: a draft model's head scores this many tokens
-    (``draft_token_ids``) and those of the text it continues; 0: every token; None: the default
-    (``draft_vocab.DEFAULT_DRAFT_VOCAB``; n-gram and eagle: drafts have no head to prune)."""
+    ``selfdraft.DRAFT_HEAD``), ``same`` (a ``self:`` draft's body scheme) or ``dense``.
+    ``vocab``: a draft model's head scores this many tokens (``draft_token_ids``) and those of
+    the text it continues; 0: every token; None: the default (``draft_vocab.DEFAULT_DRAFT_VOCAB``;
+    n-gram and eagle: drafts have no head to prune)."""
     spec = spec.strip()
     model_draft = not (spec == "ngram" or spec.startswith(("ngram:", "eagle:")))
     if vocab is None:
