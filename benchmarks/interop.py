@@ -36,15 +36,29 @@ ENGINE_FORMATS = {"vllm": ("gptq", "awq", "ct"), "gptqmodel": ("gptq", "awq"), "
                   "transformers+gptqmodel": ("gptq", "awq")}
 
 
-def transformers_result(ckpt, ids) -> dict:
+def transformers_dtype(name: str) -> str:
+    """fp32, except bf16 for FP4 exports: compressed-tensors 0.20 decompresses E2M1 weights to
+    bf16 whatever the model's dtype (an fp32 model then fails on mixed dtypes; tests/
+    test_interop_transformers.py holds both facts)."""
+    return "bfloat16" if exports.EXPORTS[name][1].get("weights") in ("nvfp4", "mxfp4") else "float32"
+
+
+def transformers_result(ckpt, ids, dtype: str = "float32") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
     try:
-        m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    except Exception as exc:  # noqa: BLE001
-        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).eval()
+        return _transformers_rows(m, ids, t0)
+    except Exception as exc:  # noqa: BLE001 - an engine failure is a row of the table
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _transformers_rows(m, ids, t0: float) -> dict:
+    import torch
+
     attn = m.model.layers[0].self_attn
     seen = {}
     hooks = [getattr(attn, p).register_forward_hook(
@@ -144,8 +158,8 @@ def main() -> None:
                                                        "top_k": exports.TOP_K}, timeout=1800)
                 dtype = "bfloat16"
             else:
-                res = transformers_result(ckpt, ids)
-                dtype = "float32"
+                dtype = transformers_dtype(name)
+                res = transformers_result(ckpt, ids, dtype)
             cell = {**row, "engine": eng, "dtype": dtype, "ok": bool(res.get("ok")),
                     "wall_s": res.get("wall_s"), "kernel": res.get("wna16_kernel") or res.get("kernels"),
                     "quantization": res.get("quantization")}

@@ -5,9 +5,10 @@
 JOB: {"model": DIR, "dtype": "bfloat16", "prompts": [[token ids], ...], "max_new_tokens": 16,
       "top_k": 20, "max_model_len": 512, "probe": {"path": FILE, "tokens": [ids]} (optional),
       "kv_cache_dtype": "fp8" (optional; default "auto"), "kv_scales": true (optional: report
-      every attention layer's k/v scales as loaded, RESULT["kv_scales"])}
+      every attention layer's k/v scales as loaded and its cache dtype, RESULT["kv_scales"])}
 RESULT: {"ok": true, "prompt_logprobs": [[{id: logprob} per prompt position], ...],
-         "greedy": [[ids], ...], "texts": [...], "quantization": ..., "seconds": {...},
+         "greedy": [[ids], ...], "generated_logprobs": [[{id: logprob} per generated token], ...],
+         "texts": [...], "quantization": ..., "seconds": {...},
          "probe": {"ok": ..., "path": FILE}: block 0's q/k/v input and output, see probe.py}
 or {"ok": false, "error": "..."}.
 
@@ -88,8 +89,11 @@ def main(job_path: str, out_path: str) -> int:
         t1 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         t_gen = time.perf_counter() - t1
-        plps, greedy, texts = [], [], []
+        plps, greedy, texts, gen_lps = [], [], [], []
         for o in outs:
+            # every generated step's top-K (the decode steps, which read the KV cache)
+            gen_lps.append([{str(tid): float(lp.logprob) for tid, lp in step.items()}
+                            for step in (o.outputs[0].logprobs or [])])
             pos = []
             for entry in (o.prompt_logprobs or [])[1:]:  # entry t = P(token t | < t)
                 pos.append({str(tid): float(lp.logprob) for tid, lp in entry.items()} if entry else None)
@@ -98,7 +102,7 @@ def main(job_path: str, out_path: str) -> int:
             plps.append(pos)
             greedy.append([int(t) for t in o.outputs[0].token_ids])
             texts.append(o.outputs[0].text)
-        result.update(ok=True, prompt_logprobs=plps, greedy=greedy, texts=texts,
+        result.update(ok=True, prompt_logprobs=plps, greedy=greedy, texts=texts, generated_logprobs=gen_lps,
                       seconds={"load": round(t_load, 1), "generate": round(t_gen, 1)})
         if job.get("probe"):
             result["probe"] = run_probe(llm, job["probe"], TokensPrompt, SamplingParams)

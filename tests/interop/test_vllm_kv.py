@@ -4,15 +4,18 @@ per-layer ``k_scale`` / ``v_scale`` that quantspec calibrated, read as quantspec
 reads them").
 
 The export: compressed-tensors W4 g128 weights (vLLM-CPU's W4A16 path) and FP8 KV scales per
-tensor (``quantspec quantize --kv-cache fp8``). vLLM serves it twice, bf16: with
-``kv_cache_dtype="fp8"`` and with an unquantized cache (``auto``). Checked, with bounds fixed
-before any result was read:
+tensor (``quantspec quantize --kv-cache fp8``). vLLM serves it twice, bf16: as a user starts it
+(``kv_cache_dtype="auto"``, which vLLM resolves from the checkpoint's ``kv_cache_scheme``) and
+with an unquantized bf16 cache. Checked, with bounds fixed before any result was read:
 
+- vLLM resolves ``auto`` to an FP8 cache from the checkpoint alone;
 - every attention layer's key and value scale, as vLLM loaded it, equals the checkpoint's (fp32,
   exactly), and is not vLLM's default 1.0;
-- the FP8 cache is in use: the log-probabilities differ from the unquantized cache's;
-- and by little: the top-1 token agrees at ``TOP1_MIN`` of the prompt positions or more (the
-  suite's top-1 slack, ``exports.TOP1_SLACK``, below full agreement).
+- the FP8 cache is in use: the decode steps' log-probabilities (each generated token's, while
+  both greedy continuations agree; a prompt's own positions are computed in the prefill, from
+  keys and values that have not gone through the cache) differ from the bf16 cache's;
+- and by little: the top-1 token agrees at ``TOP1_MIN`` of those steps or more (the suite's
+  top-1 slack, ``exports.TOP1_SLACK``, below full agreement).
 
 vLLM-CPU needs AVX-512 or AMX for an FP8 KV cache (``cpu_attn._get_attn_isa``); elsewhere the
 run is an xfail(strict) naming that limit.
@@ -74,20 +77,23 @@ def test_vllm_serves_the_calibrated_fp8_kv_scales(smollm2_dir, exports_root, smo
     assert len(ours) == 30 and all(s != [1.0, 1.0] for s in ours.values()), ours
     job = {"model": str(ckpt), "dtype": "bfloat16", "prompts": smollm2_prompts, "max_new_tokens": exports.MAX_NEW_TOKENS,
            "top_k": exports.TOP_K, "max_model_len": 512}
-    fp8 = engines.run_engine("vllm", {**job, "kv_cache_dtype": "fp8", "kv_scales": True})
-    assert fp8["ok"], f"vLLM failed with kv_cache_dtype=fp8: {fp8.get('error')}\n{fp8.get('log', '')[-3000:]}"
-    plain = engines.run_engine("vllm", job)
-    assert plain["ok"], f"vLLM failed with kv_cache_dtype=auto: {plain.get('error')}\n{plain.get('log', '')[-3000:]}"
-    loaded = {name.removesuffix(".attn"): scales for name, scales in fp8["kv_scales"].items()}
+    fp8 = engines.run_engine("vllm", {**job, "kv_scales": True})
+    assert fp8["ok"], f"vLLM failed with kv_cache_dtype=auto: {fp8.get('error')}\n{fp8.get('log', '')[-3000:]}"
+    plain = engines.run_engine("vllm", {**job, "kv_cache_dtype": "bfloat16", "kv_scales": True})
+    assert plain["ok"], f"vLLM failed with kv_cache_dtype=bfloat16: {plain.get('error')}\n{plain.get('log', '')[-3000:]}"
+    assert {v["kv_cache_dtype"] for v in fp8["kv_scales"].values()} == {"fp8"}, fp8["kv_scales"]
+    assert {v["kv_cache_dtype"] for v in plain["kv_scales"].values()} == {"bfloat16"}, plain["kv_scales"]
+    loaded = {name.removesuffix(".attn"): [v["k_scale"], v["v_scale"]] for name, v in fp8["kv_scales"].items()}
     assert loaded == ours, {m: (loaded.get(m), ours[m]) for m in ours if loaded.get(m) != ours[m]}
     diffs, top1 = [], []
-    for a_prompt, b_prompt in zip(fp8["prompt_logprobs"], plain["prompt_logprobs"]):
-        for a, b in zip(a_prompt, b_prompt):
-            if not a or not b:
-                continue
+    for a_steps, b_steps, a_ids, b_ids in zip(fp8["generated_logprobs"], plain["generated_logprobs"],
+                                              fp8["greedy"], plain["greedy"]):
+        for i, (a, b) in enumerate(zip(a_steps, b_steps)):
+            if a_ids[:i] != b_ids[:i]:  # the continuations parted: later steps see other text
+                break
             top1.append(max(a, key=a.get) == max(b, key=b.get))
             diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
-    print(f"{NAME}: fp8 vs auto KV cache over {len(top1)} positions: max |logprob diff| {max(diffs):.4f}, "
+    print(f"{NAME}: fp8 vs bf16 KV cache over {len(top1)} decode steps: max |logprob diff| {max(diffs):.6f}, "
           f"top-1 agreement {sum(top1) / len(top1):.3f}")
     assert max(diffs) > 0, "the FP8 cache changed nothing: it is not in use"
     assert sum(top1) / len(top1) >= TOP1_MIN

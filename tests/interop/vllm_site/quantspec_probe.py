@@ -40,9 +40,11 @@ def describe(module) -> str:
 
 
 def kv_scales(model) -> dict:
-    """{attention layer: [k_scale, v_scale]} as vLLM loaded them (the floats its kernels use)."""
+    """{attention layer: {"k_scale", "v_scale": the floats its kernels use, "kv_cache_dtype": the
+    cache dtype it resolved (vLLM turns "auto" into "fp8" for a checkpoint's kv_cache_scheme)}}."""
     out = {}
     for name, module in model.named_modules():
         if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
-            out[name] = [float(module._k_scale_float), float(module._v_scale_float)]
+            out[name] = {"k_scale": float(module._k_scale_float), "v_scale": float(module._v_scale_float),
+                         "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", None))}
     return out
