@@ -339,3 +339,51 @@ def test_decoders_write_the_checkpoints_kv_cache(tiny, tmp_path):
     dec = PlainDecoder(model)
     dec.reset()
     assert isinstance(dec.cache, QuantKVCache)
+
+
+# families whose attention is not a ``self_attn`` with k_proj / v_proj: Phi-3's fused qkv_proj
+# (declared), and undeclared families found by structure, each under its own module name
+OTHER_ATTENTION = {"phi3": "self_attn", "gpt2": "attn", "falcon": "self_attention", "gpt_neox": "attention",
+                   "bloom": "self_attention", "gptj": "attn"}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_ATTENTION))
+def test_kv_scales_of_fused_and_undeclared_attention(arch, tmp_path):
+    """The scales are named after the module each block hands its cache to, cover every layer,
+    and round what the loaded model writes into its cache onto the FP8 grid of that layer's
+    scale (so each scale reaches its own layer)."""
+    from dataclasses import replace
+
+    from quantspec.core.floatcodes import round_fp8
+    from quantspec.runtime.kv_quant import new_cache
+
+    folder = make_tiny_model(tmp_path, arch=arch)
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors",
+                    kv_cache=KVCacheConfig("fp8", "head", samples=2, scale_rule="amax"))
+    recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=2, seqlen=32))
+    quantspec.quantize(str(folder), recipe, tmp_path / "kv", progress=False)
+    model = quantspec.load_quantized(tmp_path / "kv", backend="reference")
+    index = json.loads((tmp_path / "kv" / "model.safetensors.index.json").read_text())["weight_map"]
+    names = [n for n in index if n.endswith((".k_scale", ".v_scale"))]
+    modules = {n.rsplit(".", 1)[0] for n in names}
+    assert len(modules) == model.config.num_hidden_layers and len(names) == 2 * len(modules)
+    assert {m.rsplit(".", 1)[1] for m in modules} == {OTHER_ATTENTION[arch]}, names
+    _, scales = model.quantspec_kv_cache
+    cache = new_cache(model)
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    for layer, (k_scale, v_scale) in scales.items():
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        for x, s in ((keys, k_scale), (values, v_scale)):
+            units = x.float() / s.reshape(1, -1, 1, 1)
+            # on the grid up to the fp32 rounding of x / s (a code off the grid is >= 6% away)
+            assert torch.allclose(round_fp8(units), units, rtol=1e-5, atol=0) and units.abs().max() > 1, (arch, layer)
+
+
+def test_kv_cache_refuses_latent_attention_before_work(tmp_path):
+    folder = make_tiny_model(tmp_path, arch="deepseek_v3")
+    r = subprocess.run([sys.executable, "-m", "quantspec", "quantize", str(folder), "--kv-cache", "fp8",
+                        "--calib", "pydoc", "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and "multi-head latent attention" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()

@@ -91,12 +91,13 @@ def scale_tensors(scales: dict[int, tuple[torch.Tensor, torch.Tensor]], attn: li
 
 def scales_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Inverse of ``scale_tensors``, as QuantKVCache takes them (scalars or [kv_heads]): the
-    layer of ``...layers.{i}.self_attn.k_scale`` is i (its attention's ``layer_idx``)."""
+    layer of ``...layers.{i}.{attention}.k_scale`` is i (its attention's ``layer_idx``)."""
     found: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        m = re.fullmatch(r"(?:.*\.)?(\d+)\.self_attn\.([kv])_scale", name)
+        m = re.fullmatch(r"(?:.*\.)?(\d+)\.[^.]+\.([kv])_scale", name)
         if m is None:
-            raise QuantspecError(f"KV-cache scale {name} is not under a block's self_attn.", "rewrite the checkpoint.")
+            raise QuantspecError(f"KV-cache scale {name} is not under a block's attention module.",
+                                 "rewrite the checkpoint.")
         found.setdefault(int(m.group(1)), {})[m.group(2)] = t.float().reshape(-1)
     if not found or sorted(found) != list(range(len(found))) or any(len(kv) != 2 for kv in found.values()):
         raise QuantspecError(f"the checkpoint declares a kv_cache_scheme but its k_scale / v_scale tensors do not "

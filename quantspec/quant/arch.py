@@ -36,7 +36,7 @@ a scale ``s`` into it means ``weight' = (offset + weight) / s - offset``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -64,6 +64,11 @@ class ArchSpec:
     smooth: tuple[SmoothPair, ...] = ()
     norm_offset: float = 0.0
     patterns: bool = False
+    # the block-relative attention module whose keys and values the KV cache holds; its
+    # checkpoint KV scales are ``{block}.{attention}.k_scale`` / ``v_scale``. None: the family
+    # caches something per-head scales do not describe (MLA's compressed latent). Not part of
+    # the repr (resume fingerprints): it names KV scales only, never changes a block's rounding.
+    attention: str | None = field(default="self_attn", repr=False)
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         """The decoder blocks of ``model``."""
@@ -192,8 +197,8 @@ MOE_ARCHS = {
     "olmoe": replace(QWEN3_MOE, name="olmoe"),
     "glm4_moe": replace(QWEN3_MOE, name="glm4_moe"),
     "mixtral": _moe("mixtral", _GQA, _GQA_SMOOTH, ("w1", "w3", "w2")),
-    "deepseek_v2": _moe("deepseek_v2", _MLA, _MLA_SMOOTH),
-    "deepseek_v3": _moe("deepseek_v3", _MLA, _MLA_SMOOTH),
+    "deepseek_v2": replace(_moe("deepseek_v2", _MLA, _MLA_SMOOTH), attention=None),
+    "deepseek_v3": replace(_moe("deepseek_v3", _MLA, _MLA_SMOOTH), attention=None),
     "granitemoe": _moe("granitemoe", _GQA, _GQA_SMOOTH, mlp="block_sparse_moe", routers=("router",)),
     # GPT-OSS: biased experts behind a clamped SwiGLU (up -> down is not linear: no pair there)
     "gpt_oss": ArchSpec(
@@ -233,6 +238,8 @@ def check_arch(model: nn.Module, spec: ArchSpec) -> list[str]:
     if not isinstance(find(spec.lm_head), nn.Linear):
         problems.append(f"{spec.lm_head} is not a Linear")
     for i, block in enumerate(blocks):
+        if spec.attention is not None and submodule_or_none(block, spec.attention) is None:
+            problems.append(f"{spec.block_name(i)}.{spec.attention} is missing")
         if spec.patterns:
             if not spec.groups_in(block):
                 problems.append(f"{spec.block_name(i)} has no Linear that {spec.name}'s patterns name")

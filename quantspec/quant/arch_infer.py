@@ -6,6 +6,8 @@ through the model locates the parts:
 * blocks: the longest ModuleList whose entries share one class and hold Linears, and that is not
   inside another such list (a MoE block's per-expert list);
 * groups (``sequential``): Linears of block 0 that read the same tensor object, in call order;
+* attention: block 0's outermost module that a forward with a KV cache hands the cache to (the
+  name KV-cache scales are written under); none for multi-head latent attention;
 * smoothing pairs (``smooth``): for each group, the module whose output channels can absorb a
   per-channel scale for it. Candidates are the block's norm-like leaf modules (a weight of
   shape [K]; tried with offset 0 and with Gemma's offset 1) and its Linears with K, 2K or 3K
@@ -66,7 +68,7 @@ def infer_arch(model: nn.Module) -> ArchSpec:
         lm_head=lm_head,
     )
     call = _BlockCall.capture(model, spec)
-    spec = replace(spec, sequential=call.groups)
+    spec = replace(spec, sequential=call.groups, attention=_find_attention(model, spec))
     pairs, offset = infer_smooth_pairs(spec.block_list(model)[0], call)
     return replace(spec, smooth=pairs, norm_offset=offset)
 
@@ -168,6 +170,43 @@ class _BlockCall:
         called = {n for g in groups for n in g}
         groups += [(n,) for n in names.values() if n not in called]  # Linears the forward skipped
         return cls(call.get("args", ()), call.get("kwargs", {}), tuple(groups), producers)
+
+
+def _find_attention(model: nn.Module, spec: ArchSpec) -> str | None:
+    """Block 0's outermost module that is handed the forward's KV cache (its attention), from one
+    short forward with a cache; None when none is, or the family caches a compressed latent
+    (multi-head latent attention: ``kv_lora_rank`` in its config)."""
+    from transformers import DynamicCache
+
+    from ..runtime.kv import cache_kwarg
+
+    if getattr(model.config, "kv_lora_rank", None):
+        return None
+    block = spec.block_list(model)[0]
+    cache = DynamicCache(config=model.config)
+    found: list[str] = []
+
+    def handed(name: str):
+        def hook(_mod, args, kwargs) -> None:
+            if any(a is cache for a in (*args, *kwargs.values())):
+                found.append(name)
+        return hook
+
+    def stop(_mod, _args, _out) -> None:
+        raise _StopForward
+
+    handles = [m.register_forward_pre_hook(handed(n), with_kwargs=True) for n, m in block.named_modules() if n]
+    handles.append(block.register_forward_hook(stop))
+    ids = torch.arange(1, 9, dtype=torch.long, device=next(model.parameters()).device).unsqueeze(0)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return min(found, key=lambda n: n.count(".")) if found else None
 
 
 def _fp32(value: Any) -> Any:

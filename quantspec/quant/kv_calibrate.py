@@ -1,6 +1,6 @@
 """Calibrated KV-cache scales: observe keys (after RoPE) and values on calibration text, turn
 the maxima into per-layer scales, and name them as checkpoints store them: per attention module
-``{block}.self_attn.k_scale`` / ``v_scale``, fp32, shape [1] (strategy "tensor", what vLLM
+``{block}.{attention}.k_scale`` / ``v_scale`` (``ArchSpec.attention``, ``self_attn`` in most families), fp32, shape [1] (strategy "tensor", what vLLM
 reads) or [kv_heads, 1, 1] (strategy "attn_head"); the config side is ``kv_config.py``.
 """
 
@@ -13,27 +13,22 @@ from ..errors import QuantspecError
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_errors, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
+from .arch import ArchSpec
 from .heap import free_memory_bytes
 
 KEEP_SHARE = 0.25  # of the model's device's free memory: at most this for the kept keys and values of the search samples
 KEEP_UNKNOWN_BYTES = 2 << 30  # the same limit where the free memory is unknown
 
-def attention_names(model: nn.Module, blocks: list[str]) -> list[str]:
-    """``{block}.self_attn`` of every block, or QuantspecError when a block has no attention
-    module with separate k_proj / v_proj (e.g. multi-head latent attention)."""
-    names = []
-    for block in blocks:
-        name = f"{block}.self_attn"
-        try:
-            attn = model.get_submodule(name)
-        except AttributeError:
-            attn = None
-        if attn is None or not all(isinstance(getattr(attn, p, None), nn.Module) for p in ("k_proj", "v_proj")):
-            raise QuantspecError(f"{name} is not an attention module with k_proj and v_proj; KV-cache scales "
-                                 "are written for standard (GQA/MHA) attention only.",
-                                 "drop --kv-cache for this architecture.")
-        names.append(name)
-    return names
+def attention_names(arch: ArchSpec, blocks: list[str]) -> list[str]:
+    """``{block}.{arch.attention}`` of every block (the names of its KV scales), or
+    QuantspecError when the family's cache holds no per-head keys and values (multi-head latent
+    attention) or no attention module was found."""
+    if arch.attention is None:
+        raise QuantspecError(f"{arch.name}'s attention caches no per-head keys and values that KV-cache scales could "
+                             "describe (multi-head latent attention, or no module of a block takes the cache); "
+                             "scales are written for MHA/GQA attention only.",
+                             "drop --kv-cache for this architecture.")
+    return [f"{block}.{arch.attention}" for block in blocks]
 
 
 def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progress: bool, on_sample=None) -> dict:
@@ -151,7 +146,7 @@ def kv_scales(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], cfg: KVCacheCo
     return out
 
 
-def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, blocks: list[str],
+def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, attn: list[str],
                             progress: bool = False) -> dict[str, torch.Tensor]:
     """KV scales of the quantized checkpoint in ``folder`` (loaded as engines run it: the
     declared scheme, ``backend="exact"``) observed on the first ``cfg.samples`` rows of ``ids``
@@ -162,7 +157,6 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, block
     from ..checkpoint.load import load_quantized
 
     model = load_quantized(folder, backend="exact")
-    attn = attention_names(model, blocks)
     amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
     missing = sorted(set(range(len(attn))) - set(amax))
     if missing:

