@@ -102,9 +102,9 @@ def test_vllm_serves_the_calibrated_fp8_kv_scales(smollm2_dir, exports_root, smo
 # tiny random models (head_dim 64, which vLLM-CPU's attention takes) of families whose attention is
 # not a ``self_attn`` with k_proj / v_proj; the overrides make hidden 256 in each family's names
 OTHER_ATTENTION = {
-    "phi3": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
-    "falcon": dict(hidden_size=256, num_attention_heads=4),
-    "gpt2": dict(n_embd=256, n_inner=256, n_head=4, n_positions=512),
+    "phi3": {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "falcon": {"hidden_size": 256, "num_attention_heads": 4},
+    "gpt2": {"n_embd": 256, "n_inner": 256, "n_head": 4, "n_positions": 512},
 }
 ATTN_NAMED_ATTN = ("vLLM 0.32's KV-scale name mapper takes a checkpoint's `<block>.attn.k_scale` for its own name "
                    "(`(?<!\\.attn)\\.k_scale`): a family whose attention module is called `attn` (GPT-2, GPT-J) "
@@ -119,12 +119,12 @@ def test_vllm_reads_kv_scales_of_other_attention_modules(arch, tmp_path, engine_
     """Phi-3's fused qkv_proj and Falcon's ``self_attention``: vLLM loads every layer's scales
     exactly as written, under the attention module quantspec named them after."""
 
+    from helpers import make_tiny_model
+
     from quantspec.core.kv_config import KVCacheConfig
     from quantspec.core.scheme import QuantScheme
     from quantspec.quant.pipeline import quantize
     from quantspec.quant.recipe import CalibrationConfig, Recipe
-
-    from helpers import make_tiny_model
 
     engine_python("vllm")
     folder = make_tiny_model(tmp_path, arch=arch, **OTHER_ATTENTION[arch])
