@@ -6,7 +6,13 @@ with ``quantspec.load_quantized`` (reference backend) and compared with the dens
 tokens: rel = mean squared logit error / mean square of the logits. A family that quantspec
 cannot handle must fail with a QuantspecError (a clear message), never with a crash.
 
+A method may name a float scheme and a KV cache: ``gptq:nvfp4``, ``rtn:fp8-dynamic+kv:fp8:head``
+(``method[:scheme][+kv:KIND:STRATEGY]``; compressed-tensors; the loaded model then runs its forward
+on the checkpoint's quantized KV cache). ``--tiny`` takes the families of the test suite's tiny
+models (``tests/helpers.py``: MoE families with MLA and GPT-OSS included) instead of ``FAMILIES``.
+
     python benchmarks/arch_sweep.py [--out benchmarks/results/arch-sweep] [--families A,B] [--methods ...]
+    python benchmarks/arch_sweep.py --tiny --methods rtn:fp8-dynamic,rtn:fp8-static,rtn:fp8-block,gptq:fp8-weight,gptq:nvfp4,awq:mxfp4,rtn+kv:fp8:head,gptq:nvfp4+kv:int8:tensor --out benchmarks/results/arch-sweep-float
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import make_tiny_tokenizer  # noqa: E402
+from helpers import ARCHS, MOE_ARCHS, UNDECLARED, make_tiny_tokenizer, tiny_model  # noqa: E402
 
 import quantspec  # noqa: E402
 from quantspec.errors import QuantspecError  # noqa: E402
 from quantspec.quant.recipe import CalibrationConfig, Recipe  # noqa: E402
-from quantspec.core.scheme import QuantScheme  # noqa: E402
+from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
+from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme  # noqa: E402
+from quantspec.runtime.kv import cache_kwarg  # noqa: E402
+from quantspec.runtime.kv_quant import new_cache  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -52,6 +61,16 @@ METHODS = ("rtn", "gptq", "awq", "smoothquant")
 
 
 def recipe_for(method: str, cal: CalibrationConfig) -> Recipe:
+    """``method``: rtn | gptq | awq | smoothquant, or ``method:scheme[+kv:KIND:STRATEGY]``."""
+    method, _, kv = method.partition("+")
+    method, _, scheme = method.partition(":")
+    kv_cache = None
+    if kv:
+        _, kind, strategy = kv.split(":")
+        kv_cache = KVCacheConfig(kind=kind, strategy=strategy, samples=4)
+    if scheme or kv_cache is not None:
+        return Recipe(name="sweep", method=method, format="compressed-tensors", calibration=cal, kv_cache=kv_cache,
+                      scheme=SCHEME_PRESETS[scheme] if scheme else QuantScheme(4, 32, True))
     if method == "smoothquant":
         return Recipe(name="sweep", method=method, format="compressed-tensors", calibration=cal,
                       scheme=QuantScheme(8, -1, True, activations="int8-token-dynamic"))
@@ -65,8 +84,9 @@ def run_one(folder: Path, dense, method: str, cal, out: Path) -> str:
                                   device="cpu", overwrite=True).out
         q = quantspec.load_quantized(ckpt, backend="reference")
         ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+        cache = {cache_kwarg(q): new_cache(q), "use_cache": True} if "+kv" in method else {}
         with torch.no_grad():
-            a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+            a, b = q(input_ids=ids, **cache).logits.float(), dense(input_ids=ids).logits
         return f"ok {float((a - b).pow(2).mean() / b.pow(2).mean()):.3g}"
     except QuantspecError as exc:
         return f"refused: {str(exc)[:160]}"
@@ -80,9 +100,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arch-sweep"))
     ap.add_argument("--families", default="", help="comma-separated config class names (default: all)")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py) as families")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    families = args.families.split(",") if args.families else list(FAMILIES)
+    every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED)) if args.tiny else list(FAMILIES)
+    families = args.families.split(",") if args.families else every
     methods = args.methods.split(",")
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,20 +114,25 @@ def main() -> None:
         cal = CalibrationConfig(data=str(text), samples=4, seqlen=64)
         tokenizer = make_tiny_tokenizer()
         for name in families:
-            config = getattr(transformers, name)(**{**COMMON, **FAMILIES.get(name, {})})
-            torch.manual_seed(0)
-            dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+            if args.tiny:
+                dense = tiny_model(name)
+            else:
+                config = getattr(transformers, name)(**{**COMMON, **FAMILIES.get(name, {})})
+                torch.manual_seed(0)
+                dense = transformers.AutoModelForCausalLM.from_config(config).eval()
             folder = root / name
             dense.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            results[name] = {m: run_one(folder, dense, m, cal, root / f"{name}-{m}") for m in methods}
+            results[name] = {m: run_one(folder, dense, m, cal, root / f"{name}-{m.replace(':', '-')}") for m in methods}
             print(name, results[name], flush=True)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     lines = [f"# Every method on tiny random models of {len(results)} families "
              f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
              "rel: mean squared logit error of the loaded checkpoint / mean square of the dense "
-             "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant).", "",
+             "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant; a `:scheme` names a float "
+             "scheme, `+kv:KIND:STRATEGY` a calibrated KV cache the forward runs on).", "",
+             f"Command: `python benchmarks/arch_sweep.py {' '.join(sys.argv[1:])}`; raw: the JSON of the same name.", "",
              "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items()]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
