@@ -133,6 +133,9 @@ def main() -> None:
              "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant; a `:scheme` names a float "
              "scheme, `+kv:KIND:STRATEGY` a calibrated KV cache the forward runs on).", "",
              f"Command: `python benchmarks/arch_sweep.py {' '.join(sys.argv[1:])}`; raw: the JSON of the same name.", "",
+             *(["fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
+                "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
+                "model with none of them is refused.", ""] if any("fp8-block" in m for m in methods) else []),
              "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items()]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

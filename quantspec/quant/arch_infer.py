@@ -203,6 +203,8 @@ def _find_attention(model: nn.Module, spec: ArchSpec) -> str | None:
             model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
     except _StopForward:
         pass
+    except Exception:  # a family whose forward takes no such cache: no KV scales, nothing else lost
+        return None
     finally:
         for h in handles:
             h.remove()
