@@ -1,7 +1,8 @@
 """Calibrated KV-cache scales: observe keys (after RoPE) and values on calibration text, turn
 the maxima into per-layer scales, and name them as checkpoints store them: per attention module
-``{block}.{attention}.k_scale`` / ``v_scale`` (``ArchSpec.attention``, ``self_attn`` in most families), fp32, shape [1] (strategy "tensor", what vLLM
-reads) or [kv_heads, 1, 1] (strategy "attn_head"); the config side is ``kv_config.py``.
+``{block}.{attention}.k_scale`` / ``v_scale`` (``ArchSpec.attention``: ``self_attn`` in most
+families), fp32, shape [1] (strategy "tensor", what vLLM reads) or [kv_heads, 1, 1] (strategy
+"attn_head"); the config side is ``kv_config.py``.
 """
 
 from __future__ import annotations
