@@ -80,11 +80,11 @@ def recipe_for(method: str, cal: CalibrationConfig) -> Recipe:
 
 def run_one(folder: Path, dense, method: str, cal, out: Path) -> str:
     try:
-        ckpt = quantspec.quantize(str(folder), recipe_for(method, cal), out, progress=False,
-                                  device="cpu", overwrite=True).out
+        recipe = recipe_for(method, cal)
+        ckpt = quantspec.quantize(str(folder), recipe, out, progress=False, device="cpu", overwrite=True).out
         q = quantspec.load_quantized(ckpt, backend="reference")
         ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
-        cache = {cache_kwarg(q): new_cache(q), "use_cache": True} if "+kv" in method else {}
+        cache = {cache_kwarg(q): new_cache(q), "use_cache": True} if recipe.kv_cache is not None else {}
         with torch.no_grad():
             a, b = q(input_ids=ids, **cache).logits.float(), dense(input_ids=ids).logits
         return f"ok {float((a - b).pow(2).mean() / b.pow(2).mean()):.3g}"
@@ -133,9 +133,9 @@ def main() -> None:
              "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant; a `:scheme` names a float "
              "scheme, `+kv:KIND:STRATEGY` a calibrated KV cache the forward runs on).", "",
              f"Command: `python benchmarks/arch_sweep.py {' '.join(sys.argv[1:])}`; raw: the JSON of the same name.", "",
-             *(["fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
-                "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
-                "model with none of them is refused.", ""] if any("fp8-block" in m for m in methods) else []),
+             *([("fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
+                 "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
+                 "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else []),
              "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items()]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

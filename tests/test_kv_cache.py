@@ -9,34 +9,17 @@ import sys
 
 import pytest
 import torch
-from helpers import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 import quantspec
-from quantspec.core.kv_config import (
-    KVCacheConfig,
-    kv_cache_scheme,
-    parse_kv_cache_scheme,
-    scale_tensors,
-    scales_from_tensors,
-)
+from helpers import make_tiny_model
 from quantspec.errors import QuantspecError
 from quantspec.formats.overrides import read_with_overrides
-from quantspec.quant.kv_calibrate import (
-    error_bases,
-    kv_scales,
-    observe_errors,
-    observe_kv,
-)
+from quantspec.quant.kv_calibrate import error_bases, kv_scales, observe_errors, observe_kv
+from quantspec.core.kv_config import KVCacheConfig, kv_cache_scheme, parse_kv_cache_scheme, scale_tensors, scales_from_tensors
 from quantspec.quant.recipe import Recipe
 from quantspec.runtime.kv import cache_kwarg
-from quantspec.runtime.kv_quant import (
-    KVSetting,
-    QuantKVCache,
-    fake_quant,
-    scale_errors,
-    scale_multipliers,
-)
+from quantspec.runtime.kv_quant import KVSetting, QuantKVCache, fake_quant, scale_errors, scale_multipliers
 
 
 @pytest.fixture(scope="module")

@@ -147,24 +147,11 @@ class _BlockCall:
             call.setdefault("args", args)
             call.setdefault("kwargs", kwargs)
 
-        def stop(_mod, _args, _out) -> None:
-            raise _StopForward
-
         handles = [m.register_forward_pre_hook(record) for m in names]
         handles += [m.register_forward_hook(produced(n)) for n, m in block.named_modules()
                     if n and next(m.children(), None) is None]
         handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
-        handles.append(block.register_forward_hook(stop))
-        device = next(model.parameters()).device
-        ids = torch.arange(1, 9, dtype=torch.long, device=device).unsqueeze(0)
-        try:
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+        _forward_through_block0(model, spec, handles, use_cache=False)
         groups = [tuple(dict.fromkeys(g)) for _, g in seen]
         producers = {g[0]: name for x, g in seen for out, name in outputs if out is x}
         called = {n for g in groups for n in g}
@@ -192,23 +179,30 @@ def _find_attention(model: nn.Module, spec: ArchSpec) -> str | None:
                 found.append(name)
         return hook
 
+    handles = [m.register_forward_pre_hook(handed(n), with_kwargs=True) for n, m in block.named_modules() if n]
+    try:
+        _forward_through_block0(model, spec, handles, use_cache=True, **{cache_kwarg(model): cache})
+    except Exception:  # noqa: BLE001 - a family whose forward takes no such cache: no KV scales, nothing else lost
+        return None
+    return min(found, key=lambda n: n.count(".")) if found else None
+
+
+def _forward_through_block0(model: nn.Module, spec: ArchSpec, handles: list, **kwargs) -> None:
+    """One forward of 8 tokens through ``model`` (``kwargs`` added) that ends after block 0; the
+    hooks of ``handles`` are removed after it."""
     def stop(_mod, _args, _out) -> None:
         raise _StopForward
 
-    handles = [m.register_forward_pre_hook(handed(n), with_kwargs=True) for n, m in block.named_modules() if n]
-    handles.append(block.register_forward_hook(stop))
+    handles = [*handles, spec.block_list(model)[0].register_forward_hook(stop)]
     ids = torch.arange(1, 9, dtype=torch.long, device=next(model.parameters()).device).unsqueeze(0)
     try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=ids, **kwargs)
     except _StopForward:
         pass
-    except Exception:  # a family whose forward takes no such cache: no KV scales, nothing else lost
-        return None
     finally:
         for h in handles:
             h.remove()
-    return min(found, key=lambda n: n.count(".")) if found else None
 
 
 def _fp32(value: Any) -> Any:

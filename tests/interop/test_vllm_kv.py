@@ -118,7 +118,6 @@ ATTN_NAMED_ATTN = ("vLLM 0.32's KV-scale name mapper takes a checkpoint's `<bloc
 def test_vllm_reads_kv_scales_of_other_attention_modules(arch, tmp_path, engine_python):
     """Phi-3's fused qkv_proj and Falcon's ``self_attention``: vLLM loads every layer's scales
     exactly as written, under the attention module quantspec named them after."""
-
     from helpers import make_tiny_model
 
     from quantspec.core.kv_config import KVCacheConfig
