@@ -599,10 +599,10 @@ def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
     assert shown.returncode == 0 and "nvfp4" in shown.stdout, shown.stdout + shown.stderr
 
 
-@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4"])
-def test_cli_awq_scales_before_fp4_rounding(tmp_path, preset):
-    """AWQ's scale search on the FP4 grids, end to end: every Linear of the blocks is quantized
-    to the FP4 scheme, each one that can take AWQ's scales with them (its block loss never above
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4", "fp8-dynamic", "fp8-static"])
+def test_cli_awq_scales_before_float_rounding(tmp_path, preset):
+    """AWQ's scale search on the FP4 and FP8 grids, end to end: every Linear of the blocks is quantized
+    to the float scheme, each one that can take AWQ's scales with them (its block loss never above
     RTN's on the same grid, and below it somewhere: the scales found do something; the others
     reported with the reason), the export loads, and its weights are not RTN's (the scales were
     folded in)."""
@@ -632,8 +632,11 @@ def test_cli_awq_scales_before_fp4_rounding(tmp_path, preset):
     assert all(qm.get_submodule(n).scheme == SCHEME_PRESETS[preset] for n in quantized)
     awq_t, rtn_t = checkpoint_tensors(outs["awq"]), checkpoint_tensors(outs["rtn"])
     for n in better:  # a layer whose scales beat RTN holds other codes than RTN's
-        a, b = awq_t[f"{n}.weight_packed"], rtn_t[f"{n}.weight_packed"]
+        key = f"{n}.weight_packed" if preset.endswith("fp4") else f"{n}.weight"
+        a, b = awq_t[key], rtn_t[key]
         assert a.shape == b.shape and not torch.equal(a, b), n
+        if preset == "fp8-static":  # observed on the smoothed inputs the deployed layer reads, not the model's
+            assert not torch.equal(awq_t[f"{n}.input_scale"], rtn_t[f"{n}.input_scale"]), n
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(qm(input_ids=ids).logits).all()

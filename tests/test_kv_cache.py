@@ -294,6 +294,35 @@ def test_quantize_with_kv_cache_writes_loads_and_evaluates(tiny, tmp_path):
     assert abs(ppl[("int8", "unit")] - ppl[("off", "calibrated")]) > abs(ppl[("checkpoint", "calibrated")] - ppl[("off", "calibrated")])
 
 
+def test_cli_integer_scheme_with_kv_cache_and_eval_on_it(tiny, tmp_path):
+    """``--kv-cache`` applies to the integer schemes (``--bits``), and ``quantspec eval --ppl`` runs on the
+    checkpoint's KV cache unless told otherwise."""
+    out = tmp_path / "w4-kv"
+
+    def cli(*argv):
+        r = subprocess.run([sys.executable, "-m", "quantspec", *argv], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r
+
+    cli("quantize", str(tiny), "--method", "rtn", "--bits", "4", "--group-size", "32", "--format", "compressed-tensors",
+        "--kv-cache", "int8", "--kv-cache-strategy", "head", "--calib", "pydoc", "--calib-samples", "4",
+        "--calib-seqlen", "64", "--out", str(out), "--no-progress")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["type"] == "int" and qc["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    heads = json.loads((tiny / "config.json").read_text())["num_key_value_heads"]
+    kv = quantspec.load_quantized(out, backend="reference").quantspec_kv_cache
+    assert kv[0] == KVCacheConfig("int8", "head") and all(k.numel() == v.numel() == heads for k, v in kv[1].values())
+    runs = {}
+    for setting in ("checkpoint", "off"):
+        cli("eval", str(out), "--ppl", "pydoc", "--seqlen", "64", "--windows", "3", "--kv-cache", setting,
+            "--no-progress", "--json", str(tmp_path / f"{setting}.json"))
+        runs[setting] = json.loads((tmp_path / f"{setting}.json").read_text())
+    assert runs["checkpoint"]["kv_cache"] == {"kind": "int8", "scales": "calibrated"}
+    assert runs["off"]["kv_cache"] is None
+    assert runs["checkpoint"]["ppl"]["pydoc"] != runs["off"]["ppl"]["pydoc"]
+
+
 @pytest.mark.parametrize("extra,expect", [
     (["--kv-cache", "fp8", "--format", "gptq"], "kv_cache_scheme, not the"),
     (["--kv-cache-strategy", "head"], "--kv-cache"),
