@@ -390,6 +390,30 @@ def test_transformers_computes_what_we_compute(quantized):
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
+def test_transformers_loads_the_weight_only_block_export(tmp_path):
+    """fp8-block-weight (FP8 blocks, 16-bit activations) loads in transformers + compressed-tensors
+    and computes what we compute: weight-only in fp32 on both sides, so the products differ only in
+    their order (max |logit diff| <= 1e-3 x max |logit|, the weight-only bound of
+    test_interop_transformers.py)."""
+    pytest.importorskip("compressed_tensors")
+    import quantspec
+    from quantspec.core.scheme import SCHEME_PRESETS
+    from quantspec.quant.recipe import Recipe
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(tmp_path, arch="llama", hidden_size=256, intermediate_size=192)
+    recipe = Recipe(name="b", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["fp8-block-weight"])
+    out = quantspec.quantize(str(model), recipe, tmp_path / "q", progress=False).out
+    ours = quantspec.load_quantized(out, dtype=torch.float32, backend="reference")
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    scheme = theirs.get_submodule("model.layers.0.self_attn.q_proj").quantization_scheme
+    assert scheme.weights.block_structure == [128, 128] and scheme.input_activations is None
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
+    assert (a - b).abs().max() <= 1e-3 * a.abs().max()
+
+
 def test_awq_runs_on_fp8_blocks(tmp_path):
     """AWQ's scale search fake-quantizes with block scales; its result packs as FP8 block."""
     import quantspec

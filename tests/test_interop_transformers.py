@@ -185,3 +185,33 @@ def test_transformers_refuses_asymmetric_export(tiny, tmp_path, ids, case):
     report = "\n".join(records.messages)
     mismatched = [line for line in report.splitlines() if "MISMATCH" in line and "|" in line]
     assert mismatched and all("weight_zero_point" in line for line in mismatched), report
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "head"])
+def test_transformers_loads_kv_export_and_ignores_its_scales(tiny, tmp_path, ids, strategy):
+    """An export with a calibrated FP8 KV cache loads in transformers + compressed-tensors, which
+    leaves the k_scale / v_scale tensors unused (its load report lists them as unexpected) and runs
+    a 16-bit cache: its logits are ours with the KV cache off (weight-only bound, 1e-3 x max), not
+    ours on the FP8 cache. When transformers starts applying the scales, this fails: the README's
+    engine table then changes."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.core.kv_config import KVCacheConfig
+    from quantspec.runtime.kv import cache_kwarg
+    from quantspec.runtime.kv_quant import new_cache
+
+    recipe = Recipe(name="kv", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["fp8-weight"],
+                    kv_cache=KVCacheConfig("fp8", strategy, samples=4))
+    recipe = replace(recipe, calibration=replace(recipe.calibration, data="pydoc", samples=8, seqlen=64))
+    out = quantspec.quantize(str(tiny), recipe, tmp_path / "kv", progress=False).out
+    ours = quantspec.load_quantized(out, dtype=torch.float32, backend="reference")
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert not any(n.endswith(("k_scale", "v_scale")) for n, _ in theirs.named_parameters())
+    with torch.no_grad():
+        b = theirs(input_ids=ids).logits
+        off = ours(input_ids=ids).logits
+        on = ours(input_ids=ids, **{cache_kwarg(ours): new_cache(ours), "use_cache": True}).logits
+    bound = 1e-3 * b.abs().max().item()
+    assert (off - b).abs().max().item() <= bound < (on - b).abs().max().item()
