@@ -574,6 +574,31 @@ def test_cli_refuses_before_work(tmp_path, extra, expect):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("extra", [["--scheme", "fp8-dynamic"], ["--scheme", "nvfp4"], ["--bits", "4", "--kv-cache", "fp8"]])
+def test_cli_refuses_float_without_torch_float8(tmp_path, monkeypatch, capsys, extra):
+    """A torch without float8 dtypes (before 2.1, or a custom build) gets one line naming the fix, before
+    the model is even looked for (the path does not exist), and no output folder."""
+    from quantspec.cli.main import main
+
+    monkeypatch.setattr("quantspec.core.floatcodes.HAS_FLOAT8", False)
+    code = main(["quantize", str(tmp_path / "no-model"), *extra, "--format", "compressed-tensors",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "float8 dtypes" in err and "install torch >= 2.4" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_loading_a_float_checkpoint_without_torch_float8(tmp_path, monkeypatch):
+    import quantspec
+
+    out = quantspec.quantize(str(make_tiny_model(tmp_path, arch="llama")),
+                             Recipe(name="f", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["mxfp4"]),
+                             tmp_path / "q", progress=False).out
+    monkeypatch.setattr("quantspec.core.floatcodes.HAS_FLOAT8", False)
+    with pytest.raises(QuantspecError, match="float8 dtypes"):
+        quantspec.load_quantized(out)
+
+
 def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
     import quantspec
 

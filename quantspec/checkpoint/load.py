@@ -19,6 +19,7 @@ from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
 from ..models.experts import key_map, linearize_experts
+from ..core.floatcodes import require_float8
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
@@ -139,6 +140,8 @@ def load_quantized(
             "load it as a dense model, or quantize it first with `quantspec quantize`.",
         )
     fmt, fcfg = read_with_overrides(qcfg)
+    if any(sc.is_float for sc in (fcfg.scheme, *(sc for _, sc in fcfg.overrides))):
+        require_float8(f"{path} ({fcfg.scheme.weights} weights)")
     reader = CheckpointReader(path)
     model, names, swapped = quantized_skeleton(cfg, fmt, fcfg, reader, dtype)
     if not swapped:

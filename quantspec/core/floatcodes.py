@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import QuantspecError
+
 FP8_MAX = 448.0  # E4M3FN
 FP8_FNUZ_MAX = 240.0  # E4M3FNUZ (MI300, gfx942)
 FP4_MAX = 6.0  # E2M1
 E8M0_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+HAS_FLOAT8 = hasattr(torch, "float8_e4m3fn")  # torch >= 2.1 (pyproject asks for 2.4)
+
+
+def require_float8(what: str) -> None:
+    """Refuse ``what`` (an FP8 / FP4 scheme, an FP8 KV cache) on a torch without float8 dtypes,
+    whose casts every FP8 code and NVFP4 scale goes through."""
+    if not HAS_FLOAT8:
+        raise QuantspecError(f"{what} needs torch's float8 dtypes, which torch {torch.__version__} lacks.",
+                             "install torch >= 2.4 (pip install -U torch), or use an integer scheme (--bits).")
 
 
 def code_values(weights: str, device=None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ..strict import from_dict_strict, reject_unknown
 from ..core.kv_config import KVCacheConfig
 from .options import AWQOptions, CalibrationConfig, GPTQOptions, SmoothQuantOptions
 from .registry import METHODS, default_scheme
+from ..core.floatcodes import require_float8
 from ..core.scheme import QuantScheme
 
 
@@ -65,6 +66,10 @@ class Recipe:
                 f"KV-cache scales are written in compressed-tensors' kv_cache_scheme, not the {self.format!r} format.",
                 "use --format compressed-tensors with --kv-cache.",
             )
+        if self.scheme.is_float:
+            require_float8(f"{self.scheme.weights} weights")
+        if self.kv_cache is not None and self.kv_cache.kind == "fp8":
+            require_float8("an fp8 KV cache")
         if self.scheme.is_float and self.format != "compressed-tensors":
             raise QuantspecError(
                 f"{self.scheme.weights} weights cannot be written in the {self.format!r} format "
