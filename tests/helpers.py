@@ -137,6 +137,12 @@ def _moe_configs() -> dict[str, tuple[str, dict]]:
         "glm4_moe": ("Glm4MoeConfig", {**shared, "head_dim": 16}),
         "gpt_oss": ("GptOssConfig", {**local, "head_dim": 16, "sliding_window": 64}),
         "granitemoe": ("GraniteMoeConfig", local),
+        # not in MOE_ARCHS: its grouped o_a_proj (a Linear subclass with its own forward) stays dense
+        "deepseek_v4": ("DeepseekV4Config", {**experts, "n_routed_experts": 8, "moe_intermediate_size": 32,
+                                             "n_shared_experts": 1, "head_dim": 16, "num_key_value_heads": 1,
+                                             "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+                                             "qk_rope_head_dim": 8, "sliding_window": 64, "index_n_heads": 4,
+                                             "index_head_dim": 16}),
     }
 
 

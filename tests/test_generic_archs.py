@@ -90,3 +90,25 @@ def test_conv1d_models_get_a_clear_error_where_unsupported():
     with pytest.raises(QuantspecError, match="Conv1D") as err:
         make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
     assert "nn.Linear" in str(err.value)
+
+
+def test_linear_subclass_with_its_own_forward_stays_dense(tmp_path):
+    """DeepSeek-V4's grouped output projection subclasses nn.Linear but computes a block-diagonal bmm
+    over its weight's row groups. A quantized Linear computes x @ W.T, so swapping one in broke the
+    checkpoint (its forward fails on the grouped input). The layer stays dense, with the reason in
+    the report, and every plain Linear of the model (routed experts included) is quantized."""
+    import json
+
+    dense, folder, cal = _save(tmp_path, "deepseek_v4")
+    rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
+    outcome = quantspec.quantize(str(folder), rtn, tmp_path / "ckpt", progress=False, device="cpu")
+    report = json.loads((outcome.out / "quant_report.json").read_text())
+    grouped = {n: why for n, why in report["dense_layers"].items() if n.endswith("o_a_proj")}
+    assert len(grouped) == 2 and all("DeepseekV4GroupedLinear" in why and "own forward" in why
+                                     for why in grouped.values()), report["dense_layers"]
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    assert any(".experts." in n for n in q.quantspec_backends) and not any(n in q.quantspec_backends for n in grouped)
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1

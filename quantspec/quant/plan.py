@@ -10,6 +10,8 @@ The documented rule for a layer the format cannot hold with the recipe's scheme:
    Float schemes are never regrouped: their group sizes are fixed by the number format (NVFP4
    16, MXFP4 32, FP8 block 128x128), so such a layer stays dense (rule 2).
 2. Anything else the format cannot hold (AWQ and N not divisible by 8, say) stays dense.
+3. An nn.Linear subclass with its own forward (DeepSeek-V4's grouped ``o_a_proj``, a block-diagonal
+   bmm over its weight's row groups) stays dense: a quantized Linear computes x @ W.T + b only.
 
 Both are reported per layer in quant_report.json; nothing is dropped silently.
 """
@@ -54,6 +56,10 @@ def make_plan(
             continue
         if _matches(name, ignore):
             plan.dense[name] = "ignored by the recipe"
+            continue
+        if type(mod).forward is not nn.Linear.forward:
+            plan.dense[name] = (f"{type(mod).__name__} subclasses nn.Linear with its own forward (not x @ W.T + b), "
+                                "which a quantized Linear would not compute")
             continue
         n, k = mod.out_features, mod.in_features
         chosen, note = _fit(scheme, fmt, n, k)
