@@ -108,6 +108,14 @@ def capture_inputs(
                 model(input_ids=calib_ids[j : j + 1].to(device), use_cache=False)
             except StopBlock:
                 pass
+            except (TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+                raise QuantspecError(
+                    f"{type(model).__name__}'s forward failed with stand-ins for its decoder blocks "
+                    f"({type(exc).__name__}: {exc}): calibration passes each block's input on as its output, "
+                    "and this family's layer loop expects another return value from its blocks.",
+                    "quantize it with a data-free method (--method rtn), or declare its architecture "
+                    "(quantspec/quant/arch.py).",
+                ) from exc
     finally:
         for i, block in enumerate(originals):
             blocks[i] = block
