@@ -134,3 +134,60 @@ def test_a_layer_loop_that_unpacks_block_outputs_is_refused_in_one_line(tmp_path
         quantspec.quantize(str(tmp_path / "cpmant"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
     assert "--method rtn" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_block_that_checks_its_mask_batch_runs_sample_by_sample(tmp_path):
+    """XGLM's attention raises ValueError when its mask (captured for one sample) meets a batch:
+    GPTQ's one-batch pass took only a RuntimeError as "this block does not batch" and crashed.
+    It now runs such a block sample by sample and quantizes the model."""
+    import transformers
+
+    from helpers import make_tiny_tokenizer
+
+    config = transformers.XGLMConfig(vocab_size=320, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
+                                     max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / "xglm")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "xglm")
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    recipe = RECIPES["gptq"](CalibrationConfig(data=str(text), samples=4, seqlen=64))
+    outcome = quantspec.quantize(str(tmp_path / "xglm"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+
+
+def test_router_that_holds_its_linear_stays_dense(tmp_path):
+    """HunYuan-MoE's router is a module (``mlp.gate``) holding a Linear ``wg``, and the model reads
+    ``wg.weight.dtype`` in its forward. The router rule named only ``mlp.gate``, so ``wg`` was
+    quantized where the format could hold it (NVFP4), and the checkpoint failed in its first forward
+    (a quantized Linear has no ``weight``). Every Linear inside a router now stays dense, reported as
+    the router."""
+    import json
+
+    import transformers
+
+    from helpers import make_tiny_tokenizer
+    from quantspec.core.scheme import SCHEME_PRESETS
+
+    config = transformers.HunYuanMoEV1Config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_experts=4, moe_topk=2, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / "hunyuan")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "hunyuan")
+    recipe = Recipe(name="t", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["nvfp4"])
+    outcome = quantspec.quantize(str(tmp_path / "hunyuan"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    report = json.loads((outcome.out / "quant_report.json").read_text())["dense_layers"]
+    assert all("MoE router" in report[f"model.layers.{i}.mlp.gate.wg"] for i in (0, 1)), report
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    assert any(".experts." in n for n in q.quantspec_backends)
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1

@@ -306,7 +306,9 @@ def fused_experts_left(model: nn.Module) -> dict[str, str]:
 
 
 def router_names(model: nn.Module) -> dict[str, str]:
-    """{name: reason} of the routers (and shared-expert gates) beside each experts module."""
+    """{name: reason} of the routers (and shared-expert gates) beside each experts module: the
+    router itself, or where it is a module of its own (HunYuan's gate holds a Linear ``wg``),
+    every Linear inside it."""
     layout = layout_of(model)
     out = {}
     for name, mod in model.named_modules():
@@ -315,10 +317,12 @@ def router_names(model: nn.Module) -> dict[str, str]:
             for r in layout.routers:
                 full = f"{parent}.{r}" if parent else r
                 try:
-                    model.get_submodule(full)
+                    router = model.get_submodule(full)
                 except AttributeError:
                     continue
-                out[full] = "MoE router: kept dense (it picks the experts; engines keep it unquantized)"
+                inner = [f"{full}.{n}" if n else full for n, m in router.named_modules() if isinstance(m, nn.Linear)]
+                for n in inner or [full]:
+                    out[n] = "MoE router: kept dense (it picks the experts; engines keep it unquantized)"
     return out
 
 

@@ -185,7 +185,8 @@ class GPTQMethod(BlockMethod):
         if key not in self._batches:  # does the block treat the samples of a batch independently?
             try:
                 both = block_outputs(block, inputs[:2], kwargs)
-            except RuntimeError:  # kwargs made for one sample (Bloom's alibi is [heads, 1, L])
+            except (RuntimeError, ValueError):  # kwargs made for one sample (Bloom's alibi is [heads, 1, L];
+                # XGLM checks its attention mask's batch size)
                 self._batches[key] = False
                 return False
             each = torch.cat([block_outputs(block, inputs[j : j + 1], kwargs) for j in range(2)])
