@@ -104,7 +104,7 @@ def test_linear_subclass_with_its_own_forward_stays_dense(tmp_path):
     outcome = quantspec.quantize(str(folder), rtn, tmp_path / "ckpt", progress=False, device="cpu")
     report = json.loads((outcome.out / "quant_report.json").read_text())
     grouped = {n: why for n, why in report["dense_layers"].items() if n.endswith("o_a_proj")}
-    assert len(grouped) == 2 and all("DeepseekV4GroupedLinear" in why and "own forward" in why
+    assert len(grouped) == 2 and all("DeepseekV4GroupedLinear" in why and "not x @ W.T + b" in why
                                      for why in grouped.values()), report["dense_layers"]
     q = quantspec.load_quantized(outcome.out, backend="reference")
     assert any(".experts." in n for n in q.quantspec_backends) and not any(n in q.quantspec_backends for n in grouped)
@@ -191,3 +191,46 @@ def test_router_that_holds_its_linear_stays_dense(tmp_path):
     with torch.no_grad():
         a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
     assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+
+
+def test_model_code_reading_a_quantized_weight_dtype_runs(tmp_path):
+    """HY-V4's sparse-attention indexer (as DeepSeek-V3.2's) runs ``weights_proj(x.to(
+    weights_proj.weight.dtype))``: the loaded checkpoint failed in its first forward with
+    "'QuantLinear' object has no attribute 'weight'". A quantized Linear's ``weight`` now reads as a
+    stand-in of the layer's shape, compute dtype and device, and the model runs."""
+    from transformers import CONFIG_MAPPING
+
+    from helpers import make_tiny_tokenizer
+
+    config = CONFIG_MAPPING["hy_v4"](
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, moe_intermediate_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    import transformers
+
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / "hy")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "hy")
+    rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
+    outcome = quantspec.quantize(str(tmp_path / "hy"), rtn, tmp_path / "ckpt", progress=False, device="cpu")
+    q = quantspec.load_quantized(outcome.out, backend="reference")
+    assert any(n.endswith("weights_proj") for n in q.quantspec_backends)
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+
+
+def test_linear_subclass_that_computes_a_linear_is_quantized():
+    """Falcon's FalconLinear overrides forward with ``x @ W.T + b``: quantized like nn.Linear (the
+    rule that keeps DeepSeek-V4's grouped projection dense looks at what a forward computes)."""
+    from quantspec.formats import get_format
+    from quantspec.quant.plan import make_plan
+
+    model = tiny_model("falcon")
+    plan = make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
+    falcon = [n for n, m in model.named_modules() if type(m).__name__ == "FalconLinear"]
+    assert falcon and all(n in plan.quantize for n in falcon), plan.dense

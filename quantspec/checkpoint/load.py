@@ -158,6 +158,7 @@ def load_quantized(
     backends = {}
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
+            mod.layer_name = name
             backends[name] = mod.prepare(backend)
     model.quantspec_backends = backends
     from ..kernels.cpu_moe import attach_cpu_token

@@ -22,6 +22,7 @@ from ..errors import QuantspecError
 from ..formats import get_format
 from ..core.scheme import QuantResult, QuantScheme
 from .backend import choose_backend, get_backend
+from .weight_stand_in import weight_stand_in
 
 
 def _move_only(fn, t: torch.Tensor) -> torch.Tensor:
@@ -58,11 +59,14 @@ class QuantLinear(nn.Module):
         self._prepared_names: list[str] = []
         self._prepared_cache: dict[str, torch.Tensor] | None = None
         self._runner = None
+        self.layer_name = ""  # its name in the model (load_quantized sets it), for error messages
         self._released_backend: str | None = None  # what release_prepared() dropped
 
+    def format_names(self) -> list[str]:
+        return list(get_format(self.fmt).tensor_specs(self.scheme, self.out_features, self.in_features))
+
     def format_tensors(self) -> dict[str, torch.Tensor]:
-        names = get_format(self.fmt).tensor_specs(self.scheme, self.out_features, self.in_features)
-        return {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in self.format_names()}
 
     def quant_result(self) -> QuantResult:
         return get_format(self.fmt).unpack(
@@ -163,6 +167,19 @@ class QuantLinear(nn.Module):
                 "reload it and cast to a dtype that backend runs (fp32, bf16 or fp16), or load "
                 "with backend='reference', which runs every dtype.",
             )
+
+    def __getattr__(self, name: str):
+        """nn.Module's lookup (parameters, buffers, submodules); then, where the format has no tensor
+        called ``weight``, a stand-in for model code that reads the weight's shape, dtype (the
+        compute dtype) or device; computing with it raises (``weight_stand_in.py``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight" or "fmt" not in self.__dict__ or "weight" in self.format_names():
+                raise
+        device = next((t.device for t in self.format_tensors().values()), torch.device("cpu"))
+        layer = self.layer_name or f"a {self.out_features}x{self.in_features} quantized Linear"
+        return weight_stand_in(layer, self.out_features, self.in_features, self.compute_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend_name is None:

@@ -10,8 +10,9 @@ The documented rule for a layer the format cannot hold with the recipe's scheme:
    Float schemes are never regrouped: their group sizes are fixed by the number format (NVFP4
    16, MXFP4 32, FP8 block 128x128), so such a layer stays dense (rule 2).
 2. Anything else the format cannot hold (AWQ and N not divisible by 8, say) stays dense.
-3. An nn.Linear subclass with its own forward (DeepSeek-V4's grouped ``o_a_proj``, a block-diagonal
-   bmm over its weight's row groups) stays dense: a quantized Linear computes x @ W.T + b only.
+3. An nn.Linear subclass whose forward is not x @ W.T + b (DeepSeek-V4's grouped ``o_a_proj``, a
+   block-diagonal bmm over its weight's row groups) stays dense: a quantized Linear computes
+   x @ W.T + b only. A subclass whose forward computes it (Falcon's FalconLinear) is quantized.
 
 Both are reported per layer in quant_report.json; nothing is dropped silently.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QuantspecError
@@ -57,8 +60,8 @@ def make_plan(
         if _matches(name, ignore):
             plan.dense[name] = "ignored by the recipe"
             continue
-        if type(mod).forward is not nn.Linear.forward:
-            plan.dense[name] = (f"{type(mod).__name__} subclasses nn.Linear with its own forward (not x @ W.T + b), "
+        if not _computes_linear(mod):
+            plan.dense[name] = (f"{type(mod).__name__} subclasses nn.Linear with a forward that is not x @ W.T + b, "
                                 "which a quantized Linear would not compute")
             continue
         n, k = mod.out_features, mod.in_features
@@ -85,6 +88,27 @@ def make_plan(
             "check the recipe's targets/ignore, scheme and format.",
         )
     return plan
+
+
+def _computes_linear(mod: nn.Linear) -> bool:
+    """Whether ``mod`` computes x @ W.T + b: nn.Linear's own forward, or a subclass's forward that
+    gives F.linear's result on a probe of 3 rows (Falcon's FalconLinear does; DeepSeek-V4's grouped
+    o_a_proj, a block-diagonal bmm, does not). Weights on the meta device: the output shape only."""
+    if type(mod).forward is nn.Linear.forward:
+        return True
+    w = mod.weight
+    x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    try:
+        with torch.no_grad():
+            got, want = mod(x), F.linear(x, w, mod.bias)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    if got.shape != want.shape:
+        return False
+    if w.is_meta:
+        return True
+    tol = 1e-5 if w.dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))))
 
 
 def _fit(scheme: QuantScheme, fmt, n: int, k: int) -> tuple[QuantScheme | None, str]:
