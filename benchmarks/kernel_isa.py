@@ -44,6 +44,11 @@ def cases(targets: list[str], families: list[str], every: bool = False):
             return aot.launch_candidates(family, target, variant, preshuffled)
         return [aot.first_config(family, target, variant, preshuffled=preshuffled)]
 
+    def float_configs(family, target, variant):  # every: M <= 16's and larger M's tiles; else M 256's first
+        if every:
+            return aot.launch_candidates(family, target, variant)
+        return aot.launch_candidates(family, target, variant, m_key=256)[:1]
+
     for target in targets:
         for family in families:
             if family in ("gemv", "small_m", "large_m"):
@@ -91,18 +96,16 @@ def cases(targets: list[str], families: list[str], every: bool = False):
             elif family == "moe":
                 cfg = triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=1)
                 yield family, "bf16-w4g128", target, cfg, lambda t=target: aot.compile_moe("bf16", 4, False, t)
-            elif family == "fp":
-                from quantspec.kernels.triton import fp_gemm
-
-                cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
-                for act, kind, name in (("bf16", 0, "bf16-fp8"), ("fp16", 1, "fp16-nvfp4")):
-                    yield family, name, target, cfg, lambda a=act, k=kind, t=target: aot.compile_fp(a, k, t)
-            elif family == "fp8":  # W8A8 on fp8 tl.dot (the target's flavour)
-                from quantspec.kernels.triton import fp8_w8a8
-
-                cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
-                for grouped, name in ((False, "bf16-fp8-dynamic"), (True, "bf16-fp8-block")):
-                    yield family, name, target, cfg, lambda g=grouped, t=target: aot.compile_fp8("bf16", g, t)
+            elif family == "fp":  # fp_gemm.py, the "fp_dot" configs an untuned launch at M 256 runs
+                for variant in ("bf16-fp8-channel", "fp16-nvfp4"):
+                    for cfg in float_configs("fp_dot", target, variant):
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                               aot.compile_path("fp_dot", t, v, c))
+            elif family == "fp8":  # W8A8 on fp8 tl.dot (the target's flavour; "fp8_w8a8" configs)
+                for variant in ("bf16-fp8-channel", "bf16-fp8-block"):
+                    for cfg in float_configs("fp8_w8a8", target, variant):
+                        yield (family, variant, target, cfg, lambda v=variant, t=target, c=cfg:
+                               aot.compile_path("fp8_w8a8", t, v, c))
 
 
 def markdown(result: dict) -> str:

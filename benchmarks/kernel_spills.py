@@ -5,10 +5,12 @@ kernel_isa.py reads each path's first config; the autotuner may pick any config 
 the launch's pruning (``prune.candidates``: tiles that fit the launch, the group-aligned ones
 where any is, fp32 operands on the FMA tiles). This compiles each of them, per target, kernel
 family and scheme variant (``aot.launch_candidates``; small_m at M_KEY 32, so both BLOCK_M), and
-lists those that spill (local memory / stack bytes on NVIDIA, VGPR/SGPR spills on AMD).
+lists those that spill (local memory / stack bytes on NVIDIA, VGPR/SGPR spills on AMD). The float
+kernels' families fp_dot (fp_gemm.py) and fp8_w8a8 (fp8_w8a8.py) are compiled per variant of
+``aot.FP_VARIANTS`` / ``aot.FP8_VARIANTS``, each candidate at M <= 16 (BLOCK_M 16) and above.
 
     python benchmarks/kernel_spills.py                 # writes benchmarks/results/kernel-spills.{md,json}
-    python benchmarks/kernel_spills.py --targets sm90 --families large_m
+    python benchmarks/kernel_spills.py --targets sm90 --families large_m --out /tmp/spills
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def cases(targets: list[str], families: list[str]):
 
     for target in targets:
         for family in families:
+            if family in aot.FLOAT_VARIANTS:  # fp_dot / fp8_w8a8: both tile sets (aot.FLOAT_M_KEYS)
+                for variant in aot.FLOAT_VARIANTS[family]:
+                    for cfg in aot.launch_candidates(family, target, variant):
+                        yield target, family, variant, cfg, None
+                continue
             for variant in aot.WQ_VARIANTS:
                 layouts = [None]  # the launcher's default layout
                 if family in ("small_m", "large_m", "gemv_preshuffled") and aot.layout_reason(variant) is None:
@@ -50,8 +57,7 @@ def compile_row(target: str, family: str, variant: str, cfg, layout) -> dict:
     fam = "gemv_packed" if family == "gemv" and aot.packed_variant(variant, target) else family
     try:
         kernel = aot.compile_path(fam, target, variant, cfg, preshuffled=layout)
-        use = aot.machine_code(kernel, target, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
-        row.update(registers=use["registers"], spills=use["spills"], shared_bytes=use["shared_bytes"])
+        row.update(aot.resource_usage(kernel, target))  # registers, spills, shared_bytes
     except aot.SharedMemoryExceeded as exc:  # the launcher's autotuner skips a config that cannot launch
         row["skipped"] = f"shared memory: {str(exc).splitlines()[0][:120]}"
     except Exception as exc:  # a config that does not compile is a result too
@@ -70,7 +76,8 @@ def markdown(result: dict) -> str:
              f"Triton {result['triton']}; command: `{result['command']}`. Raw data: {result['name']}.json. "
              "Every config `prune.candidates` keeps for a launch (per target, family, scheme variant and qweight "
              "layout: the launcher's default, GPTQ, mma16x64, and on AMD mfma16x128, where layout.py holds the "
-             "variant; TritonBackend gives an NVIDIA GPU mma16x64 for mfma16x128), "
+             "variant; TritonBackend gives an NVIDIA GPU mma16x64 for mfma16x128; the float kernels' fp_dot and "
+             "fp8_w8a8 per variant of aot.FP_VARIANTS / FP8_VARIANTS, at M <= 16 and above), "
              "compiled and read as in kernel-isa.md.", "",
              f"**{len(compiled)} configs compiled, {len(spilling)} spill**; "
              f"{sum('error' in r for r in rows)} did not compile, "
@@ -98,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default="sm90,gfx942")
-    p.add_argument("--families", default="gemv,gemv_preshuffled,small_m,large_m")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--families", default="gemv,gemv_preshuffled,small_m,large_m,fp_dot,fp8_w8a8")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
     p.add_argument("--name", default="kernel-spills")
     args = p.parse_args(argv)
     rows = []

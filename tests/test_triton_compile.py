@@ -6,8 +6,10 @@ Triton ships the NVIDIA (ptxas) and AMD (lld) back ends in its wheel, so ``trito
 with a ``GPUTarget`` builds a cubin / hsaco here. The interpreter tests check the arithmetic;
 these check what the interpreter cannot: that every code path lowers to real GPU code (tl.dot
 operand types, int8 accumulators, layouts of the reshapes, register-held tiles). The default
-run compiles every code path with the first config of each family; ``-m exhaustive`` compiles
-every path and every config of every family and target.
+run compiles every code path with the first config of each family (the float kernels' families
+fp_dot and fp8_w8a8: the first config per variant and tile class, spill-free, on sm90 and gfx942);
+``-m exhaustive`` compiles every path and every config of every family and target
+(benchmarks/kernel_spills.py records registers and spills of them all).
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ def test_w8a8_compiles(target_name):
 @pytest.mark.parametrize("target_name", list(TARGETS))
 @pytest.mark.parametrize("family", configs.FAMILIES)
 def test_every_config_compiles(family, target_name):
+    if family in aot.FLOAT_VARIANTS:  # every (variant, config) a launch runs, as kernel_spills.py
+        if family == "fp8_w8a8" and target_name == "sm80":
+            pytest.skip("fp8 tl.dot needs sm89+")
+        for variant in aot.FLOAT_VARIANTS[family]:
+            for cfg in aot.launch_candidates(family, target_name, variant):
+                aot.compile_path(family, target_name, variant, cfg)
+        return
     variant = "bf16-w8pc" if family == "gemv" else "fp16-w4g128-sym"  # gemv: the fp32 GEMV's configs
     for cfg in configs.configs_for(family, aot.target_key(target_name)):
         aot.compile_path(family, target_name, variant, cfg)
@@ -66,11 +75,71 @@ def test_grouped_moe_kernel_compiles(act, bits, zeros, target_name):
     assert _binary(aot.compile_moe(act, bits, zeros, target_name), target_name)
 
 
-@pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
-@pytest.mark.parametrize("act,kind", [("bf16", 0), ("fp16", 1), ("fp32", 1)])
-def test_float_weight_only_kernel_compiles(act, kind, target_name):
-    """FP8 / FP4 weight-only (kernels/triton/fp_gemm.py) with its fixed GPU tiles."""
-    assert _binary(aot.compile_fp(act, kind, target_name), target_name)
+# The float families' variants, in the order a config takes its variant below: 16-bit tiles the
+# heavier path (FP4: two dots and decodes a tile; FP8 block: two fp32 tiles), the rest their own
+FLOAT_ORDER = {"fp_dot": ("fp16-nvfp4", "fp32-fp8-channel", "fp32-nvfp4"),
+               "fp8_w8a8": ("bf16-fp8-block", "bf16-fp8-channel")}
+
+
+def _float_config_cases(family: str):
+    """Every config of a float family's list for sm90 and gfx942, once each, with the first
+    variant of FLOAT_ORDER whose launch may run it (``aot.launch_candidates``: M <= 16 and above).
+    benchmarks/kernel_spills.py compiles every (variant, config) pair."""
+    for target_name in ("sm90", "gfx942"):
+        runs = {v: {str(c) for c in aot.launch_candidates(family, target_name, v)} for v in FLOAT_ORDER[family]}
+        seen = set()  # the default run: each list's first config per BLOCK_M class (16 rows, more), per variant
+        for i, cfg in enumerate(configs.configs_for(family, aot.target_key(target_name))):
+            variant = next((v for v in FLOAT_ORDER[family] if str(cfg) in runs[v]), None)
+            first = (variant, cfg.kwargs["BLOCK_M"] <= 16) not in seen
+            seen.add((variant, cfg.kwargs["BLOCK_M"] <= 16))
+            yield pytest.param(target_name, variant, i, id=f"{target_name}-{i}-{variant}",
+                               marks=() if first else pytest.mark.exhaustive)
+
+
+def _compiled_spill_free(family: str, target_name: str, variant: str | None, index: int):
+    assert variant is not None, "a config no launch runs"
+    cfg = configs.configs_for(family, aot.target_key(target_name))[index]
+    kernel = aot.compile_path(family, target_name, variant, cfg)
+    use = aot.resource_usage(kernel, target_name)
+    assert use["spills"] == 0 and use["registers"] > 0, (str(cfg), use)
+    return kernel, cfg
+
+
+@pytest.mark.parametrize("target_name,variant,index", list(_float_config_cases("fp_dot")))
+def test_float_weight_only_kernel_compiles(target_name, variant, index):
+    """FP8 / FP4 weight-only (kernels/triton/fp_gemm.py): every config of the target's "fp_dot"
+    list compiles as a launch runs it (16-bit tiles on NVFP4, the FMA tiles on fp32 x) with no
+    spills (the former fixed 64 x 64 x 64 spilled 4400-5024 bytes on sm90 with fp32 x)."""
+    kernel, _ = _compiled_spill_free("fp_dot", target_name, variant, index)
+    assert _binary(kernel, target_name)
+
+
+@pytest.mark.parametrize("family", ["fp_dot", "fp8_w8a8"])
+def test_float_families_have_a_list_per_vendor(family):
+    """The float kernels' configs differ per vendor: NVIDIA deeper pipelines on sm90 than sm89;
+    AMD num_stages 2, 16x16 MFMA, waves_per_eu, every option one the installed Triton's HIP
+    backend takes (HIPOptions accepts them), kpack 2 only for fp_dot's fp16 / bf16 operands (not
+    on fp8 operands, nor on gfx950), and a 4-warp first config (autotune=False) for M > 16."""
+    from triton.backends.amd.compiler import HIPOptions
+
+    sm90, sm89 = (configs.configs_for(family, ("cuda", arch)) for arch in ("90", "89"))
+    hip, gfx950 = (configs.configs_for(family, ("hip", arch)) for arch in ("gfx942", "gfx950"))
+    assert [str(c) for c in sm90] != [str(c) for c in hip]
+    assert max(c.num_stages for c in sm90) > max(c.num_stages for c in sm89) >= 3
+    assert {c.num_stages for c in hip} == {2}
+    meta = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}
+    for c in hip + gfx950:
+        opts = {k: v for k, v in c.kwargs.items() if k not in meta}
+        assert set(opts) <= configs.hip_options(), opts
+        HIPOptions(arch="gfx942", num_warps=c.num_warps, num_stages=c.num_stages, **opts)
+    tl_dot = [c for c in hip if c.kwargs["BLOCK_K"] >= 64]  # not the FMA tiles (fp32 x)
+    assert all(c.kwargs["matrix_instr_nonkdim"] == 16 for c in tl_dot)
+    assert any(c.kwargs["waves_per_eu"] for c in tl_dot)
+    kpack = {c.kwargs.get("kpack") for c in tl_dot}
+    assert kpack == ({2} if family == "fp_dot" else {None})
+    assert all(c.kwargs.get("kpack", 1) == 1 for c in gfx950)
+    first = next(c for c in hip if c.kwargs["BLOCK_M"] > 16)
+    assert first is hip[0] and first.num_warps == 4 and first.kwargs["BLOCK_M"] * first.kwargs["BLOCK_N"] <= 128 * 128
 
 
 @pytest.mark.parametrize("target_name", ["sm90", "gfx942"])
@@ -95,10 +164,9 @@ def test_the_w8a8_paths_do_not_spill(path, target_name):
     if path == "int8":
         cfg = aot.first_config("w8a8", target_name)
         kernel = aot.compile_path("w8a8", target_name, "", cfg)
-    else:
-        from quantspec.kernels.triton import fp8_w8a8
-
-        cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
+    else:  # the first "fp8_w8a8" config an untuned launch at M 256 runs (what compile_fp8 builds)
+        variant = "bf16-fp8-block" if path == "fp8-block" else "bf16-fp8-channel"
+        cfg = aot.launch_candidates("fp8_w8a8", target_name, variant, m_key=256)[0]
         kernel = aot.compile_fp8("bf16", path == "fp8-block", target_name)
     code = aot.machine_code(kernel, target_name, cfg, cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"])
     assert code["spills"] == 0, code
@@ -139,6 +207,21 @@ def test_fp8_w8a8_compiles(grouped, target_name):
     else:
         assert re.search(r"v_mfma_f32_\w+_fp8_fp8", kernel.asm["amdgcn"]), "no fp8 MFMA in the AMDGCN"
     aot.compile_fp8_quant("bf16", target_name)
+
+
+@pytest.mark.parametrize("target_name,variant,index", list(_float_config_cases("fp8_w8a8")))
+def test_fp8_w8a8_configs_compile_spill_free(target_name, variant, index):
+    """Every config of the target's "fp8_w8a8" list, on the grouped (FP8 block) path where it
+    launches there (BLOCK_K 128, ``prune.GROUPED_TILE_PER_WARP``), else per channel: no spills,
+    and the MMA: gfx942 the FNUZ fp8 MFMA; sm90 wgmma on e4m3 operands, except the 16-row tiles
+    (M <= 16), where Triton takes mma.sync (MMAv2) and converts the fp8 operands to fp16 (exact)."""
+    kernel, cfg = _compiled_spill_free("fp8_w8a8", target_name, variant, index)
+    if target_name == "gfx942":
+        assert re.search(r"v_mfma_f32_\w+_fp8_fp8", kernel.asm["amdgcn"]), "no fp8 MFMA"
+    elif cfg.kwargs["BLOCK_M"] >= 64:
+        assert re.search(r"wgmma\.mma_async\.sp?\S*\.e4m3\.e4m3", kernel.asm["ptx"]), "no fp8 wgmma"
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in kernel.asm["ptx"]
 
 
 # The packed GEMV (M <= 2, fp16 / bf16 x, 4-bit fields) in the first config: the main loop's
@@ -428,3 +511,14 @@ def test_stores_address_in_int64(split_k):
     assert _store_offset_types(ttir) == ["i64"]
     assert re.search(r"tt\.addptr %\S+, %\S+ : tensor<1024x!tt\.ptr<f32>>, tensor<1024xi64>", ttir), \
         "partials read with int32 offsets"
+
+
+@pytest.mark.parametrize("target,flavour", [
+    (("hip", "gfx942"), "e4m3fnuz"), (("hip", "gfx940"), "e4m3fnuz"), (("hip", "gfx950"), "e4m3fn"),
+    (("cuda", "90"), "e4m3fn"), (("cuda", "89"), "e4m3fn"), (("cuda", "100"), "e4m3fn")])
+def test_fp8_flavour_per_target(target, flavour):
+    """MI300 (gfx94x) multiplies E4M3FNUZ (bias 8, max 240); MI355 (gfx950) and NVIDIA take OCP E4M3FN:
+    the W8A8 kernel's activation codes and the prepared weights follow this choice."""
+    from quantspec.kernels.triton.fp8_w8a8 import FP8_FORMATS, fp8_format
+
+    assert fp8_format(target) == flavour and FP8_FORMATS[flavour] == (240.0 if flavour == "e4m3fnuz" else 448.0)

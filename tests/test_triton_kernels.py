@@ -730,6 +730,53 @@ def test_gpu_every_config_of_the_target(family, index, monkeypatch):
                 check_close(y, y_ref, dtype, GPU_TOL)
 
 
+FLOAT_GPU_PATHS = {  # family -> (preset, the launch's constexprs, activation dtypes)
+    "fp_dot": [(p, {"KIND": kind, "DOT_F32": dt == torch.float32}, dt)
+               for p, kind in (("fp8-weight", 0), ("fp8-block-weight", 0), ("nvfp4", 1), ("mxfp4", 1))
+               for dt in (torch.float32, torch.float16, torch.bfloat16)],
+    "fp8_w8a8": [(p, {"GROUPED": p == "fp8-block"}, torch.bfloat16)
+                 for p in ("fp8-dynamic", "fp8-static", "fp8-block")],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("fp_dot", "fp8_w8a8"))
+@pytest.mark.parametrize("index", range(16))
+def test_gpu_every_float_config_of_the_target(family, index, monkeypatch):
+    """Config ``index`` of a float family's list for this GPU, alone (autotune=False), on every
+    scheme path and dtype a launch may run it on (``prune.fits``: M 9 for its 16-row tiles, 300
+    above; fp32 x on the FMA tiles; the FP8 block path where it fits), against the reference: N
+    off every tile, K off the tile where the scheme allows (not the 128-column blocks)."""
+    mods = _gpu()
+    from quantspec.core.scheme import SCHEME_PRESETS
+    from quantspec.kernels.triton import configs
+
+    real = configs.configs_for
+    cfgs = real(family, configs.current_target())
+    if index >= len(cfgs):
+        pytest.skip(f"the {family} list has {len(cfgs)} configs")
+    cfg = cfgs[index]
+    monkeypatch.setattr(configs, "configs_for", lambda fam, tgt: [cfg] if fam == family else real(fam, tgt))
+    m = 9 if cfg.kwargs["BLOCK_M"] == 16 else 300
+    backend = mods.backend.TritonBackend(autotune=False)
+    ran = 0
+    for preset, meta, dtype in FLOAT_GPU_PATHS[family]:
+        if not mods.prune.fits(family, cfg, configs.m_key(m), meta):
+            continue
+        for n, k in ((1000, 1024), (520, 1024 if "block" in preset else 1056)):
+            g = torch.Generator().manual_seed(n + k)
+            x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, k)[None, :]).to(dtype)
+            if family == "fp8_w8a8":
+                r = _fp8_w8a8_result(preset, n, k, x, g)
+            else:
+                r = rtn(torch.randn(n, k, generator=g), SCHEME_PRESETS[preset])
+            b = torch.randn(n, generator=g).to(dtype)
+            y, y_ref = run_both(backend, r, x.cuda(), b.cuda())
+            check_close(y, y_ref, dtype, GPU_TOL)
+            ran += 1
+    assert ran, f"no scheme path runs {cfg}"
+
+
 @interp
 @pytest.mark.parametrize("preshuffled", [False, True])
 def test_moe_experts_run_on_the_triton_backend(tk, monkeypatch, preshuffled):

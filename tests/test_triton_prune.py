@@ -1,5 +1,6 @@
 """Which configs a weight-only launch may run (kernels/triton/prune.py), the autotuner's key, and
-that the candidates of the paths that spilled before compile spill-free (no GPU: compiled here)."""
+that the candidates of the paths that spilled before compile spill-free (no GPU: compiled here);
+the same for the float kernels' families (fp_dot, fp8_w8a8)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,80 @@ def test_chosen_configs_lists_what_each_autotuner_picked(monkeypatch):
     small = configs.configs_for("small_m", ("cuda", "90"))[0]
     monkeypatch.setattr(configs, "_TUNERS", [("small_m", Tuner({(16, 4096, 4096): small})), ("gemv", Tuner({}))])
     assert configs.chosen_configs() == {"small_m (16, 4096, 4096)": str(small)}
+
+
+# ---- the float kernels' families (fp_gemm.py: fp_dot; fp8_w8a8.py: fp8_w8a8) ----
+
+FLOAT_TARGETS = (("cuda", "90"), ("cuda", "89"), ("hip", "gfx942"), ("hip", "gfx950"))
+
+
+@pytest.mark.parametrize("target", FLOAT_TARGETS)
+@pytest.mark.parametrize("family", ["fp_dot", "fp8_w8a8"])
+def test_every_float_launch_keeps_configs_that_fit(family, target):
+    """Every scheme path and M bucket keeps configs (autotune=False runs the first): BLOCK_M 16
+    exactly for M <= 16 (the former fixed tiles' rule); fp_dot's fp32 x the FMA tiles (a tl.dot K
+    of 16: BLOCK_K 16 for FP8, 32 for FP4's two half-tile dots), 16-bit x BLOCK_K 64 / 128 (an FP4
+    half tile of whole NVFP4 / MXFP4 groups); the FP8 block path BLOCK_K 128, per channel 128 / 256."""
+    cfgs = configs.configs_for(family, target)
+    for variant in aot.FLOAT_VARIANTS[family]:
+        meta = aot.float_constexprs(family, variant)
+        for m in (1, 16, 17, 256, 5000):
+            m_key = configs.m_key(m)
+            cands = prune.candidates(family, cfgs, m_key, meta)
+            assert cands and all(prune.fits(family, c, m_key, meta) for c in cands), (variant, m)
+            assert all((c.kwargs["BLOCK_M"] == 16) == (m <= 16) for c in cands)
+            bks = {c.kwargs["BLOCK_K"] for c in cands}
+            if family == "fp8_w8a8":
+                assert bks == {128} if meta["GROUPED"] else bks <= {128, 256}
+            elif meta["DOT_F32"]:
+                assert bks == {prune.FMA_BLOCK_K << meta["KIND"]}
+            else:
+                assert bks <= {64, 128}
+
+
+def test_the_fp8_block_path_prunes_tiles_that_spilled():
+    """Two fp32 tiles a thread on the grouped path: sm90's 128 x 256 on 8 warps (256 bytes of
+    spills) and gfx942's 128 x 128 on 4 (waves_per_eu 2: 14 VGPRs) run per channel only."""
+    for target, tile in ((("cuda", "90"), (128, 256, 8)), (("hip", "gfx942"), (128, 128, 4))):
+        cfg = next(c for c in configs.configs_for("fp8_w8a8", target)
+                   if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) == tile)
+        assert prune.fits("fp8_w8a8", cfg, 256, {"GROUPED": False})
+        assert not prune.fits("fp8_w8a8", cfg, 256, {"GROUPED": True})
+
+
+def test_float_autotune_keys_name_the_scheme():
+    """The float launchers' keys: the M bucket and the scheme's constexprs, every name an argument
+    of the kernel (Triton 3.9's autotune refuses others); the autotuner's prune takes the launch."""
+    from quantspec.kernels.triton import fp8_w8a8, fp_gemm
+
+    launchers = ((fp_gemm._fp_dot_kernel, fp_gemm.AUTOTUNE_KEY, ("KIND", "GROUP", "DOT_F32"), "fp_dot"),
+                 (fp8_w8a8._fp8_dot_kernel, fp8_w8a8.AUTOTUNE_KEY, ("GROUPED",), "fp8_w8a8"))
+    for kernel, key, scheme, family in launchers:
+        assert set(key) <= set(kernel.arg_names) and {"M_KEY", "N", "K", *scheme} <= set(key)
+        cfgs = configs.configs_for(family, ("cuda", "90"))
+        prune_by = {"early_config_prune": prune.PRUNE[family]}
+        triton.autotune(configs=cfgs, key=list(key), prune_configs_by=prune_by)(kernel)  # refuses unknown names
+        meta = aot.float_constexprs(family, next(iter(aot.FLOAT_VARIANTS[family])))
+        kept = prune.PRUNE[family](cfgs, {"M_KEY": 1}, **meta)
+        assert kept and all(c.kwargs["BLOCK_M"] == 16 for c in kept)
+    assert [configs.m_key(m) for m in (1, 2, 3, 16, 17, 300, 10**6)] == [1, 2, 4, 16, 32, 512, configs.M_KEY_MAX]
+
+
+def test_untuned_float_launch_runs_the_first_fitting_config(monkeypatch):
+    """prune.launch with autotune=False (TritonBackend(autotune=False)): the target's first config
+    that fits, HIP options included, as launch options."""
+    launched = []
+
+    class Kernel:  # records what a launch passes
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw)
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "current_target", lambda: ("hip", "gfx942"))
+    prune.launch("fp8_w8a8", Kernel(), None, (), {"GROUPED": True, "HAS_BIAS": False}, 256, False, ())
+    fp4 = {"KIND": 1, "GROUP": 16, "HAS_BIAS": False, "DOT_F32": False}
+    prune.launch("fp_dot", Kernel(), None, (), fp4, 8, False, ())
+    big, small = launched
+    assert (big["BLOCK_M"], big["BLOCK_N"], big["BLOCK_K"], big["num_warps"]) == (128, 128, 128, 8)
+    assert big["matrix_instr_nonkdim"] == 16 and "kpack" not in big and big["num_stages"] == 2
+    assert small["BLOCK_M"] == 16 and small["BLOCK_K"] >= 64 and small["kpack"] == 2 and small["KIND"] == 1

@@ -231,11 +231,11 @@ class TritonBackend:
             bias = bias.contiguous()
         if "f8weight" in prepared:
             y = fp8_linear(x2, prepared["f8weight"], prepared["f8scale"], bias, self._fp8_format(),
-                           grouped=scheme.is_block, static_scale=prepared.get("input_scale"))
+                           grouped=scheme.is_block, static_scale=prepared.get("input_scale"), autotune=self.autotune)
         elif scheme.is_float:
             fp8 = scheme.weights == "fp8"
             y = fp_linear(x2, prepared["fcodes"], prepared["fscales"], bias, FP8 if fp8 else FP4,
-                          PER_CHANNEL_GROUP if scheme.group_size == -1 else scheme.group_size)
+                          PER_CHANNEL_GROUP if scheme.group_size == -1 else scheme.group_size, self.autotune)
         else:  # int8-token-dynamic
             y = w8a8_linear(x2, prepared["qweight"], prepared["wscale"], bias, self.autotune)
         return y.reshape(*lead, out_features)

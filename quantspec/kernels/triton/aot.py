@@ -5,7 +5,10 @@ a ``GPUTarget`` builds a cubin / hsaco on any machine. ``compile_path(family, ta
 config)`` builds one code path (a kernel family, a scheme variant, a config) the way the
 launchers specialize it; tests/test_triton_compile.py checks that every path lowers and fits the
 target's shared memory. ``machine_code`` reads what was built (registers, spills, the main loop's
-instructions per weight); benchmarks/kernel_isa.py tabulates it for every path.
+instructions per weight; ``resource_usage``: registers, spills and shared memory alone);
+benchmarks/kernel_isa.py tabulates it for every path, benchmarks/kernel_spills.py the spills of
+every config a launch may run (``launch_candidates``; the float kernels' fp_dot / fp8_w8a8 per
+variant of ``FLOAT_VARIANTS``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ WQ_VARIANTS = {
     "fp16-w2g64": ("fp16", 2, 64, False, False, True),
 }
 
+# code paths of the float kernels. fp_dot (fp_gemm.py): (activation dtype, kind 0 FP8 / 1 FP4, group
+# along K); fp8_w8a8 (fp8_w8a8.py): (activation dtype, grouped: FP8_BLOCK scales)
+FP_VARIANTS = {
+    "bf16-fp8-channel": ("bf16", 0, wq_gemm.PER_CHANNEL_GROUP),
+    "fp16-fp8-block": ("fp16", 0, 128),
+    "fp16-nvfp4": ("fp16", 1, 16),
+    "bf16-mxfp4": ("bf16", 1, 32),
+    "fp32-fp8-channel": ("fp32", 0, wq_gemm.PER_CHANNEL_GROUP),
+    "fp32-nvfp4": ("fp32", 1, 16),
+}
+FP8_VARIANTS = {"bf16-fp8-channel": ("bf16", False), "bf16-fp8-block": ("bf16", True),
+                "fp32-fp8-block": ("fp32", True)}
+FLOAT_VARIANTS = {"fp_dot": FP_VARIANTS, "fp8_w8a8": FP8_VARIANTS}
+FLOAT_M_KEYS = (16, 256)  # the float families' two tile sets: BLOCK_M 16 (M <= 16) and taller
+
 
 class SharedMemoryExceeded(ValueError):
     """A compiled config needs more shared memory than the target has (it would fail at launch)."""
@@ -75,8 +93,15 @@ def launch_candidates(family: str, target_name: str, variant: str, preshuffled: 
                       m_key: int | None = None) -> list[triton.Config]:
     """The configs the launcher may run for a weight-only ``variant`` on the target, in list order
     (``prune.candidates`` with the launch's constexprs; ``m_key`` defaults to 16 for small_m,
-    256 for large_m); empty where none fits (a layout no config of the target reads: the
-    launcher refuses it)."""
+    256 for large_m; for the float families fp_dot / fp8_w8a8, whose ``variant`` is one of
+    ``FLOAT_VARIANTS``, to both ``FLOAT_M_KEYS``: their BLOCK_M 16 tiles, then the taller ones);
+    empty where none fits (a layout no config of the target reads: the launcher refuses it)."""
+    if family in FLOAT_VARIANTS:  # both tile sets unless m_key picks one
+        meta = float_constexprs(family, variant)
+        cfgs = configs.configs_for(family, target_key(target_name))
+        keep = [c for mk in ((m_key,) if m_key else FLOAT_M_KEYS) for c in prune.candidates(family, cfgs, mk, meta)
+                if prune.fits(family, c, mk, meta)]
+        return list(dict.fromkeys(keep))
     if family == "gemv" and packed_variant(variant, target_name):
         family = "gemv_packed"
     meta = wq_constexprs(family, variant, target_name=target_name, preshuffled=preshuffled)
@@ -165,13 +190,21 @@ def compile_path(family: str, target_name: str, variant: str, cfg: triton.Config
                  asm: bool | None = None, swap_ab: bool | None = None,
                  preshuffled: bool | int | None = None):
     """One code path: ``family`` gemv / gemv_packed / small_m / large_m (weight-only, ``variant``
-    of WQ_VARIANTS) or w8a8, with ``cfg``. "gemv" compiles the GEMV the launcher runs for the
-    variant: the packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``:
-    the packed GEMV's pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``), for small_m /
-    large_m the pairs of code - zero as inline asm (``wq_gemm.dot_asm``: PTX on CUDA, AMDGCN on
-    ROCm; None: the launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
-    launcher picks it, ``wq_gemm.swap_ab``); ``preshuffled``: qweight in layout.py's mma16x64 layout (None: the backend's default for the
-    target, ``wq_gemm.preshuffled_default``; True or 1: mma16x64, 2: mfma16x128)."""
+    of WQ_VARIANTS), w8a8, or the float kernels' fp_dot / fp8_w8a8 (``variant`` of FP_VARIANTS /
+    FP8_VARIANTS), with ``cfg``. "gemv" compiles the GEMV the launcher runs for the variant: the
+    packed GEMV (fp16 / bf16 x, 4-bit fields, no g_idx) or the fp32 one; ``asm``: the packed GEMV's
+    pair operations as inline asm (``wq_gemm.ASM_PAIR_OPS``), for small_m / large_m the pairs of
+    code - zero as inline asm (``wq_gemm.dot_asm``: PTX on CUDA, AMDGCN on ROCm; None: the
+    launcher's default); ``swap_ab``: the tl.dot kernel's transposed product (None: as the
+    launcher picks it, ``wq_gemm.swap_ab``); ``preshuffled``: qweight in layout.py's mma16x64
+    layout (None: the backend's default for the target, ``wq_gemm.preshuffled_default``; True or
+    1: mma16x64, 2: mfma16x128)."""
+    if family == "fp_dot":
+        act, kind, group = FP_VARIANTS[variant]
+        return compile_fp(act, kind, target_name, cfg, group)
+    if family == "fp8_w8a8":
+        act, grouped = FP8_VARIANTS[variant]
+        return compile_fp8(act, grouped, target_name, cfg)
     if family == "w8a8":
         from . import w8a8
 
@@ -213,21 +246,38 @@ def compile_moe(act: str, bits: int, zeros: bool, target_name: str, block=(16, 6
                           target_name)
 
 
-def compile_fp(act: str, kind: int, target_name: str):
-    """FP8 (kind 0) / FP4 (kind 1) weight-only (fp_gemm.py) with its fixed GPU tiles."""
+def float_constexprs(family: str, variant: str) -> dict:
+    """The scheme constexprs the float launchers give fp_dot / fp8_w8a8 for a variant (what the
+    autotuner's prune receives)."""
+    if family == "fp_dot":
+        act, kind, group = FP_VARIANTS[variant]
+        return {"KIND": kind, "GROUP": group, "HAS_BIAS": True, "DOT_F32": act == "fp32"}
+    act, grouped = FP8_VARIANTS[variant]
+    return {"GROUPED": grouped, "HAS_BIAS": True}
+
+
+def _float_variant(variants: dict, *want) -> str:
+    return next(v for v, spec in variants.items() if spec[:len(want)] == want)
+
+
+def compile_fp(act: str, kind: int, target_name: str, cfg: triton.Config | None = None, group: int | None = None):
+    """FP8 (kind 0) / FP4 (kind 1) weight-only (fp_gemm.py) with ``cfg`` (None: the first config
+    an untuned launch at M 256 runs, from the target's "fp_dot" list); ``group`` along K (None:
+    16 for FP4, per channel for FP8)."""
     from . import fp_gemm
 
     types = {"x_ptr": PTR[act], "c_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": PTR[act], "out_ptr": PTR[act],
              "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "M_KEY": "i32"}
-    consts = dict(KIND=kind, GROUP=16 if kind else fp_gemm.PER_CHANNEL_GROUP, HAS_BIAS=True,
-                  DOT_F32=act == "fp32")
-    cfg = triton.Config(dict(fp_gemm._GPU_CONFIG), num_warps=4, num_stages=2)
+    group = group if group is not None else (16 if kind else fp_gemm.PER_CHANNEL_GROUP)
+    consts = dict(KIND=kind, GROUP=group, HAS_BIAS=True, DOT_F32=act == "fp32")
+    if cfg is None:
+        cfg = launch_candidates("fp_dot", target_name, _float_variant(FP_VARIANTS, act, kind), m_key=256)[0]
     return compile_kernel(fp_gemm._fp_dot_kernel, types, consts, cfg, target_name)
 
 
-def compile_fp8(act: str, grouped: bool, target_name: str):
-    """FP8 W8A8 (fp8_w8a8.py) with its fixed GPU tile, in the target's FP8 flavour (E4M3FNUZ
-    on gfx942)."""
+def compile_fp8(act: str, grouped: bool, target_name: str, cfg: triton.Config | None = None):
+    """FP8 W8A8 (fp8_w8a8.py) with ``cfg`` (None: the first config an untuned launch at M 256
+    runs, from the target's "fp8_w8a8" list), in the target's FP8 flavour (E4M3FNUZ on gfx942)."""
     from . import fp8_w8a8
 
     fnuz = fp8_w8a8.fp8_format(target_key(target_name)) == "e4m3fnuz"
@@ -235,7 +285,8 @@ def compile_fp8(act: str, grouped: bool, target_name: str):
     types = {"qx_ptr": f8, "sx_ptr": "*fp32", "qw_ptr": f8, "sw_ptr": "*fp32", "b_ptr": PTR[act],
              "out_ptr": PTR[act], "M": "i32", "N": "i32", "K": "i32", "stride_sxm": "i32", "M_KEY": "i32"}
     consts = dict(GROUPED=grouped, HAS_BIAS=True)
-    cfg = triton.Config(dict(fp8_w8a8._GPU_CONFIG), num_warps=4, num_stages=3)
+    if cfg is None:
+        cfg = launch_candidates("fp8_w8a8", target_name, _float_variant(FP8_VARIANTS, "bf16", grouped), m_key=256)[0]
     return compile_kernel(fp8_w8a8._fp8_dot_kernel, types, consts, cfg, target_name)
 
 
@@ -340,6 +391,18 @@ def cuda_usage(cubin: bytes) -> dict:
     return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
             "local_bytes": int(fields.get("LOCAL", 0)), "loop_instructions": sass_loop(sass),
             "spills": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0))}
+
+
+def resource_usage(kernel, target_name: str) -> dict:
+    """Registers, spills and shared memory alone, as ``machine_code`` reads them, without reading
+    the listing's main loop (cuobjdump -sass of a long kernel takes a second)."""
+    if target_name.startswith("sm"):
+        res = cuobjdump(kernel.asm["cubin"], "-res-usage")
+        fields = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", res)}
+        use = {"registers": fields.get("REG", 0), "spills": fields.get("LOCAL", 0) + fields.get("STACK", 0)}
+    else:
+        use = {k: v for k, v in hip_usage(kernel.asm["amdgcn"]).items() if k in ("registers", "spills")}
+    return {**use, "shared_bytes": int(kernel.metadata.shared)}
 
 
 def hip_usage(asm: str) -> dict:

@@ -8,12 +8,19 @@ is used and nothing is autotuned (the interpreter pays per program instance, not
 Families: "gemv" (M <= 2, split-K, no tl.dot: the fp32 GEMV), "gemv_packed" (the same for fp16 /
 bf16 x and 4-bit fields: the packed GEMV), "gemv_preshuffled" (the packed GEMV on a qweight in
 layout.py's pre-shuffled layouts; BLOCK_K <= 128, so that a tile sits in one group), "small_m"
-(M <= 32, tl.dot, split-K), "large_m" (tiled tl.dot), "w8a8" (int8 tl.dot). Meta-parameters:
+(M <= 32, tl.dot, split-K), "large_m" (tiled tl.dot), "w8a8" (int8 tl.dot), and the float
+kernels': "fp_dot" (fp_gemm.py: FP8 / FP4 weight-only, the dequantized tile in x's dtype through
+tl.dot; every M, BLOCK_M 16 tiles for M <= 16) and "fp8_w8a8" (fp8_w8a8.py: tl.dot on fp8
+operands; BLOCK_K 128, the FP8 block, and 256 per channel only). Meta-parameters:
 BLOCK_M/BLOCK_N/BLOCK_K, GROUP_M (L2 swizzle of the tiled paths), ROWS (the packed GEMV's word
-rows per step); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack where the installed Triton's
-HIP backend takes them (``hip_options``: a Triton that drops one keeps launching). The tl.dot
-families end with BLOCK_K 16 configs for fp32 operands (``prune.FMA_BLOCK_K``: Triton's FMA dot
-spills at larger K tiles), which the launcher gives fp32 x only.
+rows per step); ROCm adds waves_per_eu, matrix_instr_nonkdim, kpack (fp16 / bf16 MFMA operands
+only: not fp8_w8a8) where the installed Triton's HIP backend takes them (``hip_options``: a Triton
+that drops one keeps launching); each ROCm list starts with a 4-warp tile well inside the LDS (what
+autotune=False runs). The tl.dot families end with configs for fp32 operands at a tl.dot K of 16
+(``prune.FMA_BLOCK_K``: Triton's FMA dot spills at larger K tiles; fp_dot: BLOCK_K 16 for FP8, 32
+for FP4's two half-tile dots), which the launchers give fp32 x only. ``prune.candidates`` keeps
+the configs a launch can take; every one is compiled for sm90 and gfx942 without spills
+(benchmarks/kernel_spills.py, tests/test_triton_compile.py).
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ import os
 
 import triton
 
-FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8")
+FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8", "fp_dot", "fp8_w8a8")
+M_KEY_MAX = 4096  # the float launchers' M buckets (wq_gemm has its own, the same)
+
+
+def m_key(m: int) -> int:
+    """The autotuner's M bucket: the next power of 2 of M, at most M_KEY_MAX."""
+    return min(1 << max(0, (m - 1).bit_length()), M_KEY_MAX)
 
 
 def interpreting() -> bool:
@@ -67,6 +80,17 @@ def _hip(**opts) -> dict:
 # fp32-operand tiles (BLOCK_M, BLOCK_N, warps) at BLOCK_K 16: spill-free on sm90 and gfx942
 _FMA_LARGE = ((64, 128, 8), (64, 64, 4), (32, 128, 4), (128, 64, 8))
 _FMA_SMALL_N = ((64, 4), (128, 4))
+
+
+# fp_dot's fp32-operand (FMA dot) tiles (BLOCK_M, BLOCK_N, warps) at a tl.dot K of 16: BLOCK_K 16
+# for FP8, 32 for FP4 (two dots of BLOCK_K / 2 code rows, twice the decode: FP4 takes BLOCK_M 32,
+# whose 64 x 64 x 32 spilled 536 bytes on sm90); spill-free on sm90 and gfx942
+_FP_FMA = {16: ((64, 64, 4), (64, 128, 8), (16, 64, 4), (16, 128, 4)),
+           32: ((32, 64, 8), (32, 128, 8), (16, 64, 4), (16, 128, 4))}
+
+
+def _fp_dot_fma(stages: int) -> list[triton.Config]:
+    return [_cfg(bm, bn, bk, w, stages) for bk, tiles in _FP_FMA.items() for bm, bn, w in tiles]
 
 
 def _packed_cfg(bn, bk, warps, stages, lanes, **extra):
@@ -114,6 +138,23 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
             _cfg(64, 256, bk2 // 2, 4, deep), _cfg(256, 128, bk2 // 2, 8, 3), _cfg(64, 128, bk2, 4, deep),
             _cfg(128, 64, bk2, 4, deep), _cfg(64, 64, bk2, 4, deep), _cfg(32, 128, bk2, 4, deep),
         ] + fma
+    big = deep == 4  # sm90+ (wgmma): sm80 / sm89 (mma.sync fragments) spill the largest tiles below
+    if family == "fp_dot":  # 16-bit operands: BLOCK_K 64 / 128. M > 16 tiles first (the former fixed
+        # 64 x 64 x 64), then BLOCK_M 16 (M <= 16), then the FMA tiles. Shared memory: the fp32 scales
+        # are loaded per weight (4 of the 5 bytes a weight takes in an FP8 stage)
+        tiles = [(64, 64, 64, 4, deep), (64, 128, 64, 8, deep), (128, 64, 64, 8, deep),
+                 (16, 64, 128, 4, deep), (16, 128, 64, 4, deep)]
+        if big:  # FP4 128 x 128 x 64 spilled 1432 bytes on sm80, 224 on sm89; 16-row ones 8 on sm80
+            tiles[3:3] = [(128, 128, 64, 8, 3)]
+            tiles += [(16, 128, 128, 4, 3), (16, 256, 64, 8, 3)]
+        return [_cfg(bm, bn, bk, w, s) for bm, bn, bk, w, s in tiles] + _fp_dot_fma(3)
+    if family == "fp8_w8a8":  # fp8 wgmma / mma.sync; BLOCK_K 128 (one FP8 block), 256 per channel only
+        tiles = [(64, 128, 128, 4, deep), (128, 64, 128, 4, deep), (64, 64, 128, 4, deep),
+                 (16, 64, 128, 4, deep), (16, 128, 128, 4, deep), (16, 256, 128, 8, 3), (16, 64, 256, 4, 3),
+                 (16, 128, 256, 4, 3)]
+        if big:  # sm89 spilled 632 bytes at 128 x 256 (per channel), 8 at 128 x 128 (grouped)
+            tiles[1:1] = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3)]
+        return [_cfg(bm, bn, bk, w, s) for bm, bn, bk, w, s in tiles]
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 
 
@@ -161,6 +202,24 @@ def get_hip_autotune_config(family: str, arch: str) -> list[triton.Config]:
             _cfg(64, 64, bk, 4, 2, **wpe2, **amd),
             _cfg(64, 128, 128, 4, 2, **wpe2, **amd),  # BLOCK_K 128: a qweight in layout.py's mfma16x128
         ] + fma
+    if family == "fp_dot":  # fp16 / bf16 MFMA operands (the dequantized tile): kpack as the others
+        return [  # first (autotune=False): the former fixed 4-warp 64 x 64 x 64
+            _cfg(bm, bn, bk, w, 2, **_hip(waves_per_eu=wpe), **amd)
+            for bm, bn, bk, w, wpe in [  # BLOCK_K x BLOCK_N <= 8192: an FP8 stage takes 5 bytes a weight of LDS
+                (64, 64, 64, 4, 2), (64, 128, 64, 8, 0), (128, 64, 64, 8, 0), (128, 128, 64, 8, 0),
+                (16, 64, 64, 4, 2), (16, 128, 64, 4, 0), (16, 64, 128, 4, 0),
+            ]
+        ] + _fp_dot_fma(2)
+    if family == "fp8_w8a8":  # fp8 MFMA operands: no kpack (its 2 is for fp16 / bf16)
+        nk16 = _hip(matrix_instr_nonkdim=16)
+        return [  # first (autotune=False): a 4-warp 128 x 128 x 128 tile (32 KB of LDS; pruned when grouped)
+            _cfg(bm, bn, bk, w, 2, **_hip(waves_per_eu=wpe), **nk16)
+            for bm, bn, bk, w, wpe in [
+                (128, 128, 128, 4, 2), (128, 128, 128, 8, 0), (128, 256, 128, 8, 0), (256, 128, 128, 8, 0),
+                (64, 128, 128, 4, 2), (64, 64, 128, 4, 2),
+                (16, 64, 128, 4, 2), (16, 128, 128, 4, 0), (16, 256, 128, 4, 0), (16, 128, 256, 4, 0),
+            ]
+        ]
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 
 
@@ -174,7 +233,7 @@ def interpreter_config(family: str) -> dict[str, int]:
         return {"BLOCK_N": 128, "BLOCK_K": 128}
     if family == "small_m":
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}
-    if family in ("large_m", "w8a8"):
+    if family in ("large_m", "w8a8", "fp_dot", "fp8_w8a8"):  # the float launchers take BLOCK_M 16 for M <= 16
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 2}
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 

@@ -24,8 +24,16 @@ weights are converted at prepare time (``core.floatcodes.e4m3fn_to_fnuz``: bytes
 doubled) and whose activations are quantized onto the FNUZ grid directly (absmax / 240).
 
 Layout: ``qweight`` uint8 [N, K] (K contiguous: the K-major B operand fp8 MMAs take), ``wscale``
-fp32 [N] (per channel) or [K / 128, N] (FP8_BLOCK). Launch config: one fixed tile per path until
-issue 33 tunes them on a GPU (compiled for sm90 / gfx942 here, tests/test_triton_compile.py).
+fp32 [N] (per channel) or [K / 128, N] (FP8_BLOCK).
+
+Launch configs: configs.py's "fp8_w8a8" family, one list per vendor (NVIDIA: deeper pipelines on
+sm90; AMD: num_stages 2, waves_per_eu, 16x16 MFMA, no kpack: its 2 is for fp16 / bf16 operands),
+autotuned per (M bucket, N, K, GROUPED, the tensors' dtypes: the FP8 flavour and x's) and pruned
+per launch (``prune.float_fits``): BLOCK_M 16 for M <= 16, BLOCK_K 128 (one FP8 block) on the
+grouped path, 128 or 256 per channel. On sm90 the 16-row tiles take mma.sync, for which Triton
+converts the fp8 operands to fp16 (exact), the taller ones wgmma on e4m3. ``autotune=False`` runs the first fitting config; the
+interpreter one fixed config (``configs.interpreter_config``). Every candidate config is compiled
+for sm90 and gfx942 with no spills (tests/test_triton_compile.py, benchmarks/kernel_spills.py).
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, prune
 from .tiles import swizzled_tile
 
 FP8_FORMATS = {"e4m3fn": 448.0, "e4m3fnuz": 240.0}  # format -> its largest finite value
-BLOCK = 128  # FP8_BLOCK's group of input columns (and K tile of the grouped path)
-_GPU_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}
+BLOCK = prune.FP8_BLOCK  # FP8_BLOCK's group of input columns (and K tile of the grouped path): 128
+# the autotuner's key: the M bucket, the shape and the path (the autotuner adds the tensors' dtypes)
+AUTOTUNE_KEY = ("M_KEY", "N", "K", "GROUPED")
 
 
 def fp8_format(target: tuple[str, str]) -> str:
@@ -166,11 +175,12 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3fn", group: int | None = None,
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                fmt: str = "e4m3fn", grouped: bool = False,
-               static_scale: torch.Tensor | None = None) -> torch.Tensor:
+               static_scale: torch.Tensor | None = None, autotune: bool = True) -> torch.Tensor:
     """``quantize_fp8(x)`` then the fp8 GEMM. x [M, K] (fp16, bf16, fp32); qweight uint8 [N, K]
     fp8 bytes of ``fmt``; wscale fp32 [N] (per channel) or [K / 128, N] (``grouped``: FP8_BLOCK,
-    K a multiple of 128); static_scale: fp8-static's activation scale [1]. Returns [M, N] in
-    x's dtype."""
+    K a multiple of 128); static_scale: fp8-static's activation scale [1]; autotune: False runs
+    the first config of the target's "fp8_w8a8" list that fits (no tuning runs). Returns [M, N]
+    in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.dtype != torch.uint8 or qweight.shape != (n, k) or not qweight.is_contiguous():
@@ -185,14 +195,11 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bia
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    cfg = configs.interpreter_config("w8a8") if configs.interpreting() else dict(_GPU_CONFIG)
-    cfg["BLOCK_K"] = BLOCK
-    if m <= 16:
-        cfg["BLOCK_M"] = 16
+    m_key = configs.m_key(m)
     stride_sxm = 0 if static_scale is not None else sx.stride(0)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     f8 = torch.float8_e4m3fnuz if fmt == "e4m3fnuz" else torch.float8_e4m3fn
-    _fp8_dot_kernel[grid](qx.view(f8), sx, qweight.view(f8), wscale, out if bias is None else bias, out, m, n, k, stride_sxm,
-                          min(triton.next_power_of_2(m), 256), GROUPED=grouped,
-                          HAS_BIAS=bias is not None, **cfg)
+    args = (qx.view(f8), sx, qweight.view(f8), wscale, out if bias is None else bias, out, m, n, k, stride_sxm, m_key)
+    prune.launch("fp8_w8a8", _fp8_dot_kernel, grid, args, {"GROUPED": grouped, "HAS_BIAS": bias is not None},
+                 m_key, autotune, AUTOTUNE_KEY)
     return out

@@ -14,6 +14,16 @@ source serves NVIDIA, MI300's FNUZ and the interpreter alike; E4M3FN bytes are r
 every target). FP4 tiles multiply the even and the odd rows of x against the low and the high
 nibbles in two dots, so no interleave is needed. One tiled tl.dot kernel serves every M (the
 bandwidth work is issue 33's).
+
+Launch configs: configs.py's "fp_dot" family, one list per vendor (NVIDIA: deeper pipelines on
+sm90; AMD: num_stages 2, waves_per_eu, 16x16 MFMA, kpack 2 for the fp16 / bf16 operands),
+autotuned per (M bucket, N, K, KIND, GROUP, DOT_F32, the tensors' dtypes) and pruned per launch
+(``prune.float_fits``): BLOCK_M 16 for M <= 16; BLOCK_K 64 / 128 for 16-bit operands (an FP4
+half tile holds whole NVFP4 / MXFP4 groups); for fp32 x the FMA tiles, whose tl.dot K is 16
+(BLOCK_K 16 for FP8, 32 for FP4): Triton's FMA dot spilled at the former 64 x 64 x 64 (sm90,
+4400-5024 bytes). ``autotune=False`` runs the first fitting config; the interpreter one fixed
+config (``configs.interpreter_config``). Every candidate config is compiled for sm90 and gfx942
+with no spills (tests/test_triton_compile.py, benchmarks/kernel_spills.py).
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ import triton
 import triton.language as tl
 
 from ...core.floatcodes import pack_fp4_pairs
-from . import configs
+from . import configs, prune
 from .tiles import swizzled_tile
 
 FP8, FP4 = 0, 1
 PER_CHANNEL_GROUP = 1 << 30  # FP8 per output channel: every row is in scale row 0
-# one fixed config until issue 33 tunes these kernels on a GPU (compiled for sm90 / gfx942 here)
-_GPU_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}
+# the autotuner's key: the M bucket, the shape and the scheme's constexprs (the autotuner adds the
+# tensors' dtypes, x's among them)
+AUTOTUNE_KEY = ("M_KEY", "N", "K", "KIND", "GROUP", "DOT_F32")
 
 
 @triton.jit
@@ -123,17 +134,17 @@ def prepare_float(codes: torch.Tensor, scales: torch.Tensor, kind: int) -> dict[
 
 
 def fp_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-              kind: int, group: int) -> torch.Tensor:
-    """``x`` [M, K] (fp16, bf16, fp32) -> [M, N] in x's dtype."""
+              kind: int, group: int, autotune: bool = True) -> torch.Tensor:
+    """``x`` [M, K] (fp16, bf16, fp32) -> [M, N] in x's dtype. ``autotune``: False runs the first
+    config of the target's "fp_dot" list that fits the launch (no tuning runs)."""
     m, k = x.shape
     n = codes.shape[1]
-    cfg = configs.interpreter_config("large_m") if configs.interpreting() else dict(_GPU_CONFIG)
-    if m <= 16:
-        cfg["BLOCK_M"] = 16
-    block_k = cfg["BLOCK_K"]  # a multiple of 32: whole FP4 groups of 16 / 32 in each half-tile
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _fp_dot_kernel[grid](x, codes, scales, bias if bias is not None else out, out, m, n, k, x.stride(0), m,
-                         KIND=kind, GROUP=group, HAS_BIAS=bias is not None, DOT_F32=x.dtype == torch.float32,
-                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"])
+    if m == 0:
+        return out
+    m_key = configs.m_key(m)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    args = (x, codes, scales, bias if bias is not None else out, out, m, n, k, x.stride(0), m_key)
+    meta = {"KIND": kind, "GROUP": group, "HAS_BIAS": bias is not None, "DOT_F32": x.dtype == torch.float32}
+    prune.launch("fp_dot", _fp_dot_kernel, grid, args, meta, m_key, autotune, AUTOTUNE_KEY)
     return out

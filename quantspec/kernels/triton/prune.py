@@ -1,10 +1,12 @@
-"""Which configs of a weight-only family's list (configs.py) suit a launch: the autotuner's
-early prune per family (``PRUNE``) and the first fitting config of an untuned launch
-(``candidates(...)[0]``), both used by ``wq_gemm._launch``; ``benchmarks/kernel_spills.py``
-compiles exactly these candidates.
+"""Which configs of a family's list (configs.py) suit a launch: the autotuner's early prune per
+family (``PRUNE``) and the first fitting config of an untuned launch (``candidates(...)[0]``),
+both used by ``wq_gemm._launch`` and, for the float families, by ``launch``;
+``benchmarks/kernel_spills.py`` compiles exactly these candidates.
 
 ``meta`` is the launch's constexprs (what the autotuner's prune receives as keyword arguments):
-BLOCK_M (the GEMVs), PRESHUFFLED, DOT_F32, GROUP, HAS_GIDX.
+BLOCK_M (the GEMVs), PRESHUFFLED, DOT_F32, GROUP, HAS_GIDX; the float families' KIND (fp_dot:
+0 FP8, 1 FP4) and GROUPED (fp8_w8a8: FP8_BLOCK scales), whose launchers (fp_gemm.py,
+fp8_w8a8.py) use ``launch`` below.
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ from __future__ import annotations
 # slice of both operands in registers: BLOCK_K 16 tiles are its configs (larger K spills, e.g.
 # sm90 128x256x32 13232 bytes, 64x64x32 416; benchmarks/results/kernel-spills.md)
 FMA_BLOCK_K = 16
+SMALL_M = 16  # the float families: M <= 16 takes the BLOCK_M 16 tiles, larger M the others
+FP8_BLOCK = 128  # fp8_w8a8's grouped (FP8_BLOCK) K tile: one scale block per tile
+# fp8_w8a8's grouped path holds two fp32 [BLOCK_M, BLOCK_N] tiles (the accumulator and the block's
+# scaled product): at most this many accumulator elements a warp (64 a lane on NVIDIA); sm90
+# 128 x 256 on 8 warps spilled 256 bytes, gfx942 128 x 128 on 4 (waves_per_eu 2) 14 VGPRs
+GROUPED_TILE_PER_WARP = 2048
 GIDX_TILE_PER_THREAD = 4096  # BLOCK_M x BLOCK_N x BLOCK_K per thread, tl.dot tiles with g_idx
 
 
@@ -24,6 +32,8 @@ def fits(family: str, cfg, m_key: int, meta: dict) -> bool:
     With g_idx (a scale gathered per weight) tiles are smaller still: the limits below are where
     benchmarks/results/kernel-spills.md saw spills (sm90 GEMV 1024 x 16 and 128 x 128; gfx942
     tl.dot tiles of 8192 elements a thread)."""
+    if family in ("fp_dot", "fp8_w8a8"):
+        return float_fits(family, cfg, m_key, meta)
     preshuffled = meta.get("PRESHUFFLED", 0)
     if preshuffled and not preshuffled_fits(cfg, preshuffled):
         return False
@@ -39,6 +49,24 @@ def fits(family: str, cfg, m_key: int, meta: dict) -> bool:
         if family == "small_m":
             return cfg.kwargs["BLOCK_M"] <= max(16, m_key)
     return True
+
+
+def float_fits(family: str, cfg, m_key: int, meta: dict) -> bool:
+    """The float families: BLOCK_M 16 for M <= 16 (``SMALL_M``) and taller tiles above (what the
+    fixed tiles did); fp_dot's tl.dot K (BLOCK_K, or BLOCK_K / 2 for FP4's two half-tile dots) is
+    the FMA dot's ``FMA_BLOCK_K`` for fp32 operands (DOT_F32: the FMA tiles of configs.py, BLOCK_K
+    16 / 32) and BLOCK_K >= 64 for 16-bit ones (FP4 half tiles of whole NVFP4 / MXFP4 groups, and a
+    tl.dot K of at least 16); fp8_w8a8's grouped path the K tile of one FP8 block and at most
+    ``GROUPED_TILE_PER_WARP`` accumulator elements a warp."""
+    bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
+    if (bm == SMALL_M) != (m_key <= SMALL_M):
+        return False
+    if family == "fp8_w8a8":
+        return not meta.get("GROUPED", False) or (
+            bk == FP8_BLOCK and bm * cfg.kwargs["BLOCK_N"] <= GROUPED_TILE_PER_WARP * cfg.num_warps)
+    if meta.get("DOT_F32", False):
+        return bk >> meta.get("KIND", 0) == FMA_BLOCK_K
+    return bk >= 4 * FMA_BLOCK_K
 
 
 def group_aligned(cfg, meta: dict) -> bool:
@@ -71,4 +99,30 @@ def _pruner(family: str):
 
 
 PRUNE = {"gemv": _pruner("gemv"), "gemv_packed": None, "gemv_preshuffled": _pruner("gemv_preshuffled"),
-         "small_m": _pruner("small_m"), "large_m": _pruner("large_m")}
+         "small_m": _pruner("small_m"), "large_m": _pruner("large_m"), "fp_dot": _pruner("fp_dot"),
+         "fp8_w8a8": _pruner("fp8_w8a8")}
+
+
+def launch(family: str, kernel, grid, args: tuple, meta: dict, m_key: int, autotune: bool, key: tuple[str, ...]):
+    """Run ``kernel`` of a family: under the interpreter its one fixed config (the float families:
+    BLOCK_M 16 for M <= 16), else autotuned over the target's list pruned for the launch
+    (``PRUNE``; ``key``: the autotuner's key), or with ``autotune=False`` the list's first config
+    that fits. No reset or restore runs between tuning runs (the float kernels store each element
+    of ``out`` once: no atomics, no split-K)."""
+    from . import configs
+
+    if configs.interpreting():
+        cfg = dict(configs.interpreter_config(family))
+        if family in ("fp_dot", "fp8_w8a8") and m_key <= SMALL_M:
+            cfg["BLOCK_M"] = SMALL_M
+        kernel[grid](*args, **meta, **cfg)
+        return
+    target = configs.current_target()
+    if autotune:
+        configs.autotuned(kernel, family, target, key, PRUNE[family])[grid](*args, **meta)
+        return
+    cfg = candidates(family, configs.configs_for(family, target), m_key, meta)[0]
+    if not fits(family, cfg, m_key, meta):
+        scheme = ", ".join(f"{k}={meta[k]}" for k in key if k in meta)
+        raise ValueError(f"no {family} config of {target} fits this launch ({scheme})")
+    kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

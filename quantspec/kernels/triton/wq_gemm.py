@@ -32,7 +32,7 @@ from .wq_dequant import (
     _code_minus_zero, _dequant_gathered, _dot, _group_scale, _group_scale_zero, _load_codes, _load_codes_t,
     _load_wt_pairs, _magic_f32)
 from .layout import LAYOUT_GPTQ, LAYOUTS, PRESHUFFLED_CODE, _load_wt_mfma, _load_wt_mma, atom_shape, preshuffle_reason
-from .prune import PRUNE, candidates, fits
+from .prune import launch
 from .wq_gemv_packed import _wq_gemv_f16x2_kernel
 from .wq_gemv_preshuffled import _wq_gemv_ps_kernel
 
@@ -358,23 +358,7 @@ def default_split_k(m: int, n: int, k: int, units: int) -> int:
 
 
 def _launch(family, kernel, grid, args, meta, m_key, autotune):
-    """Run ``kernel`` with the interpreter's fixed config, autotuned for the GPU target, or
-    (autotune=False) with the first config of the target's list that fits (``prune.candidates``)."""
-    if configs.interpreting():
-        kernel[grid](*args, **meta, **configs.interpreter_config(family))
-        return
-    target = configs.current_target()
-    if autotune:
-        configs.autotuned(kernel, family, target, AUTOTUNE_KEY, PRUNE[family])[grid](*args, **meta)
-        return
-    cfg = candidates(family, configs.configs_for(family, target), m_key, meta)[0]
-    if not fits(family, cfg, m_key, meta):
-        raise ValueError(f"no {family} config of {target} fits this launch ({_scheme_meta(meta)})")
-    kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _scheme_meta(meta: dict) -> str:
-    return ", ".join(f"{k}={meta[k]}" for k in AUTOTUNE_KEY if k in meta)
+    launch(family, kernel, grid, args, meta, m_key, autotune, AUTOTUNE_KEY)
 
 
 def wq_linear(
