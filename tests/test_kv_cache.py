@@ -416,3 +416,27 @@ def test_kv_cache_refuses_latent_attention_before_work(tmp_path):
                         "--calib", "pydoc", "--out", str(tmp_path / "o")], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "multi-head latent attention" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_kv_calibration_refuses_caches_it_cannot_describe(tiny, ids, tmp_path):
+    """Looped models (HRM writes more cache layers than it has attention modules; Dory's loops fail
+    on a cache of transformers' own kind) crashed with an IndexError / RuntimeError after the
+    weights were quantized. Each is now a one-line QuantspecError naming the fix."""
+    from quantspec.quant.kv_calibrate import calibrate_checkpoint_kv, observe_kv
+
+    out = quantspec.quantize(str(tiny), Recipe(name="w", method="rtn", format="compressed-tensors"), tmp_path / "q",
+                             progress=False).out
+    with pytest.raises(QuantspecError, match="wrote 2 KV-cache layers for 1 attention modules") as err:
+        calibrate_checkpoint_kv(out, ids, KVCacheConfig("fp8", samples=2), ["model.layers.0.self_attn"])
+    assert "drop --kv-cache" in str(err.value) and "\n" not in str(err.value)
+
+    class Looped(torch.nn.Module):  # a forward that rejects the observer's cache, as Dory's loops do
+        def __init__(self):
+            super().__init__()
+            self.w, self.config = torch.nn.Parameter(torch.zeros(1)), None
+
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=None):
+            raise RuntimeError("The size of tensor a (127) must match the size of tensor b (64)")
+
+    with pytest.raises(QuantspecError, match="Looped's forward failed on the KV-cache observer"):
+        observe_kv(Looped(), ids)

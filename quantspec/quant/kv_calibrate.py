@@ -45,7 +45,13 @@ def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progre
         for j in tqdm(range(ids.shape[0]), disable=not progress, desc=desc, unit="sample"):
             obs = make(j)
             # logits of the last position only: the cache is what is observed, not the output
-            model(input_ids=ids[j : j + 1].to(device), use_cache=True, logits_to_keep=1, **{kw: obs})
+            try:
+                model(input_ids=ids[j : j + 1].to(device), use_cache=True, logits_to_keep=1, **{kw: obs})
+            except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
+                raise QuantspecError(
+                    f"{type(model).__name__}'s forward failed on the KV-cache observer ({type(exc).__name__}: "
+                    f"{str(exc)[:200]}): its attention keeps a cache of its own kind (looped or recurrent "
+                    "layers), which per-layer KV scales do not describe.", "drop --kv-cache for this model.") from exc
             for layer, (k, v) in obs.stats.items():
                 if layer in seen:
                     k, v = merge(seen[layer][0], k), merge(seen[layer][1], v)
@@ -160,6 +166,11 @@ def calibrate_checkpoint_kv(folder, ids: torch.Tensor, cfg: KVCacheConfig, attn:
     model = load_quantized(folder, backend="exact")
     amax, kept = observe_kv_keeping(model, ids[: cfg.samples], cfg.searched if cfg.rule == "mse" else 0, progress)
     missing = sorted(set(range(len(attn))) - set(amax))
+    extra = sorted(set(amax) - set(range(len(attn))))
+    if extra:  # HRM runs its blocks again under further cache layers
+        raise QuantspecError(f"the model wrote {len(amax)} KV-cache layers for {len(attn)} attention modules "
+                             f"(layers {extra[:5]} have no module of their own: blocks run more than once), "
+                             "so per-module KV scales cannot describe its cache.", "drop --kv-cache for this model.")
     if missing:
         raise QuantspecError(f"layers {missing[:5]} wrote nothing to the KV cache during calibration.",
                              "drop --kv-cache for this architecture.")
