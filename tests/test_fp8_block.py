@@ -396,10 +396,11 @@ def test_transformers_loads_the_weight_only_block_export(tmp_path):
     their order (max |logit diff| <= 1e-3 x max |logit|, the weight-only bound of
     test_interop_transformers.py)."""
     pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
     import quantspec
     from quantspec.core.scheme import SCHEME_PRESETS
     from quantspec.quant.recipe import Recipe
-    from transformers import AutoModelForCausalLM
 
     model = make_tiny_model(tmp_path, arch="llama", hidden_size=256, intermediate_size=192)
     recipe = Recipe(name="b", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["fp8-block-weight"])

@@ -99,7 +99,7 @@ def test_linear_subclass_with_its_own_forward_stays_dense(tmp_path):
     the report, and every plain Linear of the model (routed experts included) is quantized."""
     import json
 
-    dense, folder, cal = _save(tmp_path, "deepseek_v4")
+    dense, folder, _ = _save(tmp_path, "deepseek_v4")
     rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
     outcome = quantspec.quantize(str(folder), rtn, tmp_path / "ckpt", progress=False, device="cpu")
     report = json.loads((outcome.out / "quant_report.json").read_text())
@@ -119,7 +119,6 @@ def test_a_layer_loop_that_unpacks_block_outputs_is_refused_in_one_line(tmp_path
     the hidden states alone, so its capture failed with a bare ValueError. Now: a QuantspecError that
     names the family and the data-free way out, raised before any block is quantized."""
     import transformers
-
     from helpers import make_tiny_tokenizer
 
     config = transformers.CpmAntConfig(vocab_size=320, hidden_size=64, num_attention_heads=4, dim_head=16,
@@ -141,7 +140,6 @@ def test_block_that_checks_its_mask_batch_runs_sample_by_sample(tmp_path):
     GPTQ's one-batch pass took only a RuntimeError as "this block does not batch" and crashed.
     It now runs such a block sample by sample and quantizes the model."""
     import transformers
-
     from helpers import make_tiny_tokenizer
 
     config = transformers.XGLMConfig(vocab_size=320, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
@@ -170,8 +168,8 @@ def test_router_that_holds_its_linear_stays_dense(tmp_path):
     import json
 
     import transformers
-
     from helpers import make_tiny_tokenizer
+
     from quantspec.core.scheme import SCHEME_PRESETS
 
     config = transformers.HunYuanMoEV1Config(vocab_size=320, hidden_size=64, intermediate_size=128,
@@ -198,9 +196,8 @@ def test_model_code_reading_a_quantized_weight_dtype_runs(tmp_path):
     weights_proj.weight.dtype))``: the loaded checkpoint failed in its first forward with
     "'QuantLinear' object has no attribute 'weight'". A quantized Linear's ``weight`` now reads as a
     stand-in of the layer's shape, compute dtype and device, and the model runs."""
-    from transformers import CONFIG_MAPPING
-
     from helpers import make_tiny_tokenizer
+    from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING["hy_v4"](
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

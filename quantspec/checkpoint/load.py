@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.floatcodes import require_float8
 from ..errors import QuantspecError
 from ..formats.overrides import read_with_overrides
 from ..kernels.quant_linear import QuantLinear
 from ..models import resolve_device, resolve_dtype
 from ..models.conv1d import conv1d_shape, is_conv1d
 from ..models.experts import key_map, linearize_experts
-from ..core.floatcodes import require_float8
 from .checksums import verify_manifest
 from .reader import CheckpointReader
 
