@@ -46,5 +46,8 @@ def kv_scales(model) -> dict:
     for name, module in model.named_modules():
         if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
             out[name] = {"k_scale": float(module._k_scale_float), "v_scale": float(module._v_scale_float),
-                         "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", None))}
+                         "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", None)),
+                         # the scale tensors as loaded (one value, or one per KV head)
+                         "k_scales": [float(v) for v in getattr(module, "_k_scale", torch.zeros(0)).flatten()],
+                         "v_scales": [float(v) for v in getattr(module, "_v_scale", torch.zeros(0)).flatten()]}
     return out
