@@ -8,6 +8,7 @@ outside the blocks (embedding, rotary embedding) run, on the processing device.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import torch
@@ -27,12 +28,13 @@ class StopBlock(Exception):
 class _Catcher(nn.Module):
     """Stands in for a decoder block while inputs are captured; passes hidden states on."""
 
-    def __init__(self, block: nn.Module, index: int, store: dict, stop: bool):
+    def __init__(self, block: nn.Module, index: int, store: dict, stop: bool, outputs: int = 1):
         super().__init__()
         self.block = block
         self.index = index
         self.store = store
         self.stop = stop
+        self.outputs = outputs  # a loop that unpacks ``hidden, *rest = layer(...)`` gets a tuple this long
 
     def __getattr__(self, name: str):  # the model loop may read attributes of its blocks
         try:
@@ -50,7 +52,7 @@ class _Catcher(nn.Module):
         self.store.setdefault("kwargs", {}).setdefault(self.index, kwargs)
         if self.stop:
             raise StopBlock
-        return hidden_states
+        return hidden_states if self.outputs == 1 else (hidden_states, *[None] * (self.outputs - 1))
 
     def _named(self, args: tuple) -> dict[str, Any]:
         params = [p for p in inspect.signature(self.block.forward).parameters.values()
@@ -97,31 +99,48 @@ def capture_inputs(
     """
     blocks = arch.block_list(model)
     originals = list(blocks)
-    store: dict = {}
     moved = _move_outside_blocks(model, arch, device)
     try:
-        for j in range(calib_ids.shape[0]):
-            for i, block in enumerate(originals):
-                last = i == len(originals) - 1
-                blocks[i] = _Catcher(block, i, store, stop=last if j == 0 else i == 0)
+        outputs = 1
+        while True:
+            store: dict = {}
             try:
-                model(input_ids=calib_ids[j : j + 1].to(device), use_cache=False)
-            except StopBlock:
-                pass
-            except (TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
-                raise QuantspecError(
-                    f"{type(model).__name__}'s forward failed with stand-ins for its decoder blocks "
-                    f"({type(exc).__name__}: {exc}): calibration passes each block's input on as its output, "
-                    "and this family's layer loop expects another return value from its blocks.",
-                    "quantize it with a data-free method (--method rtn), or declare its architecture "
-                    "(quantspec/quant/arch.py).",
-                ) from exc
+                _capture(model, blocks, originals, store, calib_ids, device, outputs)
+                break
+            except ValueError as exc:  # the loop unpacked its blocks' outputs: hand it as many
+                wanted = re.search(r"not enough values to unpack \(expected (\d+), got 1\)", str(exc))
+                if outputs > 1 or wanted is None:
+                    raise _refusal(model, exc) from exc
+                outputs = int(wanted.group(1))
+            except (TypeError, IndexError, AttributeError, RuntimeError) as exc:
+                raise _refusal(model, exc) from exc
     finally:
         for i, block in enumerate(originals):
             blocks[i] = block
         _restore_outside(moved)
     kwargs = [_clean_kwargs(store["kwargs"][i]) for i in range(len(originals))]
     return torch.cat(store["hidden"], dim=0), kwargs
+
+
+def _capture(model, blocks, originals, store, calib_ids, device, outputs: int) -> None:
+    for j in range(calib_ids.shape[0]):
+        for i, block in enumerate(originals):
+            last = i == len(originals) - 1
+            blocks[i] = _Catcher(block, i, store, stop=last if j == 0 else i == 0, outputs=outputs)
+        try:
+            model(input_ids=calib_ids[j : j + 1].to(device), use_cache=False)
+        except StopBlock:
+            pass
+
+
+def _refusal(model: nn.Module, exc: Exception) -> QuantspecError:
+    return QuantspecError(
+        f"{type(model).__name__}'s forward failed with stand-ins for its decoder blocks "
+        f"({type(exc).__name__}: {exc}): calibration passes each block's input on as its output, "
+        "and this family's layer loop expects another return value from its blocks.",
+        "quantize it with a data-free method (--method rtn), or declare its architecture "
+        "(quantspec/quant/arch.py).",
+    )
 
 
 def _clean_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
