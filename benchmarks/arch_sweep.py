@@ -10,8 +10,13 @@ A method may name a float scheme and a KV cache: ``gptq:nvfp4``, ``rtn:fp8-dynam
 (``method[:scheme][+kv:KIND:STRATEGY]``; compressed-tensors; the loaded model then runs its forward
 on the checkpoint's quantized KV cache). ``--tiny`` takes the families of the test suite's tiny
 models (``tests/helpers.py``: MoE families with MLA and GPT-OSS included) instead of ``FAMILIES``.
+``--all`` takes every causal-LM model type the installed transformers lists, each shrunk by setting
+whichever of ``SHRINK``'s width fields its config has (``auto_tiny``); a type whose shrunk model does
+not build, has more than 20M parameters, a Linear with more than 8192 inputs (GPTQ's Hessian alone
+would be 256 MiB+) or fails its own forward is reported as "no tiny model" and not quantized.
 
     python benchmarks/arch_sweep.py [--out benchmarks/results/arch-sweep] [--families A,B] [--methods ...]
+    python benchmarks/arch_sweep.py --all --methods rtn,gptq,awq,gptq:nvfp4+kv:fp8:tensor --out benchmarks/results/arch-sweep-all
     python benchmarks/arch_sweep.py --tiny --methods rtn:fp8-dynamic,rtn:fp8-static,rtn:fp8-block,gptq:fp8-weight,gptq:nvfp4,awq:mxfp4,rtn+kv:fp8:head,gptq:nvfp4+kv:int8:tensor --out benchmarks/results/arch-sweep-float
 """
 
@@ -58,6 +63,37 @@ FAMILIES = {  # config class -> the fields a tiny model of it needs besides COMM
     "OlmoConfig": {}, "Olmo2Config": {}, "GraniteConfig": {}, "CohereConfig": {}, "BloomConfig": {},
 }
 METHODS = ("rtn", "gptq", "awq", "smoothquant")
+# --all: the width fields set on every config that has them (each family names its own)
+SHRINK = dict(COMMON, head_dim=16, n_embd=64, n_layer=2, n_head=4, n_inner=128, d_model=64, ffn_dim=128,
+              n_positions=512, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+              num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+              first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+              v_head_dim=16, n_group=1, topk_group=1, sliding_window=64, num_kv_heads=2, multi_query_group_num=2,
+              kv_channels=16, rotary_dim=8, word_embed_proj_dim=64, ffn_hidden_size=128,
+              expert_intermediate_size=64)
+
+
+def auto_tiny(model_type: str):
+    """A shrunk random model of a transformers causal-LM ``model_type``; raises when there is none."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    base = cls()
+    config = cls(**{k: v for k, v in SHRINK.items() if hasattr(base, k)})
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(getattr(config, "layer_types", None), (list, tuple)) and layers:
+        config.layer_types = list(config.layer_types)[:layers]
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    size = sum(p.numel() for p in meta.parameters())
+    widest = max((m.in_features for m in meta.modules() if isinstance(m, torch.nn.Linear)), default=0)
+    if size > 20e6 or widest > 8192:
+        raise ValueError(f"not tiny: {size / 1e6:.1f}M parameters, a Linear with {widest} inputs")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 300, (1, 16)))
+    return model
 
 
 def recipe_for(method: str, cal: CalibrationConfig) -> Recipe:
@@ -101,9 +137,16 @@ def main() -> None:
     ap.add_argument("--families", default="", help="comma-separated config class names (default: all)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py) as families")
+    ap.add_argument("--all", action="store_true", help="every causal-LM model type of the installed transformers")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED)) if args.tiny else list(FAMILIES)
+    transformers.logging.set_verbosity_error()
+    if args.all:
+        from transformers.models.auto import modeling_auto
+
+        every = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    else:
+        every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED)) if args.tiny else list(FAMILIES)
     families = args.families.split(",") if args.families else every
     methods = args.methods.split(",")
     results: dict[str, dict[str, str]] = {}
@@ -114,14 +157,23 @@ def main() -> None:
         cal = CalibrationConfig(data=str(text), samples=4, seqlen=64)
         tokenizer = make_tiny_tokenizer()
         for name in families:
-            if args.tiny:
-                dense = tiny_model(name)
-            else:
-                config = getattr(transformers, name)(**{**COMMON, **FAMILIES.get(name, {})})
-                torch.manual_seed(0)
-                dense = transformers.AutoModelForCausalLM.from_config(config).eval()
             folder = root / name
-            dense.save_pretrained(folder)
+            try:
+                if args.all:
+                    dense = auto_tiny(name)
+                elif args.tiny:
+                    dense = tiny_model(name)
+                else:
+                    config = getattr(transformers, name)(**{**COMMON, **FAMILIES.get(name, {})})
+                    torch.manual_seed(0)
+                    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+                dense.save_pretrained(folder)
+            except Exception as exc:  # under --all a type we cannot shrink or save is reported, not quantized
+                if not args.all:
+                    raise
+                results[name] = {m: f"no tiny model ({type(exc).__name__}: {str(exc)[:80]})" for m in methods}
+                print(name, results[name][methods[0]], flush=True)
+                continue
             tokenizer.save_pretrained(folder)
             results[name] = {m: run_one(folder, dense, m, cal, root / f"{name}-{m.replace(':', '-')}") for m in methods}
             print(name, results[name], flush=True)
@@ -137,9 +189,14 @@ def main() -> None:
                  "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
                  "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else []),
              "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items()]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    untried = {n: r[methods[0]] for n, r in results.items() if all(v.startswith("no tiny model") for v in r.values())}
+    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items() if n not in untried]
     crashes = [(n, m) for n, r in results.items() for m, v in r.items() if v.startswith("CRASH")]
+    lines += ["", f"{len(results) - len(untried)} families run, {len(crashes)} crashes."]
+    if untried:
+        lines += ["", f"No tiny model of {len(untried)} types (not quantized): "
+                  + "; ".join(f"{n} {why.removeprefix('no tiny model ')}" for n, why in untried.items())]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"{len(crashes)} crashes", crashes)
     sys.exit(1 if crashes else 0)
 

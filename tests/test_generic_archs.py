@@ -239,3 +239,21 @@ def test_linear_subclass_that_computes_a_linear_is_quantized():
     plan = make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
     falcon = [n for n, m in model.named_modules() if type(m).__name__ == "FalconLinear"]
     assert falcon and all(n in plan.quantize for n in falcon), plan.dense
+
+
+def test_linear_subclass_returning_a_pair_stays_dense():
+    """Llama-4's and PhiMoE's routers subclass nn.Linear and return (scores, logits): the rule's probe
+    crashed on the pair ('tuple' object has no attribute 'shape'); such a layer stays dense."""
+    from torch import nn
+
+    from quantspec.formats import get_format
+    from quantspec.quant.plan import make_plan
+
+    class PairRouter(nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits.softmax(-1), logits
+
+    model = nn.ModuleDict({"router": PairRouter(64, 8), "proj": nn.Linear(64, 64)})
+    plan = make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
+    assert "PairRouter" in plan.dense["router"] and "proj" in plan.quantize
