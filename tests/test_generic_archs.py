@@ -257,3 +257,25 @@ def test_linear_subclass_returning_a_pair_stays_dense():
     model = nn.ModuleDict({"router": PairRouter(64, 8), "proj": nn.Linear(64, 64)})
     plan = make_plan(model, QuantScheme(4, 32, True), get_format("gptq"))
     assert "PairRouter" in plan.dense["router"] and "proj" in plan.quantize
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_linear_its_block_never_calls_is_named(tmp_path, method):
+    """TrOCR's decoder blocks hold cross-attention Linears that a text-only forward never calls:
+    GPTQ named the layer and the fix, AWQ crashed (TypeError on its missing statistics). Both now
+    refuse in one line naming the layer, with nothing written."""
+    import transformers
+    from helpers import make_tiny_tokenizer
+
+    config = transformers.TrOCRConfig(vocab_size=320, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                                      decoder_ffn_dim=128, max_position_embeddings=128, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "trocr")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "trocr")
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    recipe = RECIPES[method](CalibrationConfig(data=str(text), samples=4, seqlen=64))
+    with pytest.raises(QuantspecError, match=r"encoder_attn\.\w+_proj is never called by its block's forward") as err:
+        quantspec.quantize(str(tmp_path / "trocr"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    assert "ignore list" in str(err.value) and not (tmp_path / "ckpt").exists()

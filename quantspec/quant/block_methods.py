@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantspecError
-from .block_ops import block_groups, block_outputs, check_finite, planned_linears, run_linear_inputs
+from .block_ops import block_groups, block_outputs, check_finite, never_called, planned_linears, run_linear_inputs
 from .distributed import Reducer
 from .fused_scales import block_global_scales
 from .heap import free_memory_bytes
@@ -129,13 +129,6 @@ def hessian_bf16(options: GPTQOptions, device: torch.device) -> bool:
     if options.hessian_dtype == "auto":
         return device.type == "cpu" and native_bf16(device)
     return options.hessian_dtype == "bfloat16"
-
-
-def _never_called(name: str) -> QuantspecError:
-    return QuantspecError(
-        f"{name} is never called by its block's forward, so GPTQ has no statistics for it.",
-        "add it to the recipe's ignore list.",
-    )
 
 
 class GPTQMethod(BlockMethod):
@@ -277,7 +270,7 @@ class GPTQMethod(BlockMethod):
         check_finite(outputs, block_name, "its output")
         for name in modules:
             if name not in results:
-                raise _never_called(name)
+                raise never_called(name, "GPTQ")
             self.info[name].update(gptq_pass="single", forward_dtype=precision_name(block, precision))
         return BlockOutput(results, self.info, next_inputs=outputs)
 
@@ -307,7 +300,7 @@ class GPTQMethod(BlockMethod):
                 hessians, rows = _reduced(hessians, rows, group, ctx.reducer)
                 for name in group:
                     if name not in hessians:
-                        raise _never_called(name)
+                        raise never_called(name, "GPTQ")
                     results[name] = self._quantize(name, modules[name], hessians.pop(name), plan[name], rows[name])
                     self.info[name].update(gptq_pass="per-group", forward_dtype=precision_name(block, contextlib.nullcontext))
         finally:

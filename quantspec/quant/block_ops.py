@@ -38,6 +38,12 @@ def block_forward(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any]
     return torch.cat(outs, dim=0)
 
 
+def never_called(name: str, method: str) -> QuantspecError:
+    """A planned Linear its block's forward never calls (TrOCR's cross-attention without encoder states)."""
+    return QuantspecError(f"{name} is never called by its block's forward, so {method} has no statistics for it.",
+                          "add it to the recipe's ignore list.")
+
+
 def run_linear_inputs(
     block: nn.Module,
     block_name: str,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .arch import ArchSpec, submodule_or_none
-from .block_ops import run_linear_inputs
+from .block_ops import never_called, run_linear_inputs
 from .distributed import Reducer, Share
 
 
@@ -202,6 +202,9 @@ def collect_input_stats(
             a["rows"].append(x[idx.round().long()].clone())
 
     run_linear_inputs(block, block_name, inputs, kwargs, modules, add)
+    missing = [name for name, a in acc.items() if a["max"] is None]
+    if missing:
+        raise never_called(missing[0], "AWQ")
     out = {}
     for name, a in acc.items():
         sample, part = _cut_sample(torch.cat(a["rows"], dim=0) if a["rows"] else None, sample_tokens, reducer)
