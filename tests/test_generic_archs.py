@@ -279,3 +279,30 @@ def test_a_linear_its_block_never_calls_is_named(tmp_path, method):
     with pytest.raises(QuantspecError, match=r"encoder_attn\.\w+_proj is never called by its block's forward") as err:
         quantspec.quantize(str(tmp_path / "trocr"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
     assert "ignore list" in str(err.value) and not (tmp_path / "ckpt").exists()
+
+
+def test_blocks_that_do_not_run_alone_get_no_smoothing_pairs(tmp_path):
+    """XLM's repeated modules holding Linears are its attention modules, which do not run on the call
+    captured for them: architecture inference crashed (RuntimeError) even for RTN. It now finds no
+    smoothing pair there: RTN quantizes, AWQ refuses in one line."""
+    import transformers
+    from helpers import make_tiny_tokenizer
+
+    config = transformers.XLMConfig(vocab_size=320, emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=128,
+                                    pad_index=0, bos_index=1, eos_index=2, is_decoder=True)
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / "xlm")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "xlm")
+    rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
+    q = quantspec.load_quantized(quantspec.quantize(str(tmp_path / "xlm"), rtn, tmp_path / "ckpt", progress=False,
+                                                    device="cpu").out, backend="reference")
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    with pytest.raises(QuantspecError, match="awq needs smoothing pairs"):
+        quantspec.quantize(str(tmp_path / "xlm"), RECIPES["awq"](CalibrationConfig(data=str(text), samples=4, seqlen=64)),
+                           tmp_path / "awq", progress=False, device="cpu")
