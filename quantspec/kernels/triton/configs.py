@@ -32,7 +32,7 @@ import os
 import triton
 
 FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8", "fp_dot", "fp8_w8a8")
-M_KEY_MAX = 4096  # the float launchers' M buckets (wq_gemm has its own, the same)
+M_KEY_MAX = 4096  # every launcher's M buckets: powers of 2 up to this
 
 
 def m_key(m: int) -> int:

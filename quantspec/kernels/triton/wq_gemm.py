@@ -41,7 +41,7 @@ from .wq_gemv_preshuffled import _wq_gemv_ps_kernel
 # autotuner adds the tensors' dtypes itself; names a kernel lacks are skipped)
 AUTOTUNE_KEY = ("M_KEY", "N", "K", "SPLIT_K", "FB", "GROUP", "HAS_ZEROS", "HAS_GIDX", "PRESHUFFLED", "ASM",
                 "PACKED", "DOT_F32")
-M_KEY_MAX = 4096
+M_KEY_MAX = configs.M_KEY_MAX
 GEMV_MAX_M = 2  # on an H200 the small-M tl.dot path beat the GEMV at M = 4 (kernels-h200.md)
 SMALL_M_MAX = 32
 PER_CHANNEL_GROUP = 1 << 30  # the "group" of per-channel scales: every row is in group 0
@@ -443,7 +443,7 @@ def wq_linear(
     meta = dict(FB=fb, GROUP=group, SYM_ZERO=float(1 << (bits - 1)), HAS_ZEROS=zeros is not None,
                 HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k)
     dummy = scales  # never read: the matching HAS_* flag is False
-    m_key = min(_next_pow2(m), M_KEY_MAX)
+    m_key = configs.m_key(m)
     args = (x, qweight, scales, dummy if zeros is None else zeros, dummy if g_idx is None else g_idx,
             dummy if bias is None else bias, out, part, m, n, k, x.stride(0), m_key, (1 << fb) - 1)
     backend = "interpreter" if configs.interpreting() else configs.current_target()[0]
