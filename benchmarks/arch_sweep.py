@@ -131,6 +131,30 @@ def run_one(folder: Path, dense, method: str, cal, out: Path) -> str:
         return f"CRASH {type(exc).__name__}: {str(exc)[:160]} ({Path(where.filename).name}:{where.lineno})"
 
 
+def write_report(results: dict[str, dict[str, str]], methods: list[str], out: Path, argv: str) -> list:
+    """``out``.json (the raw rows) and ``out``.md (the table); returns the crashes."""
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Every method on tiny random models of {len(results)} families "
+             f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
+             "rel: mean squared logit error of the loaded checkpoint / mean square of the dense "
+             "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant; a `:scheme` names a float "
+             "scheme, `+kv:KIND:STRATEGY` a calibrated KV cache the forward runs on).", "",
+             f"Command: `python benchmarks/arch_sweep.py {argv}`; raw: the JSON of the same name.", "",
+             *([("fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
+                 "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
+                 "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else []),
+             "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    untried = {n: r[methods[0]] for n, r in results.items() if all(v.startswith("no tiny model") for v in r.values())}
+    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items() if n not in untried]
+    crashes = [(n, m) for n, r in results.items() for m, v in r.items() if v.startswith("CRASH")]
+    lines += ["", f"{len(results) - len(untried)} families run, {len(crashes)} crashes."]
+    if untried:
+        lines += ["", f"No tiny model of {len(untried)} types (not quantized): "
+                  + "; ".join(f"{n} {why.removeprefix('no tiny model ')}" for n, why in untried.items())]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return crashes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arch-sweep"))
@@ -171,32 +195,14 @@ def main() -> None:
             except Exception as exc:  # under --all a type we cannot shrink or save is reported, not quantized
                 if not args.all:
                     raise
-                results[name] = {m: f"no tiny model ({type(exc).__name__}: {str(exc)[:80]})" for m in methods}
+                why = " ".join(str(exc).split())[:80]  # one line for the table
+                results[name] = {m: f"no tiny model ({type(exc).__name__}: {why})" for m in methods}
                 print(name, results[name][methods[0]], flush=True)
                 continue
             tokenizer.save_pretrained(folder)
             results[name] = {m: run_one(folder, dense, m, cal, root / f"{name}-{m.replace(':', '-')}") for m in methods}
             print(name, results[name], flush=True)
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    lines = [f"# Every method on tiny random models of {len(results)} families "
-             f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
-             "rel: mean squared logit error of the loaded checkpoint / mean square of the dense "
-             "logits (16 tokens; 4-bit g32 for rtn/gptq/awq, W8A8 for smoothquant; a `:scheme` names a float "
-             "scheme, `+kv:KIND:STRATEGY` a calibrated KV cache the forward runs on).", "",
-             f"Command: `python benchmarks/arch_sweep.py {' '.join(sys.argv[1:])}`; raw: the JSON of the same name.", "",
-             *([("fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
-                 "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
-                 "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else []),
-             "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-    untried = {n: r[methods[0]] for n, r in results.items() if all(v.startswith("no tiny model") for v in r.values())}
-    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items() if n not in untried]
-    crashes = [(n, m) for n, r in results.items() for m, v in r.items() if v.startswith("CRASH")]
-    lines += ["", f"{len(results) - len(untried)} families run, {len(crashes)} crashes."]
-    if untried:
-        lines += ["", f"No tiny model of {len(untried)} types (not quantized): "
-                  + "; ".join(f"{n} {why.removeprefix('no tiny model ')}" for n, why in untried.items())]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    crashes = write_report(results, methods, Path(args.out), " ".join(sys.argv[1:]))
     print(f"{len(crashes)} crashes", crashes)
     sys.exit(1 if crashes else 0)
 
