@@ -112,6 +112,8 @@ def capture_inputs(
                 if outputs > 1 or wanted is None:
                     raise _refusal(model, exc) from exc
                 outputs = int(wanted.group(1))
+            except torch.OutOfMemoryError:
+                raise
             except (TypeError, IndexError, AttributeError, RuntimeError) as exc:
                 raise _refusal(model, exc) from exc
     finally:
@@ -136,7 +138,8 @@ def _capture(model, blocks, originals, store, calib_ids, device, outputs: int) -
 def _refusal(model: nn.Module, exc: Exception) -> QuantspecError:
     return QuantspecError(
         f"{type(model).__name__}'s forward failed with stand-ins for its decoder blocks "
-        f"({type(exc).__name__}: {exc}): calibration passes each block's input on as its output, "
+        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): calibration passes each block's input on "
+        "as its output, "
         "and this family's layer loop expects another return value from its blocks.",
         "quantize it with a data-free method (--method rtn), or declare its architecture "
         "(quantspec/quant/arch.py).",

@@ -47,10 +47,12 @@ def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progre
             # logits of the last position only: the cache is what is observed, not the output
             try:
                 model(input_ids=ids[j : j + 1].to(device), use_cache=True, logits_to_keep=1, **{kw: obs})
+            except torch.OutOfMemoryError:
+                raise
             except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
                 raise QuantspecError(
                     f"{type(model).__name__}'s forward failed on the KV-cache observer ({type(exc).__name__}: "
-                    f"{str(exc)[:200]}): its attention keeps a cache of its own kind (looped or recurrent "
+                    f"{' '.join(str(exc).split())[:200]}): its attention keeps a cache of its own kind (looped or recurrent "
                     "layers), which per-layer KV scales do not describe.", "drop --kv-cache for this model.") from exc
             for layer, (k, v) in obs.stats.items():
                 if layer in seen:
