@@ -624,7 +624,7 @@ def test_cli_quantizes_and_loads_nvfp4_gptq(tmp_path):
     assert shown.returncode == 0 and "nvfp4" in shown.stdout, shown.stdout + shown.stderr
 
 
-@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4", "fp8-dynamic", "fp8-static"])
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp4", "fp8-static"])  # fp8-static: FP8 weights and input scales
 def test_cli_awq_scales_before_float_rounding(tmp_path, preset):
     """AWQ's scale search on the FP4 and FP8 grids, end to end: every Linear of the blocks is quantized
     to the float scheme, each one that can take AWQ's scales with them (its block loss never above
