@@ -36,12 +36,35 @@ RECIPES = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _save(tmp_path, family):
-    folder = make_tiny_model(tmp_path, family)
-    model = tiny_model(family)
+def _calib(tmp_path) -> CalibrationConfig:
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
-    return model, folder, CalibrationConfig(data=str(text), samples=4, seqlen=64)
+    return CalibrationConfig(data=str(text), samples=4, seqlen=64)
+
+
+def _save(tmp_path, family):
+    return tiny_model(family), make_tiny_model(tmp_path, family), _calib(tmp_path)
+
+
+def _save_config(tmp_path, name: str, config):
+    """(a random model of a transformers ``config`` not in helpers' tiny families, its folder, the
+    calibration) as ``_save`` gives them."""
+    import transformers
+    from helpers import make_tiny_tokenizer
+
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / name)
+    make_tiny_tokenizer().save_pretrained(tmp_path / name)
+    return dense, tmp_path / name, _calib(tmp_path)
+
+
+def _rel(q, dense) -> float:
+    """Mean squared logit error of ``q`` against ``dense`` over their mean square (2 x 24 tokens)."""
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
+    return float((a - b).pow(2).mean() / b.pow(2).mean())
 
 
 @pytest.mark.parametrize("family,method", [
@@ -52,10 +75,7 @@ def test_undeclared_family_quantizes_and_loads(tmp_path, family, method):
     outcome = quantspec.quantize(str(folder), RECIPES[method](cal), tmp_path / "ckpt",
                                  progress=False, device="cpu")
     q = quantspec.load_quantized(outcome.out, backend="reference")
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    rel = float((a - b).pow(2).mean() / b.pow(2).mean())
+    rel = _rel(q, dense)
     assert rel < 0.1, rel
 
 
@@ -76,10 +96,7 @@ def test_gpt2_conv1d_quantizes_and_loads(tmp_path, method):
     # the dense layer is written as Conv1D [in, out], as GPT-2 stores it
     torch.testing.assert_close(stored["transformer.h.1.mlp.c_proj.weight"].float(),
                                dense.transformer.h[1].mlp.c_proj.weight, atol=1e-3, rtol=1e-3)
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    assert _rel(q, dense) < 0.1
 
 
 def test_conv1d_models_get_a_clear_error_where_unsupported():
@@ -108,10 +125,7 @@ def test_linear_subclass_with_its_own_forward_stays_dense(tmp_path):
                                      for why in grouped.values()), report["dense_layers"]
     q = quantspec.load_quantized(outcome.out, backend="reference")
     assert any(".experts." in n for n in q.quantspec_backends) and not any(n in q.quantspec_backends for n in grouped)
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    assert _rel(q, dense) < 0.1
 
 
 def test_a_layer_loop_that_unpacks_block_outputs_calibrates(tmp_path):
@@ -119,26 +133,17 @@ def test_a_layer_loop_that_unpacks_block_outputs_calibrates(tmp_path):
     returned the hidden states alone, so its capture failed with a bare ValueError. The stand-ins
     now return as many values as the loop unpacks, and GPTQ quantizes the model."""
     import transformers
-    from helpers import make_tiny_tokenizer
 
-    config = transformers.CpmAntConfig(vocab_size=320, hidden_size=64, num_attention_heads=4, dim_head=16,
-                                       dim_ff=128, num_hidden_layers=2, prompt_length=4, segment_types=4)
-    torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dense.save_pretrained(tmp_path / "cpmant")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "cpmant")
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    dense, folder, cal = _save_config(tmp_path, "cpmant", transformers.CpmAntConfig(
+        vocab_size=320, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=2,
+        prompt_length=4, segment_types=4))
     rel = {}
-    for method, recipe in (("gptq", RECIPES["gptq"](CalibrationConfig(data=str(text), samples=4, seqlen=64))),
+    for method, recipe in (("gptq", RECIPES["gptq"](cal)),
                            ("rtn", Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True)))):
-        out = quantspec.quantize(str(tmp_path / "cpmant"), recipe, tmp_path / method, progress=False, device="cpu").out
+        out = quantspec.quantize(str(folder), recipe, tmp_path / method, progress=False, device="cpu").out
         q = quantspec.load_quantized(out, backend="reference")
         assert len(q.quantspec_backends) == 14
-        with torch.no_grad():
-            a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-        rel[method] = float((a - b).pow(2).mean() / b.pow(2).mean())
+        rel[method] = _rel(q, dense)
     # this family's random init makes 4-bit g32 coarse (RTN ~0.5 here): calibration must beat it
     assert rel["gptq"] < 0.9 * rel["rtn"], rel
 
@@ -148,23 +153,13 @@ def test_block_that_checks_its_mask_batch_runs_sample_by_sample(tmp_path):
     GPTQ's one-batch pass took only a RuntimeError as "this block does not batch" and crashed.
     It now runs such a block sample by sample and quantizes the model."""
     import transformers
-    from helpers import make_tiny_tokenizer
 
-    config = transformers.XGLMConfig(vocab_size=320, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
-                                     max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dense.save_pretrained(tmp_path / "xglm")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "xglm")
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
-    recipe = RECIPES["gptq"](CalibrationConfig(data=str(text), samples=4, seqlen=64))
-    outcome = quantspec.quantize(str(tmp_path / "xglm"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    dense, folder, cal = _save_config(tmp_path, "xglm", transformers.XGLMConfig(
+        vocab_size=320, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    outcome = quantspec.quantize(str(folder), RECIPES["gptq"](cal), tmp_path / "ckpt", progress=False, device="cpu")
     q = quantspec.load_quantized(outcome.out, backend="reference")
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    assert _rel(q, dense) < 0.1
 
 
 def test_router_that_holds_its_linear_stays_dense(tmp_path):
@@ -176,27 +171,19 @@ def test_router_that_holds_its_linear_stays_dense(tmp_path):
     import json
 
     import transformers
-    from helpers import make_tiny_tokenizer
 
     from quantspec.core.scheme import SCHEME_PRESETS
 
-    config = transformers.HunYuanMoEV1Config(vocab_size=320, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             num_experts=4, moe_topk=2, head_dim=16, max_position_embeddings=128)
-    torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dense.save_pretrained(tmp_path / "hunyuan")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "hunyuan")
+    dense, folder, _ = _save_config(tmp_path, "hunyuan", transformers.HunYuanMoEV1Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, moe_topk=2, head_dim=16, max_position_embeddings=128))
     recipe = Recipe(name="t", method="rtn", format="compressed-tensors", scheme=SCHEME_PRESETS["nvfp4"])
-    outcome = quantspec.quantize(str(tmp_path / "hunyuan"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+    outcome = quantspec.quantize(str(folder), recipe, tmp_path / "ckpt", progress=False, device="cpu")
     report = json.loads((outcome.out / "quant_report.json").read_text())["dense_layers"]
     assert all("MoE router" in report[f"model.layers.{i}.mlp.gate.wg"] for i in (0, 1)), report
     q = quantspec.load_quantized(outcome.out, backend="reference")
     assert any(".experts." in n for n in q.quantspec_backends)
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    assert _rel(q, dense) < 0.1
 
 
 def test_model_code_reading_a_quantized_weight_dtype_runs(tmp_path):
@@ -204,29 +191,19 @@ def test_model_code_reading_a_quantized_weight_dtype_runs(tmp_path):
     weights_proj.weight.dtype))``: the loaded checkpoint failed in its first forward with
     "'QuantLinear' object has no attribute 'weight'". A quantized Linear's ``weight`` now reads as a
     stand-in of the layer's shape, compute dtype and device, and the model runs."""
-    from helpers import make_tiny_tokenizer
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING["hy_v4"](
+    dense, folder, _ = _save_config(tmp_path, "hy", CONFIG_MAPPING["hy_v4"](
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, moe_intermediate_size=64,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    import transformers
-
-    torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dense.save_pretrained(tmp_path / "hy")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "hy")
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
     rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
-    outcome = quantspec.quantize(str(tmp_path / "hy"), rtn, tmp_path / "ckpt", progress=False, device="cpu")
+    outcome = quantspec.quantize(str(folder), rtn, tmp_path / "ckpt", progress=False, device="cpu")
     q = quantspec.load_quantized(outcome.out, backend="reference")
     assert any(n.endswith("weights_proj") for n in q.quantspec_backends)
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
+    assert _rel(q, dense) < 0.1
 
 
 def test_linear_subclass_that_computes_a_linear_is_quantized():
@@ -265,19 +242,12 @@ def test_a_linear_its_block_never_calls_is_named(tmp_path, method):
     GPTQ named the layer and the fix, AWQ crashed (TypeError on its missing statistics). Both now
     refuse in one line naming the layer, with nothing written."""
     import transformers
-    from helpers import make_tiny_tokenizer
 
-    config = transformers.TrOCRConfig(vocab_size=320, d_model=64, decoder_layers=2, decoder_attention_heads=4,
-                                      decoder_ffn_dim=128, max_position_embeddings=128, pad_token_id=0,
-                                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "trocr")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "trocr")
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
-    recipe = RECIPES[method](CalibrationConfig(data=str(text), samples=4, seqlen=64))
+    _, folder, cal = _save_config(tmp_path, "trocr", transformers.TrOCRConfig(
+        vocab_size=320, d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     with pytest.raises(QuantspecError, match=r"encoder_attn\.\w+_proj is never called by its block's forward") as err:
-        quantspec.quantize(str(tmp_path / "trocr"), recipe, tmp_path / "ckpt", progress=False, device="cpu")
+        quantspec.quantize(str(folder), RECIPES[method](cal), tmp_path / "ckpt", progress=False, device="cpu")
     assert "ignore list" in str(err.value) and not (tmp_path / "ckpt").exists()
 
 
@@ -286,23 +256,13 @@ def test_blocks_that_do_not_run_alone_get_no_smoothing_pairs(tmp_path):
     captured for them: architecture inference crashed (RuntimeError) even for RTN. It now finds no
     smoothing pair there: RTN quantizes, AWQ refuses in one line."""
     import transformers
-    from helpers import make_tiny_tokenizer
 
-    config = transformers.XLMConfig(vocab_size=320, emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=128,
-                                    pad_index=0, bos_index=1, eos_index=2, is_decoder=True)
-    torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dense.save_pretrained(tmp_path / "xlm")
-    make_tiny_tokenizer().save_pretrained(tmp_path / "xlm")
+    dense, folder, cal = _save_config(tmp_path, "xlm", transformers.XLMConfig(
+        vocab_size=320, emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=128, pad_index=0, bos_index=1,
+        eos_index=2, is_decoder=True))
     rtn = Recipe(name="t", method="rtn", format="gptq", scheme=QuantScheme(4, 32, True))
-    q = quantspec.load_quantized(quantspec.quantize(str(tmp_path / "xlm"), rtn, tmp_path / "ckpt", progress=False,
+    q = quantspec.load_quantized(quantspec.quantize(str(folder), rtn, tmp_path / "ckpt", progress=False,
                                                     device="cpu").out, backend="reference")
-    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = q(input_ids=ids).logits.float(), dense(input_ids=ids).logits
-    assert float((a - b).pow(2).mean() / b.pow(2).mean()) < 0.1
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(["Quantization maps weights to a small grid of integers."] * 400))
+    assert _rel(q, dense) < 0.1
     with pytest.raises(QuantspecError, match="awq needs smoothing pairs"):
-        quantspec.quantize(str(tmp_path / "xlm"), RECIPES["awq"](CalibrationConfig(data=str(text), samples=4, seqlen=64)),
-                           tmp_path / "awq", progress=False, device="cpu")
+        quantspec.quantize(str(folder), RECIPES["awq"](cal), tmp_path / "awq", progress=False, device="cpu")
