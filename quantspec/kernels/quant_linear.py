@@ -177,7 +177,7 @@ class QuantLinear(nn.Module):
         except AttributeError:
             if name != "weight" or "fmt" not in self.__dict__ or "weight" in self.format_names():
                 raise
-        device = next((t.device for t in self.format_tensors().values()), torch.device("cpu"))
+        device = next((b.device for b in self._buffers.values() if b is not None), torch.device("cpu"))
         layer = self.layer_name or f"a {self.out_features}x{self.in_features} quantized Linear"
         return weight_stand_in(layer, self.out_features, self.in_features, self.compute_dtype, device)
 

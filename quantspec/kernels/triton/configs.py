@@ -31,7 +31,8 @@ import os
 
 import triton
 
-FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8", "fp_dot", "fp8_w8a8")
+FLOAT_FAMILIES = ("fp_dot", "fp8_w8a8")  # the float kernels' (fp_gemm.py, fp8_w8a8.py)
+FAMILIES = ("gemv", "gemv_packed", "gemv_preshuffled", "small_m", "large_m", "w8a8", *FLOAT_FAMILIES)
 M_KEY_MAX = 4096  # every launcher's M buckets: powers of 2 up to this
 
 
@@ -233,7 +234,7 @@ def interpreter_config(family: str) -> dict[str, int]:
         return {"BLOCK_N": 128, "BLOCK_K": 128}
     if family == "small_m":
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}
-    if family in ("large_m", "w8a8", "fp_dot", "fp8_w8a8"):  # the float launchers take BLOCK_M 16 for M <= 16
+    if family in ("large_m", "w8a8", *FLOAT_FAMILIES):  # the float launchers take BLOCK_M 16 for M <= 16
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 2}
     raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
 

@@ -11,6 +11,8 @@ fp8_w8a8.py) use ``launch`` below.
 
 from __future__ import annotations
 
+from . import configs
+
 # fp32 operands take Triton's FMA dot (IEEE, no tensor cores), which keeps a thread's whole K
 # slice of both operands in registers: BLOCK_K 16 tiles are its configs (larger K spills, e.g.
 # sm90 128x256x32 13232 bytes, 64x64x32 416; benchmarks/results/kernel-spills.md)
@@ -32,7 +34,7 @@ def fits(family: str, cfg, m_key: int, meta: dict) -> bool:
     With g_idx (a scale gathered per weight) tiles are smaller still: the limits below are where
     benchmarks/results/kernel-spills.md saw spills (sm90 GEMV 1024 x 16 and 128 x 128; gfx942
     tl.dot tiles of 8192 elements a thread)."""
-    if family in ("fp_dot", "fp8_w8a8"):
+    if family in configs.FLOAT_FAMILIES:
         return float_fits(family, cfg, m_key, meta)
     preshuffled = meta.get("PRESHUFFLED", 0)
     if preshuffled and not preshuffled_fits(cfg, preshuffled):
@@ -109,11 +111,9 @@ def launch(family: str, kernel, grid, args: tuple, meta: dict, m_key: int, autot
     (``PRUNE``; ``key``: the autotuner's key), or with ``autotune=False`` the list's first config
     that fits. No reset or restore runs between tuning runs (the float kernels store each element
     of ``out`` once: no atomics, no split-K)."""
-    from . import configs
-
     if configs.interpreting():
         cfg = dict(configs.interpreter_config(family))
-        if family in ("fp_dot", "fp8_w8a8") and m_key <= SMALL_M:
+        if family in configs.FLOAT_FAMILIES and m_key <= SMALL_M:
             cfg["BLOCK_M"] = SMALL_M
         kernel[grid](*args, **meta, **cfg)
         return
