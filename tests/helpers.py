@@ -160,6 +160,47 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
     return model.eval()
 
 
+# a family's tiny model by its config class's own fields (benchmarks/arch_sweep.py FAMILIES)
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# every transformers causal-LM type shrunk (benchmarks/arch_sweep.py --all, specdec_sweep.py --all):
+# the width fields set on every config that has them (each family names its own)
+SHRINK = dict(COMMON, head_dim=16, n_embd=64, n_layer=2, n_head=4, n_inner=128, d_model=64, ffn_dim=128,
+              n_positions=512, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+              num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+              first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+              v_head_dim=16, n_group=1, topk_group=1, sliding_window=64, num_kv_heads=2, multi_query_group_num=2,
+              kv_channels=16, rotary_dim=8, word_embed_proj_dim=64, ffn_hidden_size=128,
+              expert_intermediate_size=64)
+
+
+def auto_tiny(model_type: str, **overrides):
+    """A shrunk random model of a transformers causal-LM ``model_type``; raises when there is none.
+    ``overrides``: fields set beside ``SHRINK``'s (on configs that have them)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    base = cls()
+    config = cls(**{k: v for k, v in {**SHRINK, **overrides}.items() if hasattr(base, k)})
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(getattr(config, "layer_types", None), (list, tuple)) and layers:
+        config.layer_types = list(config.layer_types)[:layers]
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    size = sum(p.numel() for p in meta.parameters())
+    widest = max((m.in_features for m in meta.modules() if isinstance(m, torch.nn.Linear)), default=0)
+    if size > 20e6 or widest > 8192:
+        raise ValueError(f"not tiny: {size / 1e6:.1f}M parameters, a Linear with {widest} inputs")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 300, (1, 16)))
+    return model
+
+
 def make_tiny_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save ``tiny_model(arch, seed, **overrides)`` (fp32 safetensors) + tokenizer to
     ``tmp_path/tiny-<arch>``; returns the folder."""

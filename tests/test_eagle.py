@@ -385,21 +385,32 @@ def test_cli_trains_on_the_quantized_target_and_drafts_with_the_head(tmp_path):
     assert json.loads(out.read_text())["agreement"]["positions"] == 8
 
 
-def test_cli_bad_input_exits_2_before_loading(tmp_path):
-    r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--samples", "1")
+def test_cli_bad_input_exits_2_before_loading(tmp_path, capsys):
+    from quantspec.cli.main import main
+
+    def cli(*args) -> str:  # in this process: the CLI's own entry point; exit 2 and one line on stderr
+        code = main(list(args))
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, (args, err)
+        return err
+
+    r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--samples", "1")  # as users run it
     assert r.returncode == 2 and "samples=1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
     for prompts, says in [(bad, "line 2 has no string field \"prompt\""), (tmp_path / "none.jsonl", "does not exist")]:
-        r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts", str(prompts))
-        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert says in cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts",
+                           str(prompts))
     bad.write_text(json.dumps({"prompt": "one"}) + "\n")
-    r = _cli("train-draft", "no-such-model-anywhere", "--out", str(tmp_path / "h"), "--prompts", str(bad),
-             "--samples", "4")
-    assert r.returncode == 2 and "holds 1 prompts, fewer than --samples 4" in r.stderr
+    assert "holds 1 prompts, fewer than --samples 4" in cli("train-draft", "no-such-model-anywhere", "--out",
+                                                            str(tmp_path / "h"), "--prompts", str(bad), "--samples", "4")
     folder = make_tiny_model(tmp_path, "llama")
-    r = _cli("generate", str(folder), "--prompt", "hi", "--draft", f"eagle:{tmp_path / 'nothing'}")
-    assert r.returncode == 2 and "not an EAGLE head" in r.stderr
+    capsys.readouterr()  # the model's own save progress
+    # refused before the target loads (one line: no loading progress before it)
+    for draft, says in [(f"eagle:{tmp_path / 'nothing'}", "not an EAGLE head"), ("ngram:x", "n-gram size 'x'"),
+                        ("self:w4x", "not a scheme name")]:
+        assert says in cli("generate", str(folder), "--prompt", "hi", "--draft", draft)
+        assert says in cli("bench-specdec", str(folder), "--draft", draft)
 
 
 def test_the_vllm_export_is_a_llama_layer_that_computes_what_the_head_does(tmp_path):

@@ -56,17 +56,27 @@ def tk():
 
 
 def test_kernels_in_interpreter():
-    """Run this file's interpreter tests in a subprocess with TRITON_INTERPRET=1."""
+    """Run this file's interpreter tests in subprocesses with TRITON_INTERPRET=1: the collected
+    tests dealt round-robin to one process per core (the interpreter is single-threaded Python),
+    each of which must pass them all."""
     pytest.importorskip("triton")
     if INTERPRETING:
         pytest.skip("already inside the interpreter run")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-           "-k", "not test_kernels_in_interpreter", __file__]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+           "-k", "not test_kernels_in_interpreter"]
+    listed = subprocess.run(cmd + ["--collect-only", __file__], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=300)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    assert listed.returncode == 0 and ids, listed.stdout[-2000:] + listed.stderr[-2000:]
+    shards = max(1, min(len(os.sched_getaffinity(0)), 4))
+    procs = [subprocess.Popen(cmd + ids[i::shards], env=env, cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(shards)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+        assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 def make_case(scheme, n, k, m, dtype, bias=True, seed=0, device="cpu"):

@@ -160,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
 def _check_plan(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, a run that would measure nothing or the impossible."""
     from ..errors import QuantspecError
+    from ..specdec.factory import check_spec
 
     tree_from_args(args)
+    check_spec(args.draft)
     if args.tree is not None and not args.timing:
         raise QuantspecError("--tree times token trees, but --no-timing times nothing.",
                              "drop --no-timing, or drop --tree.")

@@ -47,6 +47,10 @@ def run(args) -> int:
 
     tree = tree_from_args(args)  # refused before anything loads
     sampling = sampling_from_args(args)
+    if args.draft:
+        from ..specdec.factory import check_spec
+
+        check_spec(args.draft)
     t_load = time.perf_counter()
     from ..models.load import load_model, model_label
 

@@ -11,8 +11,15 @@ Token trees (``forward_tree`` / ``keep_path``, declared in ``runtime.protocol``)
 transformers a 4-D additive float mask [B, 1, t, L + t] (taken as given, in every attention
 implementation) with each node's position ids; ``keep_path`` moves the kept nodes' keys and
 values (``cache.layers[i].keys/values``, [B, heads, L, D]) next to the committed ones and cuts
-the rest off. Sliding-window cache layers, and models whose forward takes no position ids
-(ALiBi), refuse trees (``tree_refusal``).
+the rest off. Sliding-window cache layers, recurrent (linear-attention, state-space) ones, and
+models whose forward takes no position ids (ALiBi), refuse trees (``tree_refusal``).
+
+Rolling back a sliding-window layer past its window, or a recurrent layer at all, needs the
+states before the dropped tokens: after the first forward (the prefill, which keeps only what
+the next forward needs) such caches record them (``activate_past_recording``, as transformers'
+assisted generation does) and every ``drop_last`` crops them back. Their windows and states
+count columns, not real tokens, so those models, and the ones without position ids, decode the
+rows of a batch one at a time (``rows_alone``).
 
 ``PlainDecoder`` is the same forward with nothing added, for rows that advance together: no
 attention mask, no position ids, what a plain greedy loop over transformers does.
@@ -37,6 +44,9 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+ROLLBACK = 17  # tokens one forward may add and a drop_last take back: a draft of up to 16 (loop's k_max) + 1
+
+
 class KVDecoder(Decoder):
     """Incremental forward passes of ``model`` for a batch of B rows.
 
@@ -50,17 +60,18 @@ class KVDecoder(Decoder):
         self.lengths: list[int] = []
         self.tree: TreeRegion | None = None  # the tree nodes fed since the last keep_path
         self._cache_kw = cache_kwarg(model)
+        self._recording = False  # the cache keeps the states a rollback needs (see the module docstring)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        self.cache, self.mask, self.lengths, self.tree = None, None, [], None
+        self.cache, self.mask, self.lengths, self.tree, self._recording = None, None, [], None, False
 
     def _ensure(self, batch_size: int) -> None:
         if self.mask is None or self.mask.shape[0] != batch_size:
-            self.tree = None
+            self.tree, self._recording = None, False
             self.cache = new_cache(self.model)
             self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
             self.lengths = [0] * batch_size
@@ -97,16 +108,18 @@ class KVDecoder(Decoder):
                 self.lengths[b] += int(c.numel())
         mask = torch.cat([self.mask, new_mask], dim=1)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, -t:]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=keep,
-            output_hidden_states=features,
-            **{self._cache_kw: self.cache},
-        )
+        first = self.mask.shape[1] == 0
+        # e.g. MiniMax (a cache class of its own), XLM (a mask over the new tokens only), Dory (looped layers)
+        out = self._call("incremental decoding over a KV cache with a per-row mask", "generate without a draft",
+                         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=keep, output_hidden_states=features)
         self.mask = mask
+        if first and self.cache.get_seq_length() == 0:  # e.g. RWKV: its state lives elsewhere, nothing can roll back
+            raise QuantspecError(f"{self._name()}'s forward kept nothing in the KV cache it was given, so rejected "
+                                 "drafts cannot be rolled back.", "generate without a draft for this model.")
+        if not self._recording and (_sliding(self.cache) or _recurrent(self.cache)):
+            self.cache.activate_past_recording(recurrent_states_to_keep=ROLLBACK)
+            self._recording = True
         return out
 
     def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
@@ -121,13 +134,43 @@ class KVDecoder(Decoder):
         """A sliding-window cache layer, or a forward without ``position_ids`` (positions taken
         from the 2-D mask, as ALiBi models such as BLOOM do: a node cannot be put at its depth
         nor given a 4-D mask), rules trees out."""
-        if _sliding(new_cache(self.model)):
+        cache = new_cache(self.model)
+        if _sliding(cache):
             return "this model's KV cache has sliding-window layers, which token trees do not support"
-        params = inspect.signature(getattr(self.model, "_orig_mod", self.model).forward).parameters
-        if "position_ids" not in params:
-            return (f"{type(getattr(self.model, '_orig_mod', self.model)).__name__}'s forward takes no position ids "
+        if _recurrent(cache):
+            return "this model's cache has recurrent (linear-attention or state-space) layers, which token trees do not support"
+        if not self._takes_positions():
+            return (f"{self._name()}'s forward takes no position ids "
                     "(its positions come from the 2-D attention mask, e.g. ALiBi), which token trees need")
         return None
+
+    def rows_alone(self) -> str | None:
+        cache = new_cache(self.model)
+        if _sliding(cache):
+            return "its KV cache has sliding-window layers, whose windows count columns"
+        if _recurrent(cache):
+            return "its cache has recurrent (linear-attention or state-space) layers"
+        if not self._takes_positions():
+            return "its forward takes no position ids"
+        return None
+
+    def _name(self) -> str:
+        return type(getattr(self.model, "_orig_mod", self.model)).__name__
+
+    def _call(self, what: str, fix: str, **kw):
+        """The model's forward over the cache; an error it raises on these inputs (not out of
+        memory) is a one-line QuantspecError saying it refuses ``what``, with ``fix``."""
+        try:
+            return self.model(**kw, **{self._cache_kw: self.cache})
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError, AssertionError, NotImplementedError) as exc:
+            why = " ".join(str(exc).split())[:200] or "no message"
+            raise QuantspecError(f"{self._name()}'s forward refuses {what} ({type(exc).__name__}: {why}).",
+                                 f"{fix} for this model.") from exc
+
+    def _takes_positions(self) -> bool:
+        return "position_ids" in inspect.signature(getattr(self.model, "_orig_mod", self.model).forward).parameters
 
     def _tree_run(self, chunks: list[torch.Tensor], parents: list[torch.Tensor], features: bool):
         self._ensure(len(chunks))
@@ -152,8 +195,8 @@ class KVDecoder(Decoder):
         dtype = next(self.model.parameters()).dtype
         bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
         pos = torch.tensor(self.lengths, dtype=torch.int64, device=dev).unsqueeze(1) + depth.to(dev)
-        out = self.model(input_ids=ids, attention_mask=bias, position_ids=pos, use_cache=True,
-                         output_hidden_states=features, **{self._cache_kw: self.cache})
+        out = self._call("a token tree's 4-D attention mask", "use chains (drop --tree)", input_ids=ids,
+                         attention_mask=bias, position_ids=pos, use_cache=True, output_hidden_states=features)
         self.mask = torch.cat([self.mask, real], dim=1)
         return out
 
@@ -190,13 +233,19 @@ class KVDecoder(Decoder):
             self.lengths[b] -= c
         used = self.mask.any(dim=0).nonzero()
         width = int(used[-1]) + 1 if used.numel() else 0
-        if width < self.mask.shape[1]:
+        if width < self.mask.shape[1] or self._recording:  # a recording cache also crops back what it kept
             self.cache.crop(width - self.mask.shape[1])  # negative: tokens to remove
             self.mask = self.mask[:, :width]
 
 
 def _sliding(cache) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", []))
+
+
+def _recurrent(cache) -> bool:
+    """A linear-attention or state-space layer (transformers' ``LinearAttentionCacheLayerMixin``
+    keeps conv and recurrent states, not keys and values)."""
+    return any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", []))
 
 
 class PlainDecoder(Decoder):

@@ -88,6 +88,12 @@ class Decoder(ABC):
         before anything runs), or None (the default: it can)."""
         return None
 
+    def rows_alone(self) -> str | None:
+        """Why the rows of a batch must be decoded one at a time over this decoder's model: its
+        cache or positions cannot hold one row's dropped tokens as masked holes while another row
+        goes on (one line, known before anything runs), or None (the default: rows share a batch)."""
+        return None
+
     def keep_path(self, paths: list[Sequence[int]]) -> None:
         """End the tree: row b keeps the nodes ``paths[b]`` (a chain from a child of -1 down,
         possibly empty) as committed tokens, moved to the columns right after its committed

@@ -52,6 +52,24 @@ def _head_scheme(text: str) -> QuantScheme:
         ) from None
 
 
+def check_spec(spec: str) -> None:
+    """Refuse, before the target loads, a spec that cannot make a draft: an n-gram size that is
+    not a whole number >= 1, an ``eagle:`` folder without a head, a ``self:`` that is neither a
+    folder nor a scheme name. (A model id or folder is checked when it loads.)"""
+    spec = spec.strip()
+    if spec.startswith("ngram:"):
+        size = spec[len("ngram:"):]
+        if not size.isdigit() or int(size) < 1:
+            raise QuantspecError(f"draft '{spec}': the n-gram size '{size}' is not a whole number >= 1.",
+                                 "use e.g. --draft ngram or --draft ngram:3.")
+    elif spec.startswith("eagle:"):
+        from .eagle.head import head_files
+
+        head_files(spec[len("eagle:"):])
+    elif spec.startswith("self:") and not Path(spec[len("self:"):]).expanduser().is_dir():
+        parse_scheme(spec[len("self:"):])
+
+
 def _vocab_rows(model: torch.nn.Module) -> int:
     emb = model.get_output_embeddings()
     return int(emb.out_features if hasattr(emb, "out_features") else emb.weight.shape[0])

@@ -5,7 +5,8 @@ Per step and row b: the target's KV cache holds the committed text except its la
 distributions verification needs; row b keeps ``n_b`` drafts plus one target token, and the
 cache drops the ``k - n_b`` rejected drafts (so the new target token becomes the pending one).
 Rows accept different counts: the cache stays rectangular with masked holes (see kv.py), so
-batch > 1 gives each row exactly what it would get alone. Finished rows (EOS or
+batch > 1 gives each row exactly what it would get alone; a model whose cache cannot hold holes
+(``Decoder.rows_alone``: sliding windows, recurrent layers, no position ids) decodes each row alone. Finished rows (EOS or
 max_new_tokens) stop growing and their step is dropped whole.
 
 With ``tree`` the proposer drafts a token tree per row instead (``tree.py``); one target
@@ -154,6 +155,14 @@ def speculative_generate(
         fast_verify = fast_verify_default(target)
     # built per call, the target's quantized layers unfused: its own forward stays as it was
     decoder = fast_decoder(target, fuse=False) if fast_verify else KVDecoder(target)
+    if len(seqs) > 1 and decoder.rows_alone():  # each row alone: what it gets in a batch that can share
+        outs, parts = [], []
+        for row in prompts:
+            out, part = speculative_generate(target, proposer, row, None, max_new_tokens, k, adaptive, sampling,
+                                             eos_token_id, seed, pad_token_id, k_max, fast_verify, tree)
+            outs.append(out[0, row.numel():].tolist())
+            parts.append(part)
+        return _assemble(input_ids, outs, _pad_id(target, pad_token_id, stops)), SpecStats.merged(parts)
     # transformers' forward (an undeclared family) gets the few-row products by patching its
     # Linears for the call; the StaticDecoder routes its own through them
     fast = few_row_linears(target) if isinstance(decoder, KVDecoder) and fast_verify \

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -48,6 +48,21 @@ class SpecStats:
                 self.offered_at[d] += 1
                 self.reached_at[d] += n >= d - 1
                 self.accepted_at[d] += n >= d
+
+    @classmethod
+    def merged(cls, parts: list["SpecStats"]) -> "SpecStats":
+        """The stats of runs one after another (rows decoded alone) as one run's."""
+        total = cls()
+        for part in parts:
+            for f in fields(cls):
+                mine, theirs = getattr(total, f.name), getattr(part, f.name)
+                if isinstance(mine, list):
+                    mine.extend(theirs)
+                elif isinstance(mine, Counter):
+                    mine.update(theirs)
+                else:
+                    setattr(total, f.name, mine + theirs)
+        return total
 
     @property
     def acceptance_rate(self) -> float:

@@ -57,16 +57,23 @@ class EagleConfig:
                    ) -> "EagleConfig":
         """The head of a transformers ``config`` (any family with the usual width fields)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        missing = [f for f in ("hidden_size", "num_attention_heads", "vocab_size") if getattr(text, f, None) is None]
+        if missing:
+            raise QuantspecError(f"the target's config has no {', '.join(missing)}: an EAGLE head copies a "
+                                 "decoder layer's widths from them.", "use a draft model or n-gram draft for it.")
         hidden = int(text.hidden_size)
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-        rope = getattr(text, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)) if isinstance(rope, dict)
-                      else getattr(text, "rope_theta", 10000.0))
+        rope = getattr(text, "rope_parameters", None)
+        # the head's own rotary base: the target's where it declares one (a NoPE or ALiBi target declares none)
+        theta = float((rope.get("rope_theta") if isinstance(rope, dict) else None)
+                      or getattr(text, "rope_theta", None) or 10000.0)
         vocab = int(text.vocab_size)
-        return cls(hidden_size=hidden, intermediate_size=int(getattr(text, "intermediate_size", 4 * hidden)),
+        # fields a family may leave None (Cohere's LayerNorm targets have no RMSNorm epsilon): the head's own defaults
+        eps = getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_eps", None) or 1e-6
+        return cls(hidden_size=hidden, intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * hidden),
                    num_heads=heads, num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-                   head_dim=head_dim, rope_theta=theta, rms_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+                   head_dim=head_dim, rope_theta=theta, rms_eps=float(eps),
                    vocab_size=vocab, draft_vocab_size=min(int(draft_vocab_size), vocab), target=target,
                    target_features=target_features)
 
@@ -74,6 +81,20 @@ class EagleConfig:
     def from_dict(cls, data: dict) -> "EagleConfig":
         reject_unknown(cls, data, "eagle head config")
         return cls(**data)
+
+
+def check_target(model: nn.Module) -> EagleConfig:
+    """The head shape of ``model`` (draft vocabulary 1), refusing in one line a target no head can
+    serve: before training starts (``train_head``) and before a head is used (``eagle_proposer``).
+    The head reads ``cat(embedding, feature)`` through ``fc`` [H, 2H], so the token embeddings
+    must be as wide as the hidden states (ELECTRA- and RemBERT-style factorized embeddings are not)."""
+    config = EagleConfig.for_target(model.config, 1)
+    width = int(model.get_input_embeddings().weight.shape[1])
+    if width != config.hidden_size:
+        raise QuantspecError(f"the target's token embeddings are {width} wide and its hidden states "
+                             f"{config.hidden_size}: an EAGLE head needs them equal.",
+                             "use a draft model or n-gram draft for it.")
+    return config
 
 
 class EagleHead(nn.Module):
@@ -161,15 +182,22 @@ class EagleHead(nn.Module):
         return folder
 
 
-def load_head(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
-    """An ``EagleHead`` saved by ``EagleHead.save`` (or ``quantspec train-draft``)."""
-    from safetensors.torch import load_file
-
+def head_files(folder: str | Path) -> tuple[Path, Path]:
+    """(config, weights) of the head saved in ``folder``; QuantspecError where there is none
+    (checked before any model loads: ``specdec.factory.check_spec``)."""
     folder = Path(folder).expanduser()
     cfg_path, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not cfg_path.is_file() or not weights.is_file():
         raise QuantspecError(f"{folder} is not an EAGLE head (no {CONFIG_FILE} / {WEIGHTS_FILE}).",
                              "train one with `quantspec train-draft TARGET --out DIR`.")
+    return cfg_path, weights
+
+
+def load_head(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+    """An ``EagleHead`` saved by ``EagleHead.save`` (or ``quantspec train-draft``)."""
+    from safetensors.torch import load_file
+
+    cfg_path, weights = head_files(folder)
     head = EagleHead(EagleConfig.from_dict(json.loads(cfg_path.read_text())), dtype=dtype)
     state = load_file(str(weights))
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})

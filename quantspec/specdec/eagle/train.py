@@ -48,7 +48,7 @@ from ...errors import QuantspecError
 from ..draft_vocab import frequent_tokens
 from .export import export_vllm
 from .features import claim_folder, extract_features, load_features
-from .head import EagleConfig, EagleHead
+from .head import EagleConfig, EagleHead, check_target
 from .prompts import BUILTIN, TEXT, training_prompts
 
 STATE_FILE = "train_state.pt"
@@ -219,6 +219,7 @@ def train_head(model: torch.nn.Module, windows: torch.Tensor | None, cfg: TrainC
     """
     from tqdm.auto import tqdm
 
+    check_target(model)  # before any reply or feature is computed
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -1,0 +1,175 @@
+"""Speculative decoding on tiny random models of many transformers families: lossless or refused.
+
+For each family (the test suite's tiny models with ``--tiny``, every causal-LM model type of the
+installed transformers with ``--all``: ``tests/helpers.auto_tiny``), greedy speculative decoding of
+two left-padded prompts must give exactly ``generate``'s tokens, with each draft kind:
+
+- ``self`` / ``self-tree``: the target quantized in memory (``self:w4g32``), chains and dynamic
+  token trees, verified through quantspec's runtime (the fp32 default);
+- ``self-hf``: the same chain verified through transformers' own forward (``fast_verify=False``);
+- ``ngram``: prompt lookup;
+- ``eagle`` / ``eagle-tree``: an EAGLE head trained for the family here (``train_head`` on the
+  target's own text, one epoch: training must run, acceptance is not the point), chains and trees.
+
+A family that speculative decoding cannot serve must be refused with a QuantspecError (one line
+naming the reason), never crash and never return other tokens than the target's.
+
+    python benchmarks/specdec_sweep.py --tiny [--out benchmarks/results/specdec-sweep-tiny]
+    python benchmarks/specdec_sweep.py --all --out benchmarks/results/specdec-sweep-all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import ARCHS, MOE_ARCHS, UNDECLARED, auto_tiny, tiny_model  # noqa: E402
+
+from quantspec.errors import QuantspecError  # noqa: E402
+from quantspec.specdec import speculative_generate  # noqa: E402
+from quantspec.specdec.eagle.proposer import eagle_proposer  # noqa: E402
+from quantspec.specdec.eagle.train import TrainConfig, train_head  # noqa: E402
+from quantspec.specdec.factory import make_proposer  # noqa: E402
+
+MODES = ("self", "self-hf", "self-tree", "ngram", "eagle", "eagle-tree")
+NEW = 12
+
+
+def decoder_overrides(model_type: str) -> dict:
+    """What a user decoding with the type sets beside ``helpers.SHRINK``: ``is_decoder`` (BERT-style
+    types used as causal LMs are bidirectional without it) and, for latent attention (MLA), as many
+    KV heads as query heads, as every released MLA config has."""
+    from transformers import CONFIG_MAPPING
+
+    extra = {"is_decoder": True}
+    if hasattr(CONFIG_MAPPING[model_type](), "kv_lora_rank"):
+        extra["num_key_value_heads"] = 4  # SHRINK's num_attention_heads
+    return extra
+
+
+def prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Two prompts of different lengths, left-padded (ids, mask), and the rows themselves."""
+    g = torch.Generator().manual_seed(0)
+    hi = min(vocab, 300)
+    rows = [torch.randint(3, hi, (9,), generator=g), torch.randint(3, hi, (5,), generator=g)]
+    rows[1] = torch.cat([rows[1], rows[1][:3]])  # a repeat, so n-gram lookup has something to draft
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):], mask[b, width - len(r):] = r, 1
+    return ids, mask, rows
+
+
+def reference(model, rows: list[torch.Tensor]) -> list[list[int]]:
+    """``generate``'s greedy tokens per row, up to and including its first stop token."""
+    out = []
+    for r in rows:
+        ids = model.generate(r[None], attention_mask=torch.ones(1, len(r), dtype=torch.int64), do_sample=False,
+                             max_new_tokens=NEW)[0, len(r):]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def run_mode(model, mode: str, ids, mask, refs, head_dir: Path) -> str:
+    try:
+        if mode.startswith("eagle"):
+            if not (head_dir / "eagle_config.json").is_file():
+                g = torch.Generator().manual_seed(1)
+                windows = torch.randint(3, min(int(model.config.get_text_config().vocab_size), 300), (8, 24),
+                                        generator=g)
+                cfg = TrainConfig(samples=8, seqlen=24, epochs=1, batch_size=4, draft_vocab=64, val_fraction=0.25,
+                                  prompts="text")
+                train_head(model, windows, cfg, head_dir, {"target": "sweep"}, progress=False)
+            prop = eagle_proposer(str(head_dir), model)
+        else:
+            prop = make_proposer("ngram" if mode == "ngram" else "self:w4g32", model, vocab=0 if mode != "ngram"
+                                 else None)
+        out, stats = speculative_generate(model, prop, ids, attention_mask=mask, max_new_tokens=NEW, k=3,
+                                          fast_verify=False if mode == "self-hf" else None,
+                                          tree="dynamic" if mode.endswith("tree") else None)
+        got = [[int(t) for t in out[b, ids.shape[1]:]] for b in range(len(refs))]
+        for b, ref in enumerate(refs):
+            if got[b][:len(ref)] != ref:
+                at = next(i for i, (x, y) in enumerate(zip(got[b], ref)) if x != y) if any(
+                    x != y for x, y in zip(got[b], ref)) else min(len(got[b]), len(ref))
+                return f"WRONG row {b} from token {at}"
+        return f"ok {stats.accepted}/{stats.proposed}"
+    except QuantspecError as exc:
+        return "refused: " + " ".join(str(exc).split())[:160]
+    except Exception as exc:  # a crash is what this sweep exists to find
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        why = " ".join(str(exc).split())[:160]
+        return f"CRASH {type(exc).__name__}: {why} ({Path(where.filename).name}:{where.lineno})"
+
+
+def write_report(results: dict[str, dict[str, str]], modes: list[str], out: Path, argv: str) -> list:
+    """``out``.json (the raw rows) and ``out``.md (the table); returns the crashes and wrong outputs."""
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    untried = {n: r for n, r in results.items() if "model" in r}
+    ran = {n: r for n, r in results.items() if n not in untried}
+    bad = [(n, m) for n, r in ran.items() for m, v in r.items() if v.startswith(("CRASH", "WRONG"))]
+    lines = [f"# Speculative decoding on tiny random models of {len(results)} families "
+             f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
+             "Greedy, k = 3, 12 new tokens, two left-padded prompts: `ok A/P` (A of P drafted tokens accepted) means "
+             "the tokens equal `generate`'s. Modes: see the script's docstring.", "",
+             f"Command: `python benchmarks/specdec_sweep.py {argv}`; raw: the JSON of the same name.", "",
+             "| family | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    lines += [f"| {n} | " + " | ".join(r[m] for m in modes) + " |" for n, r in ran.items()]
+    lines += ["", f"{len(ran)} families run, {len(bad)} crashes or wrong outputs."]
+    if untried:
+        lines += ["", f"No tiny model of {len(untried)} types: "
+                  + "; ".join(f"{n} {r['model']}" for n, r in untried.items())]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec-sweep"))
+    ap.add_argument("--families", default="", help="comma-separated model types (default: all of the set)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--all", action="store_true", help="every causal-LM model type of the installed transformers")
+    ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    if args.all:
+        from transformers.models.auto import modeling_auto
+
+        every = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    else:
+        every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED))
+    families = args.families.split(",") if args.families else every
+    modes = args.modes.split(",")
+    results: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in families:
+            try:
+                model = auto_tiny(name, **decoder_overrides(name)) if args.all else tiny_model(name)
+                model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
+                ids, mask, rows = prompts(int(model.get_input_embeddings().weight.shape[0]))
+                refs = reference(model, rows)
+            except Exception as exc:  # a type we cannot shrink or run is reported, not tried
+                if not args.all:
+                    raise
+                results[name] = {"model": f"({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"}
+                print(name, results[name], flush=True)
+                continue
+            results[name] = {m: run_mode(model, m, ids, mask, refs, Path(tmp) / name) for m in modes}
+            print(name, results[name], flush=True)
+    bad = write_report(results, modes, Path(args.out), " ".join(sys.argv[1:]))
+    print(f"{len(bad)} crashes or wrong outputs", bad)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
