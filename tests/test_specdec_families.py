@@ -83,3 +83,17 @@ def test_stats_of_rows_decoded_alone_add_up():
     both = SpecStats.merged([a, b])
     assert (both.verifications, both.proposed, both.accepted, both.new_tokens) == (3, 9, 5, 9)
     assert both.hist == {2: 1, 0: 1, 3: 1} and both.wall_s == 1.5 and both.by_depth()[0]["offered"] == 3
+
+
+@pytest.mark.parametrize("fast_verify", [True, False])
+def test_trees_keep_the_indexer_keys_of_sparse_attention(fast_verify):
+    """DeepSeek-V3.2 / GLM-MoE-DSA caches hold an indexer key per column beside keys and values;
+    a tree's kept path moves them too. Before: the next forward failed on mismatched lengths."""
+    from quantspec.specdec.factory import make_proposer
+
+    model = auto_tiny("glm_moe_dsa", num_key_value_heads=4)  # MLA: as many KV heads as query heads
+    row, new = _rows()[0], 16
+    ref = _greedy(model, row, new)
+    out, stats = speculative_generate(model, make_proposer("self:w4g32", model, vocab=0), row, max_new_tokens=new,
+                                      k=3, tree="dynamic", fast_verify=fast_verify)
+    assert out[0, row.numel():row.numel() + len(ref)].tolist() == ref and stats.verifications < new

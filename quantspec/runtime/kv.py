@@ -208,12 +208,12 @@ class KVDecoder(Decoder):
         start, idx, real = kept
         n = idx.shape[1]
         for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                x = getattr(layer, name)
-                if x is None or x.dim() != 4:  # a layer that holds nothing (shared KV)
+            for name, (dim, view) in _COLUMNS.items():
+                x = getattr(layer, name, None)
+                if not isinstance(x, torch.Tensor) or x.dim() != len(view):  # holds nothing (shared KV)
                     continue
-                sel = idx[:, None, :, None].to(x.device).expand(x.shape[0], x.shape[1], n, x.shape[3])
-                setattr(layer, name, torch.cat([x[:, :, :start], x.gather(2, sel)], dim=2))
+                sel = idx.to(x.device)[view].expand(*[n if d == dim else size for d, size in enumerate(x.shape)])
+                setattr(layer, name, torch.cat([x.narrow(dim, 0, start), x.gather(dim, sel)], dim=dim))
         self.mask = torch.cat([self.mask[:, :start], real.to(self.mask.dtype)], dim=1)
         for b in range(len(self.lengths)):
             self.lengths[b] += int(real[b].sum())
@@ -236,6 +236,14 @@ class KVDecoder(Decoder):
         if width < self.mask.shape[1] or self._recording:  # a recording cache also crops back what it kept
             self.cache.crop(width - self.mask.shape[1])  # negative: tokens to remove
             self.mask = self.mask[:, :width]
+
+
+# the tensors a cache layer holds per column: name -> (column dim, index [B, n] viewed to its rank);
+# keys and values [B, heads, L, D]; a sparse-attention (DSA) layer's indexer keys [B, L, D] and
+# indexer positions [P, B, L] (transformers' DynamicIndexedLayer)
+_COLUMNS = {"keys": (2, (slice(None), None, slice(None), None)), "values": (2, (slice(None), None, slice(None), None)),
+            "indexer_keys": (1, (slice(None), slice(None), None)),
+            "indexer_position_ids": (2, (None, slice(None), slice(None)))}
 
 
 def _sliding(cache) -> bool:
