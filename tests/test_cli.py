@@ -59,10 +59,20 @@ def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["quantize", "/nonexistent/model-folder", "--method", "rtn", "--out", "X"], "does not exist"),
+        (["quantize", "/nonexistent/model-folder", "--method", "rtn", "--out", "X"], "model folder not found"),
         (["eval", "/nonexistent/ckpt", "--ppl", "pydoc"], "not"),
         (["inspect", "/nonexistent/ckpt"], "config.json"),
         (["quantize", "--recipe", "no-such-recipe"], "unknown recipe"),
+        # each refused before the (absent) model is looked for: internal errors or runs before
+        (["generate", "no-model", "--prompt", "hi", "--max-new-tokens", "-5"], "--max-new-tokens -5"),
+        (["generate", "no-model", "--prompt", "hi", "--temperature", "nan"], "temperature=nan"),
+        (["generate", "no-model", "--prompt", "hi", "--backend", "nope"], "unknown kernel backend 'nope'"),
+        (["generate", "no-model", "--prompt", "hi", "--draft", "ngram", "--k", "-1"], "--k -1"),
+        (["bench-specdec", "no-model", "--draft", "ngram", "--threads", "-1"], "--threads -1"),
+        (["bench-specdec", "no-model", "--draft", "ngram", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["train-draft", "no-model", "--out", "/proc/no-such/head"], "--out /proc/no-such/head cannot be written"),
+        (["quantize", "no-model", "--method", "rtn", "--out", "/proc/no-such/q"], "cannot be written"),
+        (["generate", "no-model", "--prompt", "hi", "--json", "/proc/no-such/g.json"], "--json /proc/no-such/g.json"),
     ],
 )
 def test_bad_input_exit_code_2_one_line(argv, needle, capsys, tmp_path, monkeypatch):
@@ -70,7 +80,7 @@ def test_bad_input_exit_code_2_one_line(argv, needle, capsys, tmp_path, monkeypa
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err
-    assert err.count("\n") == 0 and err.startswith("quantspec: error:")
+    assert err.count("\n") == 0 and err.startswith("quantspec: error:") and needle in err, err
 
 
 def test_impossible_scheme_caught_before_work(tiny, tmp_path, capsys):

@@ -54,6 +54,22 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
 
 
+def check_decode_args(args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, decoding settings that cannot run (``generate`` and
+    ``bench-specdec``): the draft spec, k, the token budget, the thread count."""
+    from ..errors import QuantspecError
+    from ..specdec.factory import check_spec
+
+    if args.draft:
+        check_spec(args.draft)
+        if args.k < (1 if args.adaptive else 0):
+            raise QuantspecError(f"--k {args.k} is invalid.", "use --k 1 or more (0: plain decoding, without --adaptive).")
+    if args.max_new_tokens < 1:
+        raise QuantspecError(f"--max-new-tokens {args.max_new_tokens} generates nothing.", "use 1 or more.")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise QuantspecError(f"--threads {args.threads} is invalid.", "use 1 or more (default: torch's).")
+
+
 def sampling_from_args(args: argparse.Namespace):
     from ..specdec.sampling import SamplingConfig
 
@@ -160,10 +176,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_plan(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, a run that would measure nothing or the impossible."""
     from ..errors import QuantspecError
-    from ..specdec.factory import check_spec
 
     tree_from_args(args)
-    check_spec(args.draft)
+    check_decode_args(args)
     if args.tree is not None and not args.timing:
         raise QuantspecError("--tree times token trees, but --no-timing times nothing.",
                              "drop --no-timing, or drop --tree.")

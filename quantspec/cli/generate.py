@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ._common import write_json
-from .bench_specdec import add_specdec_args, sampling_from_args, tree_from_args
+from .bench_specdec import add_specdec_args, check_decode_args, sampling_from_args, tree_from_args
 
 
 def add_parser(sub) -> None:
@@ -47,10 +47,7 @@ def run(args) -> int:
 
     tree = tree_from_args(args)  # refused before anything loads
     sampling = sampling_from_args(args)
-    if args.draft:
-        from ..specdec.factory import check_spec
-
-        check_spec(args.draft)
+    check_decode_args(args)
     t_load = time.perf_counter()
     from ..models.load import load_model, model_label
 

@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from ._common import check_destination
+
+        for flag in ("out", "json"):  # where results go, checked before any model loads
+            if getattr(args, flag, None):
+                check_destination(getattr(args, flag), f"--{flag}")
         with one_line_warnings(args.debug):
             return int(args.func(args) or 0)
     except QuantspecError as exc:

@@ -16,8 +16,11 @@ def load_model(spec: str | None, dtype: str | torch.dtype = "auto", device: str 
     from transformers import AutoTokenizer
 
     from ..checkpoint.load import is_quantized_folder, load_quantized
+    from ..kernels.backend import get_backend
     from . import load_dense
 
+    if backend not in ("auto", "exact"):
+        get_backend(backend)  # an unknown name is refused before anything loads, for a dense model too
     if spec is not None and is_quantized_folder(spec):
         model = load_quantized(spec, dtype=dtype, device=device, backend=backend)
         tokenizer = AutoTokenizer.from_pretrained(spec)

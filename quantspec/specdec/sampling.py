@@ -8,6 +8,7 @@ top-p, the order of Hugging Face's logits processors).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +29,9 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not 0 <= self.temperature < math.inf:  # NaN fails both
             raise QuantspecError(
-                f"temperature={self.temperature} is negative.", "use 0 (greedy) or a positive value."
+                f"temperature={self.temperature} is not a finite value >= 0.", "use 0 (greedy) or a positive value."
             )
         if self.top_k < 0:
             raise QuantspecError(f"top_k={self.top_k} is negative.", "use 0 (off) or a positive count.")
