@@ -9,7 +9,9 @@ two left-padded prompts must give exactly ``generate``'s tokens, with each draft
 - ``self-hf``: the same chain verified through transformers' own forward (``fast_verify=False``);
 - ``ngram``: prompt lookup;
 - ``eagle`` / ``eagle-tree``: an EAGLE head trained for the family here (``train_head`` on the
-  target's own text, one epoch: training must run, acceptance is not the point), chains and trees.
+  target's own text, one epoch: training must run, acceptance is not the point), chains and trees;
+- ``self-sample``: the ``self`` chain with rejection sampling (temperature 1, top-k 20, seeded): it
+  must run and return tokens (the sampled law itself is tested in tests/test_specdec_verify.py).
 
 A family that speculative decoding cannot serve must be refused with a QuantspecError (one line
 naming the reason), never crash and never return other tokens than the target's.
@@ -34,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import ARCHS, MOE_ARCHS, UNDECLARED, auto_tiny, tiny_model  # noqa: E402
 
 from quantspec.errors import QuantspecError  # noqa: E402
-from quantspec.specdec import speculative_generate  # noqa: E402
+from quantspec.specdec import SamplingConfig, speculative_generate  # noqa: E402
 from quantspec.specdec.eagle.proposer import eagle_proposer  # noqa: E402
 from quantspec.specdec.eagle.train import TrainConfig, train_head  # noqa: E402
 from quantspec.specdec.factory import make_proposer  # noqa: E402
 
-MODES = ("self", "self-hf", "self-tree", "ngram", "eagle", "eagle-tree")
+MODES = ("self", "self-hf", "self-tree", "self-sample", "ngram", "eagle", "eagle-tree")
 NEW = 12
 
 
@@ -91,12 +93,16 @@ def run_mode(model, mode: str, ids, mask, refs, head_dir: Path) -> str:
                 train_head(model, windows, cfg, head_dir, {"target": "sweep"}, progress=False)
             prop = eagle_proposer(str(head_dir), model)
         else:
-            prop = make_proposer("ngram" if mode == "ngram" else "self:w4g32", model, vocab=0 if mode != "ngram"
-                                 else None)
+            prop = make_proposer("ngram" if mode == "ngram" else "self:w4g32", model,
+                                 vocab=None if mode == "ngram" else 0)
+        sampled = mode.endswith("sample")
         out, stats = speculative_generate(model, prop, ids, attention_mask=mask, max_new_tokens=NEW, k=3,
                                           fast_verify=False if mode == "self-hf" else None,
-                                          tree="dynamic" if mode.endswith("tree") else None)
+                                          tree="dynamic" if mode.endswith("tree") else None, seed=0,
+                                          sampling=SamplingConfig(1.0, top_k=20) if sampled else None)
         got = [[int(t) for t in out[b, ids.shape[1]:]] for b in range(len(refs))]
+        if sampled:  # a law, not tokens, to compare: every row must have run
+            return f"ok {stats.accepted}/{stats.proposed}" if stats.new_tokens >= len(refs) else "WRONG no tokens"
         for b, ref in enumerate(refs):
             if got[b][:len(ref)] != ref:
                 at = next(i for i, (x, y) in enumerate(zip(got[b], ref)) if x != y) if any(
@@ -119,8 +125,9 @@ def write_report(results: dict[str, dict[str, str]], modes: list[str], out: Path
     bad = [(n, m) for n, r in ran.items() for m, v in r.items() if v.startswith(("CRASH", "WRONG"))]
     lines = [f"# Speculative decoding on tiny random models of {len(results)} families "
              f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
-             "Greedy, k = 3, 12 new tokens, two left-padded prompts: `ok A/P` (A of P drafted tokens accepted) means "
-             "the tokens equal `generate`'s. Modes: see the script's docstring.", "",
+             "Greedy (but `self-sample`), k = 3, 12 new tokens, two left-padded prompts: `ok A/P` (A of P drafted "
+             "tokens accepted) means the tokens equal `generate`'s (`self-sample`: it ran). Modes: see the script's "
+             "docstring.", "",
              f"Command: `python benchmarks/specdec_sweep.py {argv}`; raw: the JSON of the same name.", "",
              "| family | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     lines += [f"| {n} | " + " | ".join(r[m] for m in modes) + " |" for n, r in ran.items()]

@@ -44,7 +44,9 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-ROLLBACK = 17  # tokens one forward may add and a drop_last take back: a draft of up to 16 (loop's k_max) + 1
+# the most tokens one forward may add and a drop_last take back on a recording cache (a recurrent layer
+# keeps a state per token of a forward, up to this many; a verification feeds k + 1, k <= the loop's k_max 16)
+ROLLBACK = 64
 
 
 class KVDecoder(Decoder):
@@ -61,6 +63,7 @@ class KVDecoder(Decoder):
         self.tree: TreeRegion | None = None  # the tree nodes fed since the last keep_path
         self._cache_kw = cache_kwarg(model)
         self._recording = False  # the cache keeps the states a rollback needs (see the module docstring)
+        self._must_record = False  # its cache has sliding-window or recurrent layers
 
     @property
     def device(self) -> torch.device:
@@ -73,6 +76,7 @@ class KVDecoder(Decoder):
         if self.mask is None or self.mask.shape[0] != batch_size:
             self.tree, self._recording = None, False
             self.cache = new_cache(self.model)
+            self._must_record = _sliding(self.cache) or _recurrent(self.cache)
             self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
             self.lengths = [0] * batch_size
 
@@ -117,7 +121,7 @@ class KVDecoder(Decoder):
         if first and self.cache.get_seq_length() == 0:  # e.g. RWKV: its state lives elsewhere, nothing can roll back
             raise QuantspecError(f"{self._name()}'s forward kept nothing in the KV cache it was given, so rejected "
                                  "drafts cannot be rolled back.", "generate without a draft for this model.")
-        if not self._recording and (_sliding(self.cache) or _recurrent(self.cache)):
+        if self._must_record and not self._recording:
             self.cache.activate_past_recording(recurrent_states_to_keep=ROLLBACK)
             self._recording = True
         return out
@@ -131,27 +135,23 @@ class KVDecoder(Decoder):
         return out.logits, out.hidden_states[-1]
 
     def tree_refusal(self) -> str | None:
-        """A sliding-window cache layer, or a forward without ``position_ids`` (positions taken
-        from the 2-D mask, as ALiBi models such as BLOOM do: a node cannot be put at its depth
-        nor given a 4-D mask), rules trees out."""
-        cache = new_cache(self.model)
-        if _sliding(cache):
-            return "this model's KV cache has sliding-window layers, which token trees do not support"
-        if _recurrent(cache):
-            return "this model's cache has recurrent (linear-attention or state-space) layers, which token trees do not support"
-        if not self._takes_positions():
-            return (f"{self._name()}'s forward takes no position ids "
-                    "(its positions come from the 2-D attention mask, e.g. ALiBi), which token trees need")
-        return None
+        """What makes rows decode alone (``rows_alone``) rules trees out too: a sliding window or a
+        recurrent state cannot follow a tree's branches, and without ``position_ids`` a node can be
+        put neither at its depth nor under a 4-D mask."""
+        why = self.rows_alone()
+        return None if why is None else f"{why}, which token trees do not support"
 
     def rows_alone(self) -> str | None:
+        """Sliding windows and recurrent states count cache columns, and so do positions where the
+        forward takes none (ALiBi, learned absolute ones): masked holes would shift them."""
         cache = new_cache(self.model)
         if _sliding(cache):
-            return "its KV cache has sliding-window layers, whose windows count columns"
+            return "this model's KV cache has sliding-window layers"
         if _recurrent(cache):
-            return "its cache has recurrent (linear-attention or state-space) layers"
+            return "this model's cache has recurrent (linear-attention or state-space) layers"
         if not self._takes_positions():
-            return "its forward takes no position ids"
+            return (f"{self._name()}'s forward takes no position ids (its positions come from the cache's "
+                    "columns or the 2-D attention mask, e.g. ALiBi)")
         return None
 
     def _name(self) -> str:
@@ -223,6 +223,8 @@ class KVDecoder(Decoder):
         assert self.mask is not None and self.cache is not None
         if self.tree is not None:
             raise ValueError("a token tree is held: call keep_path before drop_last")
+        if self._recording and max(counts, default=0) > ROLLBACK:
+            raise ValueError(f"a recording cache takes back at most {ROLLBACK} tokens at once, not {max(counts)}")
         for b, c in enumerate(counts):
             if c <= 0:
                 continue

@@ -158,8 +158,10 @@ def speculative_generate(
     if len(seqs) > 1 and decoder.rows_alone():  # each row alone: what it gets in a batch that can share
         outs, parts = [], []
         for row in prompts:
-            out, part = speculative_generate(target, proposer, row, None, max_new_tokens, k, adaptive, sampling,
-                                             eos_token_id, seed, pad_token_id, k_max, fast_verify, tree)
+            out, part = speculative_generate(target, proposer, row, max_new_tokens=max_new_tokens, k=k,
+                                             adaptive=adaptive, sampling=sampling, eos_token_id=eos_token_id,
+                                             seed=seed, pad_token_id=pad_token_id, k_max=k_max,
+                                             fast_verify=fast_verify, tree=tree)
             outs.append(out[0, row.numel():].tolist())
             parts.append(part)
         return _assemble(input_ids, outs, _pad_id(target, pad_token_id, stops)), SpecStats.merged(parts)
