@@ -73,6 +73,10 @@ def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
         (["train-draft", "no-model", "--out", "/proc/no-such/head"], "--out /proc/no-such/head cannot be written"),
         (["quantize", "no-model", "--method", "rtn", "--out", "/proc/no-such/q"], "cannot be written"),
         (["generate", "no-model", "--prompt", "hi", "--json", "/proc/no-such/g.json"], "--json /proc/no-such/g.json"),
+        # argparse's own errors: one line with the fix, not the usage block (before: 30 lines)
+        (["quantize", "no-model", "--bits", "5"], "argument --bits: invalid choice: 5"),
+        (["quantize", "no-model", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["no-such-command"], "invalid choice: 'no-such-command'"),
     ],
 )
 def test_bad_input_exit_code_2_one_line(argv, needle, capsys, tmp_path, monkeypatch):
@@ -80,7 +84,8 @@ def test_bad_input_exit_code_2_one_line(argv, needle, capsys, tmp_path, monkeypa
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err
-    assert err.count("\n") == 0 and err.startswith("quantspec: error:") and needle in err, err
+    assert err.count("\n") == 0 and err.startswith("quantspec") and "error:" in err and needle in err, err
+    assert "Fix:" in err
 
 
 def test_impossible_scheme_caught_before_work(tiny, tmp_path, capsys):

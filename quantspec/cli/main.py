@@ -33,8 +33,16 @@ SUBCOMMANDS = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as every other error: one line naming the problem and the fix, exit 2
+    (argparse prints the whole usage block before its message)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}. Fix: see `{self.prog} --help`.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="quantspec",
         description="Quantize, run, speculate and measure Hugging Face causal LMs.",
     )
@@ -78,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a usage error (one line, OneLineParser) or --help: its exit code
+        return int(exc.code or 0)
     args.debug = debug
     if not getattr(args, "func", None):
         parser.print_help()

@@ -151,7 +151,7 @@ class Recipe:
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise QuantspecError(f"recipe {p} is not valid YAML: {exc}.", "fix the YAML.") from exc
+            raise QuantspecError(f"recipe {p} is not valid YAML: {' '.join(str(exc).split())}.", "fix the YAML.") from exc
         if not isinstance(data, dict):
             raise QuantspecError(f"recipe {p} must be a YAML mapping.", "see recipes/*.yaml.")
         return cls.from_dict(data)
