@@ -33,13 +33,13 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import ARCHS, MOE_ARCHS, UNDECLARED, auto_tiny, tiny_model  # noqa: E402
+from helpers import ARCHS, MOE_ARCHS, UNDECLARED, auto_tiny, tiny_model
 
-from quantspec.errors import QuantspecError  # noqa: E402
-from quantspec.specdec import SamplingConfig, speculative_generate  # noqa: E402
-from quantspec.specdec.eagle.proposer import eagle_proposer  # noqa: E402
-from quantspec.specdec.eagle.train import TrainConfig, train_head  # noqa: E402
-from quantspec.specdec.factory import make_proposer  # noqa: E402
+from quantspec.errors import QuantspecError
+from quantspec.specdec import SamplingConfig, speculative_generate
+from quantspec.specdec.eagle.proposer import eagle_proposer
+from quantspec.specdec.eagle.train import TrainConfig, train_head
+from quantspec.specdec.factory import make_proposer
 
 MODES = ("self", "self-hf", "self-tree", "self-sample", "ngram", "eagle", "eagle-tree")
 NEW = 12
@@ -111,7 +111,7 @@ def run_mode(model, mode: str, ids, mask, refs, head_dir: Path) -> str:
         return f"ok {stats.accepted}/{stats.proposed}"
     except QuantspecError as exc:
         return "refused: " + " ".join(str(exc).split())[:160]
-    except Exception as exc:  # a crash is what this sweep exists to find
+    except Exception as exc:  # noqa: BLE001 - a crash is what this sweep exists to find
         where = traceback.extract_tb(exc.__traceback__)[-1]
         why = " ".join(str(exc).split())[:160]
         return f"CRASH {type(exc).__name__}: {why} ({Path(where.filename).name}:{where.lineno})"
@@ -123,11 +123,11 @@ def write_report(results: dict[str, dict[str, str]], modes: list[str], out: Path
     untried = {n: r for n, r in results.items() if "model" in r}
     ran = {n: r for n, r in results.items() if n not in untried}
     bad = [(n, m) for n, r in ran.items() for m, v in r.items() if v.startswith(("CRASH", "WRONG"))]
-    lines = [f"# Speculative decoding on tiny random models of {len(results)} families "
-             f"(transformers {transformers.__version__}, torch {torch.__version__})", "",
-             "Greedy (but `self-sample`), k = 3, 12 new tokens, two left-padded prompts: `ok A/P` (A of P drafted "
-             "tokens accepted) means the tokens equal `generate`'s (`self-sample`: it ran). Modes: see the script's "
-             "docstring.", "",
+    lines = [(f"# Speculative decoding on tiny random models of {len(results)} families "
+              f"(transformers {transformers.__version__}, torch {torch.__version__})"), "",
+             ("Greedy (but `self-sample`), k = 3, 12 new tokens, two left-padded prompts: `ok A/P` (A of P drafted "
+              "tokens accepted) means the tokens equal `generate`'s (`self-sample`: it ran). Modes: see the script's "
+              "docstring."), "",
              f"Command: `python benchmarks/specdec_sweep.py {argv}`; raw: the JSON of the same name.", "",
              "| family | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     lines += [f"| {n} | " + " | ".join(r[m] for m in modes) + " |" for n, r in ran.items()]

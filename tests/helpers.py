@@ -49,7 +49,14 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB):
 
     Deterministic: the same merges on every call. len(tokenizer) <= vocab_size.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>"]
@@ -161,9 +168,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
 
 
 # a family's tiny model by its config class's own fields (benchmarks/arch_sweep.py FAMILIES)
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+COMMON = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 # every transformers causal-LM type shrunk (benchmarks/arch_sweep.py --all, specdec_sweep.py --all):
 # the width fields set on every config that has them (each family names its own)
 SHRINK = dict(COMMON, head_dim=16, n_embd=64, n_layer=2, n_head=4, n_inner=128, d_model=64, ffn_dim=128,

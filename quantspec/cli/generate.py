@@ -5,7 +5,12 @@ from __future__ import annotations
 import time
 
 from ._common import write_json
-from .bench_specdec import add_specdec_args, check_decode_args, sampling_from_args, tree_from_args
+from .bench_specdec import (
+    add_specdec_args,
+    check_decode_args,
+    sampling_from_args,
+    tree_from_args,
+)
 
 
 def add_parser(sub) -> None:

@@ -50,7 +50,7 @@ class SpecStats:
                 self.accepted_at[d] += n >= d
 
     @classmethod
-    def merged(cls, parts: list["SpecStats"]) -> "SpecStats":
+    def merged(cls, parts: list[SpecStats]) -> SpecStats:
         """The stats of runs one after another (rows decoded alone) as one run's."""
         total = cls()
         for part in parts:
