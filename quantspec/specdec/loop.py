@@ -6,8 +6,8 @@ distributions verification needs; row b keeps ``n_b`` drafts plus one target tok
 cache drops the ``k - n_b`` rejected drafts (so the new target token becomes the pending one).
 Rows accept different counts: the cache stays rectangular with masked holes (see kv.py), so
 batch > 1 gives each row exactly what it would get alone; a model whose cache cannot hold holes
-(``Decoder.rows_alone``: sliding windows, recurrent layers, no position ids) decodes each row alone. Finished rows (EOS or
-max_new_tokens) stop growing and their step is dropped whole.
+(``Decoder.rows_alone``: sliding windows, recurrent layers, no position ids) decodes each row
+alone. Finished rows (EOS or max_new_tokens) stop growing and their step is dropped whole.
 
 With ``tree`` the proposer drafts a token tree per row instead (``tree.py``); one target
 ``forward_tree`` over ``[pending, nodes...]`` scores every node, the tree verification keeps

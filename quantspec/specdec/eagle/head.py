@@ -85,7 +85,7 @@ class EagleConfig:
 
 def check_target(model: nn.Module) -> EagleConfig:
     """The head shape of ``model`` (draft vocabulary 1), refusing in one line a target no head can
-    serve: before training starts (``train_head``) and before a head is used (``eagle_proposer``).
+    serve, before training starts (``train_head``; ``eagle_proposer`` checks a saved head's widths).
     The head reads ``cat(embedding, feature)`` through ``fc`` [H, 2H], so the token embeddings
     must be as wide as the hidden states (ELECTRA- and RemBERT-style factorized embeddings are not)."""
     config = EagleConfig.for_target(model.config, 1)
