@@ -95,6 +95,47 @@ def run_one(folder: Path, dense, method: str, cal, out: Path) -> str:
         return f"CRASH {type(exc).__name__}: {str(exc)[:160]} ({Path(where.filename).name}:{where.lineno})"
 
 
+def family_types(every_type: bool, tiny: bool) -> list[str]:
+    """The families a sweep runs: every causal-LM model type of the installed transformers
+    (``every_type``), the test suite's tiny models (``tiny``), else ``FAMILIES``."""
+    if every_type:
+        from transformers.models.auto import modeling_auto
+
+        return sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return list(ARCHS + MOE_ARCHS + tuple(UNDECLARED)) if tiny else list(FAMILIES)
+
+
+def table(rows: dict[str, dict[str, str]], columns: list[str]) -> list[str]:
+    """A markdown table, one row per family, one column per method or mode."""
+    return ["| family | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
+            *(f"| {n} | " + " | ".join(r[c] for c in columns) + " |" for n, r in rows.items())]
+
+
+def sweep_args(doc: str, name: str, column_flag: str, columns: tuple[str, ...]) -> argparse.Namespace:
+    """The command line of a sweep over families: --out (default benchmarks/results/NAME), --families,
+    --tiny, --all and ``column_flag`` (comma-separated, default ``columns``); torch on one thread and
+    transformers quiet, as every sweep runs."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / name))
+    ap.add_argument("--families", default="", help="comma-separated families (default: all of the set)")
+    ap.add_argument(column_flag, default=",".join(columns))
+    ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py) as families")
+    ap.add_argument("--all", action="store_true", help="every causal-LM model type of the installed transformers")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    return args
+
+
+def summary(ran: int, bad: int, what: str, untried: dict[str, str], untried_note: str = "") -> list[str]:
+    """The lines under a sweep's table: families run, ``bad`` of ``what``, the types with no tiny model."""
+    lines = ["", f"{ran} families run, {bad} {what}."]
+    if untried:
+        lines += ["", f"No tiny model of {len(untried)} types{untried_note}: "
+                  + "; ".join(f"{n} {why}" for n, why in untried.items())]
+    return lines
+
+
 def write_report(results: dict[str, dict[str, str]], methods: list[str], out: Path, argv: str) -> list:
     """``out``.json (the raw rows) and ``out``.md (the table); returns the crashes."""
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -106,36 +147,19 @@ def write_report(results: dict[str, dict[str, str]], methods: list[str], out: Pa
              f"Command: `python benchmarks/arch_sweep.py {argv}`; raw: the JSON of the same name.", "",
              *([("fp8-block quantizes only Linears whose in_features are a multiple of 128 (in these tiny models, "
                  "the dense MLPs' down_proj); the others stay dense, each with its reason in quant_report.json, and a "
-                 "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else []),
-             "| family | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+                 "model with none of them is refused."), ""] if any("fp8-block" in m for m in methods) else [])]
     untried = {n: r[methods[0]] for n, r in results.items() if all(v.startswith("no tiny model") for v in r.values())}
-    lines += [f"| {n} | " + " | ".join(r[m] for m in methods) + " |" for n, r in results.items() if n not in untried]
+    lines += table({n: r for n, r in results.items() if n not in untried}, methods)
     crashes = [(n, m) for n, r in results.items() for m, v in r.items() if v.startswith("CRASH")]
-    lines += ["", f"{len(results) - len(untried)} families run, {len(crashes)} crashes."]
-    if untried:
-        lines += ["", f"No tiny model of {len(untried)} types (not quantized): "
-                  + "; ".join(f"{n} {why.removeprefix('no tiny model ')}" for n, why in untried.items())]
+    lines += summary(len(results) - len(untried), len(crashes), "crashes",
+                     {n: why.removeprefix("no tiny model ") for n, why in untried.items()}, " (not quantized)")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return crashes
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arch-sweep"))
-    ap.add_argument("--families", default="", help="comma-separated config class names (default: all)")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py) as families")
-    ap.add_argument("--all", action="store_true", help="every causal-LM model type of the installed transformers")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    if args.all:
-        from transformers.models.auto import modeling_auto
-
-        every = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    else:
-        every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED)) if args.tiny else list(FAMILIES)
-    families = args.families.split(",") if args.families else every
+    args = sweep_args(__doc__, "arch-sweep", "--methods", METHODS)
+    families = args.families.split(",") if args.families else family_types(args.all, args.tiny)
     methods = args.methods.split(",")
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,6 @@ naming the reason), never crash and never return other tokens than the target's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -32,8 +31,10 @@ from pathlib import Path
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import ARCHS, MOE_ARCHS, UNDECLARED, auto_tiny, tiny_model
+from arch_sweep import family_types, summary, sweep_args, table
+from helpers import auto_tiny, tiny_model
 
 from quantspec.errors import QuantspecError
 from quantspec.specdec import SamplingConfig, speculative_generate
@@ -129,33 +130,15 @@ def write_report(results: dict[str, dict[str, str]], modes: list[str], out: Path
               "tokens accepted) means the tokens equal `generate`'s (`self-sample`: it ran). Modes: see the script's "
               "docstring."), "",
              f"Command: `python benchmarks/specdec_sweep.py {argv}`; raw: the JSON of the same name.", "",
-             "| family | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
-    lines += [f"| {n} | " + " | ".join(r[m] for m in modes) + " |" for n, r in ran.items()]
-    lines += ["", f"{len(ran)} families run, {len(bad)} crashes or wrong outputs."]
-    if untried:
-        lines += ["", f"No tiny model of {len(untried)} types: "
-                  + "; ".join(f"{n} {r['model']}" for n, r in untried.items())]
+             *table(ran, modes)]
+    lines += summary(len(ran), len(bad), "crashes or wrong outputs", {n: r["model"] for n, r in untried.items()})
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return bad
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec-sweep"))
-    ap.add_argument("--families", default="", help="comma-separated model types (default: all of the set)")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--all", action="store_true", help="every causal-LM model type of the installed transformers")
-    ap.add_argument("--tiny", action="store_true", help="the test suite's tiny models (tests/helpers.py)")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    if args.all:
-        from transformers.models.auto import modeling_auto
-
-        every = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    else:
-        every = list(ARCHS + MOE_ARCHS + tuple(UNDECLARED))
-    families = args.families.split(",") if args.families else every
+    args = sweep_args(__doc__, "specdec-sweep", "--modes", MODES)
+    families = args.families.split(",") if args.families else family_types(args.all, tiny=True)
     modes = args.modes.split(",")
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
