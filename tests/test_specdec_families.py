@@ -97,3 +97,37 @@ def test_trees_keep_the_indexer_keys_of_sparse_attention(fast_verify):
     out, stats = speculative_generate(model, make_proposer("self:w4g32", model, vocab=0), row, max_new_tokens=new,
                                       k=3, tree="dynamic", fast_verify=fast_verify)
     assert out[0, row.numel():row.numel() + len(ref)].tolist() == ref and stats.verifications < new
+
+
+def test_a_draft_longer_than_the_recorded_past_is_refused_before_it_runs():
+    from quantspec.specdec.factory import make_proposer
+
+    model = tiny_model("gemma3_text", sliding_window=8)
+    with pytest.raises(QuantspecError, match="rolls back at most 64 tokens per forward, and this one feeds 71"):
+        speculative_generate(model, make_proposer("self:w4g32", model, vocab=0), _rows()[0], max_new_tokens=90, k=70)
+
+
+def test_a_kv_quantized_checkpoint_rolls_back_past_its_window(tmp_path):
+    """The checkpoint's FP8 KV cache (``new_cache``: a QuantKVCache) records and crops as the plain one."""
+    from helpers import make_tiny_model
+
+    import quantspec
+    from quantspec.core.kv_config import KVCacheConfig
+    from quantspec.core.scheme import QuantScheme
+    from quantspec.quant.recipe import CalibrationConfig, Recipe
+    from quantspec.runtime.kv import cache_kwarg
+    from quantspec.runtime.kv_quant import new_cache
+
+    folder = make_tiny_model(tmp_path, "gemma3_text", sliding_window=8)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["Quantization maps weights to a small grid."] * 300))
+    recipe = Recipe(name="t", method="rtn", format="compressed-tensors", scheme=QuantScheme(4, 32, True),
+                    calibration=CalibrationConfig(data=str(text), samples=4, seqlen=64),
+                    kv_cache=KVCacheConfig("fp8", "tensor", samples=4))
+    model = quantspec.load_quantized(quantspec.quantize(str(folder), recipe, tmp_path / "q", progress=False,
+                                                        device="cpu").out, backend="reference")
+    row, new = _rows()[0], 30
+    ref = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.int64), do_sample=False,
+                         max_new_tokens=new, **{cache_kwarg(model): new_cache(model)})[0, row.numel():].tolist()
+    out, stats = speculative_generate(model, NGram(max_n=2), row, max_new_tokens=new, k=3)
+    assert out[0, row.numel():].tolist() == ref and stats.proposed > stats.accepted

@@ -102,6 +102,10 @@ class KVDecoder(Decoder):
         t = max(int(c.numel()) for c in chunks)
         if t == 0:
             raise ValueError("forward needs at least one new token in some row")
+        if self._recording and t > ROLLBACK:  # before the cache changes: a draft this long could not roll back
+            raise QuantspecError(f"{self._name()}'s cache (sliding-window or recurrent layers) rolls back at most "
+                                 f"{ROLLBACK} tokens per forward, and this one feeds {t}.",
+                                 f"use a draft length (--k) of {ROLLBACK - 1} or less.")
         dev = self.device
         ids = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
         new_mask = torch.zeros(len(chunks), t, dtype=torch.int64, device=dev)
