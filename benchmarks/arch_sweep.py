@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import ARCHS, COMMON, MOE_ARCHS, UNDECLARED, auto_tiny, make_tiny_tokenizer, tiny_model  # noqa: E402
 
 import quantspec  # noqa: E402
-from quantspec.errors import QuantspecError  # noqa: E402
+from quantspec.errors import QuantspecError, one_line  # noqa: E402
 from quantspec.quant.recipe import CalibrationConfig, Recipe  # noqa: E402
 from quantspec.core.kv_config import KVCacheConfig  # noqa: E402
 from quantspec.core.scheme import SCHEME_PRESETS, QuantScheme  # noqa: E402
@@ -183,7 +183,7 @@ def main() -> None:
             except Exception as exc:  # under --all a type we cannot shrink or save is reported, not quantized
                 if not args.all:
                     raise
-                why = " ".join(str(exc).split())[:80]  # one line for the table
+                why = one_line(exc, 80)  # one line for the table
                 results[name] = {m: f"no tiny model ({type(exc).__name__}: {why})" for m in methods}
                 print(name, results[name][methods[0]], flush=True)
                 continue

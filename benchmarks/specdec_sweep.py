@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from arch_sweep import family_types, summary, sweep_args, table
 from helpers import auto_tiny, tiny_model
 
-from quantspec.errors import QuantspecError
+from quantspec.errors import QuantspecError, one_line
 from quantspec.specdec import SamplingConfig, speculative_generate
 from quantspec.specdec.eagle.proposer import eagle_proposer
 from quantspec.specdec.eagle.train import TrainConfig, train_head
@@ -111,10 +111,10 @@ def run_mode(model, mode: str, ids, mask, refs, head_dir: Path) -> str:
                 return f"WRONG row {b} from token {at}"
         return f"ok {stats.accepted}/{stats.proposed}"
     except QuantspecError as exc:
-        return "refused: " + " ".join(str(exc).split())[:160]
+        return "refused: " + one_line(exc, 160)
     except Exception as exc:  # noqa: BLE001 - a crash is what this sweep exists to find
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        why = " ".join(str(exc).split())[:160]
+        why = one_line(exc, 160)
         return f"CRASH {type(exc).__name__}: {why} ({Path(where.filename).name}:{where.lineno})"
 
 
@@ -151,7 +151,7 @@ def main() -> None:
             except Exception as exc:  # a type we cannot shrink or run is reported, not tried
                 if not args.all:
                     raise
-                results[name] = {"model": f"({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"}
+                results[name] = {"model": f"({type(exc).__name__}: {one_line(exc, 80)})"}
                 print(name, results[name], flush=True)
                 continue
             results[name] = {m: run_mode(model, m, ids, mask, refs, Path(tmp) / name) for m in modes}

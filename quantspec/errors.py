@@ -8,6 +8,13 @@ The message names the problem and the fix. Anything else escaping the CLI is an 
 from __future__ import annotations
 
 
+def one_line(text: object, limit: int | None = None) -> str:
+    """``text`` (an exception's message, say) with every run of whitespace one space, cut to
+    ``limit`` characters: what a one-line error quotes of another message."""
+    folded = " ".join(str(text).split())
+    return folded if limit is None else folded[:limit]
+
+
 class QuantspecError(Exception):
     """Bad input from the user: a clear message naming the problem and the fix."""
 

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 
 SUBCOMMANDS = [
     "quantize",
@@ -38,7 +38,7 @@ class OneLineParser(argparse.ArgumentParser):
     (argparse prints the whole usage block before its message)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}. Fix: see `{self.prog} --help`.\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)}. Fix: see `{self.prog} --help`.\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 from .arch import ArchSpec
 
 # Keyword arguments that carry a KV cache: never replayed into a block.
@@ -138,7 +138,7 @@ def _capture(model, blocks, originals, store, calib_ids, device, outputs: int) -
 def _refusal(model: nn.Module, exc: Exception) -> QuantspecError:
     return QuantspecError(
         f"{type(model).__name__}'s forward failed with stand-ins for its decoder blocks "
-        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): calibration passes each block's input on "
+        f"({type(exc).__name__}: {one_line(exc, 200)}): calibration passes each block's input on "
         "as its output, "
         "and this family's layer loop expects another return value from its blocks.",
         "quantize it with a data-free method (--method rtn), or declare its architecture "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import KVErrorObserver, KVObserver, scale_errors, scale_multipliers, scales_from_amax
 from ..core.kv_config import KVCacheConfig, scale_tensors
@@ -52,7 +52,7 @@ def _observe(model: nn.Module, ids: torch.Tensor, make, merge, desc: str, progre
             except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
                 raise QuantspecError(
                     f"{type(model).__name__}'s forward failed on the KV-cache observer ({type(exc).__name__}: "
-                    f"{' '.join(str(exc).split())[:200]}): its attention keeps a cache of its own kind (looped or recurrent "
+                    f"{one_line(exc, 200)}): its attention keeps a cache of its own kind (looped or recurrent "
                     "layers), which per-layer KV scales do not describe.", "drop --kv-cache for this model.") from exc
             for layer, (k, v) in obs.stats.items():
                 if layer in seen:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 from ..formats import FORMAT_NAMES
 from ..strict import from_dict_strict, reject_unknown
 from ..core.kv_config import KVCacheConfig
@@ -151,7 +151,7 @@ class Recipe:
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise QuantspecError(f"recipe {p} is not valid YAML: {' '.join(str(exc).split())}.", "fix the YAML.") from exc
+            raise QuantspecError(f"recipe {p} is not valid YAML: {one_line(exc)}.", "fix the YAML.") from exc
         if not isinstance(data, dict):
             raise QuantspecError(f"recipe {p} must be a YAML mapping.", "see recipes/*.yaml.")
         return cls.from_dict(data)

@@ -32,7 +32,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 from .kv_quant import new_cache
 from .protocol import Decoder, TreeRegion, kept_columns
 
@@ -169,7 +169,7 @@ class KVDecoder(Decoder):
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, ValueError, TypeError, IndexError, AssertionError, NotImplementedError) as exc:
-            why = " ".join(str(exc).split())[:200] or "no message"
+            why = one_line(exc, 200) or "no message"
             raise QuantspecError(f"{self._name()}'s forward refuses {what} ({type(exc).__name__}: {why}).",
                                  f"{fix} for this model.") from exc
 

@@ -83,10 +83,9 @@ class EagleConfig:
         return cls(**data)
 
 
-def check_target(model: nn.Module) -> EagleConfig:
-    """The head shape of ``model`` (draft vocabulary 1), refusing in one line a target no head can
-    serve, before training starts (``train_head``; ``eagle_proposer`` checks a saved head's widths).
-    The head reads ``cat(embedding, feature)`` through ``fc`` [H, 2H], so the token embeddings
+def check_target(model: nn.Module) -> None:
+    """Refuse in one line a target no head can serve, before training starts (``train_head``;
+    ``eagle_proposer`` checks a saved head's widths). The head reads ``cat(embedding, feature)`` through ``fc`` [H, 2H], so the token embeddings
     must be as wide as the hidden states (ELECTRA- and RemBERT-style factorized embeddings are not)."""
     config = EagleConfig.for_target(model.config, 1)
     width = int(model.get_input_embeddings().weight.shape[1])
@@ -94,7 +93,6 @@ def check_target(model: nn.Module) -> EagleConfig:
         raise QuantspecError(f"the target's token embeddings are {width} wide and its hidden states "
                              f"{config.hidden_size}: an EAGLE head needs them equal.",
                              "use a draft model or n-gram draft for it.")
-    return config
 
 
 class EagleHead(nn.Module):
