@@ -38,6 +38,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "cpu_dense.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -503,6 +505,26 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 }
 
 }  // namespace
+
+// For cpu_decode.cpp (cpu_dense.h): the same functions, outside this file's anonymous namespace.
+namespace qs_cpu {
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return ::rms_norm(x, w, eps);
+}
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  return ::silu_mul(gate, up);
+}
+torch::Tensor f32_gemv(const torch::Tensor& x, const torch::Tensor& w) { return ::f32_gemv(x, w); }
+torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) { return ::bf16_gemv(x, w); }
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor kc,
+                     torch::Tensor vc, int64_t lo, double scale,
+                     const std::optional<torch::Tensor>& sinks, int64_t window) {
+  return ::attend(q, k, v, cos, sin, kc, vc, lo, scale, sinks, window);
+}
+
+}  // namespace qs_cpu
 
 TORCH_LIBRARY_FRAGMENT(quantspec_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

@@ -1024,7 +1024,10 @@ TORCH_LIBRARY_IMPL(quantspec_cpu, CPU, m) {
   m.impl("qgemm_panel", &qgemm_panel);
 }
 
+void register_decode_plan(pybind11::module_& m);  // cpu_decode.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_plan(m);
   m.def("qgemm", &qgemm, "int8-activation x 4/8-bit weight matmul (see cpu_qgemm.cpp)");
   m.def("dequant_rows", &dequant_rows, "dense fp32 rows of a prepared layout");
   m.def("qgemm_panel", &qgemm_panel, "the same product on the panel layout (AVX-512 VNNI)");

@@ -27,8 +27,8 @@ from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp",
-           _CSRC / "cpu_kvsearch.cpp")
-HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h")  # hashed with the sources: a change rebuilds
+           _CSRC / "cpu_kvsearch.cpp", _CSRC / "cpu_decode.cpp")
+HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h", _CSRC / "cpu_dense.h")  # hashed with the sources: a change rebuilds
 
 
 def cpu_flags() -> str:

@@ -107,6 +107,13 @@ class QuantLinear(nn.Module):
         self._runner = bind(prepared, self.scheme, self.out_features, self.in_features) if bind else None
         return chosen.name
 
+    def bound(self) -> tuple[object | None, dict[str, torch.Tensor]]:
+        """(the backend's bound op, its prepared tensors): what ``forward`` calls, preparing the
+        layer first as ``forward`` does; the op is None where the backend binds none."""
+        if self.backend_name is None:
+            self.prepare(self._released_backend or "auto")
+        return self._runner, self.prepared()
+
     def release_prepared(self) -> None:
         """Drop the backend's layout (the next forward prepares it again), e.g. once a fused
         copy serves this layer (``kernels.siblings``): the format tensors stay."""

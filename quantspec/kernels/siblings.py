@@ -94,6 +94,10 @@ class Siblings:
             ]
             self._bias = torch.cat(parts)
 
+    def fused_op(self) -> tuple[object, dict[str, torch.Tensor], torch.Tensor | None] | None:
+        """(bound op, prepared tensors, bias) of the one fused product, or None when unfused."""
+        return None if self._run is None else (self._run, self._prepared, self._bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._run is None:
             return tuple(call(x) for call in self._calls)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import QuantspecError
+from ..kernels.cpu import DENSE_FROM_M
 from ..kernels.dense import fast_linear
 from ..kernels.siblings import Siblings
 from ..kernels.small_ops import (
@@ -68,9 +69,11 @@ class _Block:
     attn_norm: torch.Tensor
     qkv: Siblings
     out: Callable[[torch.Tensor], torch.Tensor]
+    out_module: nn.Module  # what ``out`` computes (``decode_plan`` reads its weights)
     mlp_norm: torch.Tensor
     gate_up: Siblings | None
     down: Callable[[torch.Tensor], torch.Tensor] | None
+    down_module: nn.Module | None
     moe: nn.Module | None  # a MoE block's sparse MLP (router + experts), called as a whole
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -84,10 +87,14 @@ class StaticDecoder(Decoder):
     ``lengths[b]``: the real tokens row b holds in the cache.
     """
 
-    def __init__(self, model: nn.Module, family: DecoderFamily | None = None, fuse: bool = True):
+    def __init__(self, model: nn.Module, family: DecoderFamily | None = None, fuse: bool = True,
+                 plan: bool = True):
         """fuse: run q/k/v and gate/up of quantized layers as one product each (``Siblings``;
-        the layers' own layouts are released until they are called directly)."""
+        the layers' own layouts are released until they are called directly). plan: run the
+        blocks of a step as one C++ loop where they allow it (``decode_plan``; built on the
+        first forward, ``plan_refusal`` says why not)."""
         self.fuse = fuse
+        self._plan, self.plan_refusal = None, None if plan else "turned off (plan=False)"
         self.family = family or family_of(model)
         arch = self.family.arch
         config = model.config
@@ -147,9 +154,11 @@ class StaticDecoder(Decoder):
             attn_norm=get(fam.attn_norm).weight,
             qkv=Siblings([get(n) for n in fam.qkv], fuse=self.fuse),
             out=fast_linear(get(fam.out)),
+            out_module=get(fam.out),
             mlp_norm=get(fam.mlp_norm).weight,
             gate_up=Siblings([get(n) for n in fam.gate_up], fuse=self.fuse) if dense else None,
             down=fast_linear(get(fam.down)) if dense else None,
+            down_module=get(fam.down) if dense else None,
             moe=moe,
             q_norm=qn,
             k_norm=kn,
@@ -335,6 +344,12 @@ class StaticDecoder(Decoder):
         b, h, kv, d = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         masks: dict[int | None, torch.Tensor | None] = {}
         lo, hi = self.width, self.width + t
+        if self.kv is None and tree_mask is None and self.mask is None and b * t < DENSE_FROM_M:
+            plan = self._step_plan()
+            if plan is not None and x.dtype == cos.dtype == sin.dtype == self.dtype:
+                x = plan.run(x, cos, sin, self._k, self._v, lo)  # the loop below, in C++
+                self.width = hi
+                return x
         for i, blk in enumerate(self.blocks):
             y = self.norm(x, blk.attn_norm, self.eps)
             q, k, v = blk.qkv(y)
@@ -366,6 +381,14 @@ class StaticDecoder(Decoder):
         self.width = hi
         return x
 
+    def _step_plan(self):
+        """The blocks' DecodePlan, built on first use (None where ``plan_refusal`` says why)."""
+        if self._plan is None and self.plan_refusal is None:
+            from .decode_plan import build_plan
+
+            self._plan, self.plan_refusal = build_plan(self)
+        return self._plan
+
     def drop_last(self, counts: list[int]) -> None:
         """Forget the last ``counts[b]`` real tokens of each row (rejected drafts)."""
         if self.tree is not None:
@@ -391,10 +414,10 @@ class StaticDecoder(Decoder):
         self.mask = self.mask[:, : self.width]
 
 
-def fast_decoder(model: nn.Module, fuse: bool = True) -> Decoder:
+def fast_decoder(model: nn.Module, fuse: bool = True, plan: bool = True) -> Decoder:
     """A StaticDecoder for a declared family, else transformers' forward (``runtime.kv.KVDecoder``)."""
     try:
-        return StaticDecoder(model, fuse=fuse)
+        return StaticDecoder(model, fuse=fuse, plan=plan)
     except QuantspecError:
         from .kv import KVDecoder
 
