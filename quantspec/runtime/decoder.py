@@ -8,6 +8,11 @@ the step. ``StaticDecoder`` runs the same computation from the model's own modul
 ``kernels.siblings``), with a preallocated KV cache that grows by doubling, and RMSNorm, rotary
 and SwiGLU as one op each (``kernels.small_ops``; dense bf16 layers through ``kernels.dense``).
 
+Where every block allows it (dense MLPs, the CPU extension's products and attention), the
+blocks of a step without holes in the cache run as one C++ loop (``decode_plan``: the same op
+calls, the same bits), which removes the Python between the ops: a quarter of a 4-bit draft
+step of SmolLM2-135M.
+
 It is a ``runtime.protocol.Decoder``, like ``runtime.kv.KVDecoder``: a batch of rows that
 advance unevenly, each row's new tokens right-aligned in a chunk, ``drop_last`` forgetting a
 row's last tokens by masking their cache columns (a batch of one just shortens its cache).
