@@ -47,14 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target")
     p.add_argument("--draft", default="self:w4g128", help="a draft spec (self:..., a model, ngram)")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="tokens the draft's head scores (0: all; default: make_proposer's)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the target alone through quantspec's runtime (target_fast)")
     add_run_arguments(p, HERE / "specdec_prompts.jsonl", repeats=3)
     args = p.parse_args(argv)
     target, tok, desc, prompts, inputs, pad = load_run(args)
-    planned = make_proposer(args.draft, target, tok)
+    planned = make_proposer(args.draft, target, tok, vocab=args.draft_vocab)
     with python_loop():
-        python = make_proposer(args.draft, target, tok)
+        python = make_proposer(args.draft, target, tok, vocab=args.draft_vocab)
     n = args.max_new_tokens
     modes = {"target": target_mode(target, inputs, n, pad)}
     if args.fast:
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, _ = run_modes(modes, inputs, prompts, args.repeats)
     command = "python benchmarks/decode_plan.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     result = {"command": command, "target": model_label(desc), "draft": args.draft, "k": args.k,
+              "draft_vocab": args.draft_vocab,
               "dtype": args.dtype, "prompts": args.prompts, "repeats": args.repeats, "threads": args.threads,
               "max_new_tokens": n, "machine": describe_machine(), "rows": rows}
     write_result(args.out, args.name, f"# Decode plan vs Python loop: {model_label(desc)} ({args.dtype}), "
