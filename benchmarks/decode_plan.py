@@ -37,7 +37,14 @@ def _without_plan(run):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec_timing import add_run_arguments, load_run, run_modes, spec_mode, target_mode, write_result
+    from specdec_timing import (
+        add_run_arguments,
+        load_run,
+        run_modes,
+        spec_mode,
+        target_mode,
+        write_result,
+    )
 
     from quantspec.eval.machine import describe_machine
     from quantspec.models.load import model_label

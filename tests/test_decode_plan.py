@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from quantspec.core.scheme import QuantScheme
+from quantspec.kernels.cpu import panels_supported
 from quantspec.kernels.cpu_ext import ext_supports
 from quantspec.runtime.decode_plan import build_plan
 from quantspec.runtime.decoder import StaticDecoder
@@ -66,8 +67,13 @@ def test_dense_bf16_same_bits(arch):
     _same_as_python_loop(helpers.tiny_model(arch).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("arch,fuse", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", True)])
-def test_quantized_same_bits(arch, fuse):
+@pytest.mark.parametrize("arch,fuse,layout", [("llama", True, "auto"), ("llama", False, "auto"), ("qwen2", True, "auto"),
+                                               ("qwen3", True, "auto"), ("llama", True, "rows")])
+def test_quantized_same_bits(arch, fuse, layout, monkeypatch):
+    """4-bit bodies with W8 heads, on this CPU's layout (panels with AVX-512 VNNI) and on the rows
+    layout (qgemm) that CPUs without VNNI get."""
+    if layout == "rows":
+        monkeypatch.setattr("quantspec.kernels.cpu.panels_supported", lambda: False)
     model, _ = quantize_in_memory(_perturbed(helpers.tiny_model(arch)), QuantScheme(bits=4, group_size=32),
                                   include_lm_head=True, head_scheme=QuantScheme(bits=8, group_size=-1))
     planned, python = StaticDecoder(model, fuse=fuse), StaticDecoder(model, fuse=fuse, plan=False)
@@ -75,6 +81,8 @@ def test_quantized_same_bits(arch, fuse):
         got = _steps(planned, torch.Generator().manual_seed(5))
         want = _steps(python, torch.Generator().manual_seed(5))
     assert planned.plan_refusal is None
+    panels = {blk.qkv.fused_op()[0].panels for blk in planned.blocks} if fuse else None
+    assert panels in ({False} if layout == "rows" else {panels_supported()}, None)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"step {i}: max diff {(g - w).abs().max():.3e}"
 
