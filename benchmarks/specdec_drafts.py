@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated chain lengths (and tree depths)")
     p.add_argument("--tree", action="append", default=[], metavar="KIND:NODES:TOPK",
                    help="also time token trees of this shape (depth k) for drafts that grow them; repeatable")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the target alone through quantspec's runtime (target_fast)")
     add_run_arguments(p, HERE / "specdec_prompts.jsonl", repeats=3)
     args = p.parse_args(argv)
     trees = {t: [tree_spec(t, k) for k in args.ks] for t in args.tree}
@@ -62,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     def mode(proposer, k: int, tree=None, fast=None):
         return spec_mode(target, proposer, inputs, args.max_new_tokens, k, tree, fast)
 
-    modes = {"target": target_mode(target, inputs, args.max_new_tokens, pad),
-             "target_fast": mode(drafts[args.draft[0]], 0, fast=True)}
+    modes = {"target": target_mode(target, inputs, args.max_new_tokens, pad)}
+    if args.fast:
+        modes["target_fast"] = mode(drafts[args.draft[0]], 0, fast=True)
     for spec, proposer in drafts.items():
         for j, k in enumerate(args.ks):
             modes[f"{spec} k={k}"] = mode(proposer, k)
