@@ -115,7 +115,9 @@ def load_cpu_ext() -> ModuleType | None:
     ``bf16_gemv``, ``has_bf16_gemv``, ``f32_gemv``, ``attend``, ``argmax_rows`` and
     ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights; cpu_moe.cpp the op ``moe_token``
     of a few tokens through a MoE block's chosen experts; cpu_kvsearch.cpp the op
-    ``kv_scale_errors`` of the KV-scale search), or None with one warning."""
+    ``kv_scale_errors`` of the KV-scale search; cpu_decode.cpp the classes ``DecodePlan`` and
+``DecodeLinear``, a decode step's blocks as one C++ loop, ``runtime.decode_plan``), or None with
+one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():
