@@ -34,15 +34,20 @@ def _steps(decoder: StaticDecoder, gen: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
-def _same_as_python_loop(model: torch.nn.Module) -> StaticDecoder:
-    planned, python = StaticDecoder(model), StaticDecoder(model, plan=False)
+def _assert_same_logits(planned: StaticDecoder, python: StaticDecoder, seed: int) -> None:
+    """``_steps`` through both decoders: the same logits, bit for bit."""
     with torch.inference_mode():
-        got = _steps(planned, torch.Generator().manual_seed(3))
-        want = _steps(python, torch.Generator().manual_seed(3))
-    assert planned.plan_refusal is None and planned._plan is not None
-    assert python._plan is None
+        got = _steps(planned, torch.Generator().manual_seed(seed))
+        want = _steps(python, torch.Generator().manual_seed(seed))
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"step {i}: max diff {(g.float() - w.float()).abs().max():.3e}"
+
+
+def _same_as_python_loop(model: torch.nn.Module) -> StaticDecoder:
+    planned, python = StaticDecoder(model), StaticDecoder(model, plan=False)
+    _assert_same_logits(planned, python, 3)
+    assert planned.plan_refusal is None and planned._plan is not None
+    assert python._plan is None
     return planned
 
 
@@ -77,14 +82,10 @@ def test_quantized_same_bits(arch, fuse, layout, monkeypatch):
     model, _ = quantize_in_memory(_perturbed(helpers.tiny_model(arch)), QuantScheme(bits=4, group_size=32),
                                   include_lm_head=True, head_scheme=QuantScheme(bits=8, group_size=-1))
     planned, python = StaticDecoder(model, fuse=fuse), StaticDecoder(model, fuse=fuse, plan=False)
-    with torch.inference_mode():
-        got = _steps(planned, torch.Generator().manual_seed(5))
-        want = _steps(python, torch.Generator().manual_seed(5))
+    _assert_same_logits(planned, python, 5)
     assert planned.plan_refusal is None
     panels = {blk.qkv.fused_op()[0].panels for blk in planned.blocks} if fuse else None
     assert panels in ({False} if layout == "rows" else {panels_supported()}, None)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"step {i}: max diff {(g - w).abs().max():.3e}"
 
 
 def test_window_and_sinks_same_bits():
@@ -96,11 +97,7 @@ def test_window_and_sinks_same_bits():
         for blk in dec.blocks:
             assert blk.window == 8
             blk.sinks = torch.linspace(-1.0, 2.0, dec.n_heads)
-    with torch.inference_mode():
-        got = _steps(planned, torch.Generator().manual_seed(7))
-        want = _steps(python, torch.Generator().manual_seed(7))
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"step {i}: max diff {(g - w).abs().max():.3e}"
+    _assert_same_logits(planned, python, 7)
 
 
 def test_rows_with_holes_take_the_python_loop():
