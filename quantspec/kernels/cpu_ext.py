@@ -27,8 +27,8 @@ from ..models.paths import cache_root
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (_CSRC / "cpu_qgemm.cpp", _CSRC / "cpu_dense.cpp", _CSRC / "cpu_fgemv.cpp", _CSRC / "cpu_moe.cpp",
-           _CSRC / "cpu_kvsearch.cpp", _CSRC / "cpu_decode.cpp")
-HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h", _CSRC / "cpu_dense.h")  # hashed with the sources: a change rebuilds
+           _CSRC / "cpu_kvsearch.cpp", _CSRC / "cpu_decode.cpp", _CSRC / "cpu_screen.cpp")
+HEADERS = (_CSRC / "cpu_qgemm.h", _CSRC / "cpu_moe_glu.h", _CSRC / "cpu_dense.h", _CSRC / "cpu_gemv.h")  # hashed with the sources: a change rebuilds
 
 
 def cpu_flags() -> str:
@@ -116,8 +116,9 @@ def load_cpu_ext() -> ModuleType | None:
     ``has_avx512f``; cpu_fgemv.cpp the op ``fgemm`` of FP8 / FP4 weights; cpu_moe.cpp the op ``moe_token``
     of a few tokens through a MoE block's chosen experts; cpu_kvsearch.cpp the op
     ``kv_scale_errors`` of the KV-scale search; cpu_decode.cpp the classes ``DecodePlan`` and
-``DecodeLinear``, a decode step's blocks as one C++ loop, ``runtime.decode_plan``), or None with
-one warning."""
+``DecodeLinear``, a decode step's blocks as one C++ loop, ``runtime.decode_plan``; cpu_screen.cpp
+the ops ``screened_argmax`` and ``has_screened_argmax``, an fp32 head's argmax from its int8
+copy, ``kernels.output_head``), or None with one warning."""
     if not extension_enabled():
         return None
     if not compiler_available():

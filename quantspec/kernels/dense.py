@@ -39,10 +39,12 @@ def gemv_op(dtype: torch.dtype):
 class DenseGemv:
     """``linear(x)`` through the extension's few-row product (``gemv_op``) for x with few rows."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, min_rows: int | None = None):
+        """min_rows: the fewest rows that take the extension (default ``GEMV_MIN_M`` of the
+        weight's dtype)."""
         self.linear = linear
         self.op = gemv_op(linear.weight.dtype)
-        self.min_rows = GEMV_MIN_M[linear.weight.dtype]
+        self.min_rows = GEMV_MIN_M[linear.weight.dtype] if min_rows is None else min_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.linear.weight

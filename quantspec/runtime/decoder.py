@@ -46,6 +46,7 @@ from torch import nn
 from ..errors import QuantspecError
 from ..kernels.cpu import DENSE_FROM_M
 from ..kernels.dense import fast_linear
+from ..kernels.output_head import OutputHead
 from ..kernels.siblings import Siblings
 from ..kernels.small_ops import (
     attend,
@@ -93,11 +94,13 @@ class StaticDecoder(Decoder):
     """
 
     def __init__(self, model: nn.Module, family: DecoderFamily | None = None, fuse: bool = True,
-                 plan: bool = True):
+                 plan: bool = True, screen: bool = True):
         """fuse: run q/k/v and gate/up of quantized layers as one product each (``Siblings``;
         the layers' own layouts are released until they are called directly). plan: run the
         blocks of a step as one C++ loop where they allow it (``decode_plan``; built on the
-        first forward, ``plan_refusal`` says why not)."""
+        first forward, ``plan_refusal`` says why not). screen: ``forward_argmax`` screens the
+        output head through its int8 copy where it can (``kernels.output_head``;
+        ``lm_head.refusal`` says why not)."""
         self.fuse = fuse
         self._plan, self.plan_refusal = None, None if plan else "turned off (plan=False)"
         self.family = family or family_of(model)
@@ -113,7 +116,7 @@ class StaticDecoder(Decoder):
         final = model.get_submodule(arch.final_norm)
         self.final_norm, self.eps = final.weight, _eps(final, eps)
         self.norm = rms_norm_rounded_once if self.family.norm_rounds_once else rms_norm
-        self.lm_head = fast_linear(model.get_submodule(arch.lm_head))
+        self.lm_head = OutputHead(model.get_submodule(arch.lm_head), screen=screen)
         self.blocks = [self._block(b, config) for b in arch.block_list(model)]
         self.kv = kv_quantizer(model)  # None: the cache stores keys and values as computed
         self._check_rotary()
@@ -274,6 +277,12 @@ class StaticDecoder(Decoder):
         return self.norm(x, self.final_norm, self.eps)
 
     @torch.inference_mode()
+    def forward_argmax(self, chunks: list[torch.Tensor], keep: int = 0, features: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        feats = self._features(chunks, keep)
+        return self.lm_head.argmax(feats), feats if features else None
+
+    @torch.inference_mode()
     def forward_tree(self, chunks: list[torch.Tensor], parents: list[torch.Tensor]) -> torch.Tensor:
         return self.lm_head(self._tree_features(chunks, parents))
 
@@ -282,6 +291,12 @@ class StaticDecoder(Decoder):
                               ) -> tuple[torch.Tensor, torch.Tensor]:
         feats = self._tree_features(chunks, parents)
         return self.lm_head(feats), feats
+
+    @torch.inference_mode()
+    def forward_tree_argmax(self, chunks: list[torch.Tensor], parents: list[torch.Tensor],
+                            features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        feats = self._tree_features(chunks, parents)
+        return self.lm_head.argmax(feats), feats if features else None
 
     def tree_columns(self) -> int | None:
         """The shortest sliding window of the blocks (None: no block has one)."""
@@ -419,10 +434,10 @@ class StaticDecoder(Decoder):
         self.mask = self.mask[:, : self.width]
 
 
-def fast_decoder(model: nn.Module, fuse: bool = True, plan: bool = True) -> Decoder:
+def fast_decoder(model: nn.Module, fuse: bool = True, plan: bool = True, screen: bool = True) -> Decoder:
     """A StaticDecoder for a declared family, else transformers' forward (``runtime.kv.KVDecoder``)."""
     try:
-        return StaticDecoder(model, fuse=fuse, plan=plan)
+        return StaticDecoder(model, fuse=fuse, plan=plan, screen=screen)
     except QuantspecError:
         from .kv import KVDecoder
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.small_ops import argmax
+
 
 class Decoder(ABC):
     """Incremental forward passes over a batch of rows.
@@ -53,6 +55,18 @@ class Decoder(ABC):
         such as EAGLE heads draft from them). Decoders that cannot expose them raise."""
         raise NotImplementedError(f"{type(self).__name__} does not expose the target's features")
 
+    def forward_argmax(self, chunks: list[torch.Tensor], keep: int = 0, features: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The argmax of ``forward``'s logits (int64 [B, T] laid out as they are; the first
+        maximum, a NaN as torch.argmax orders it), and with ``features`` the features of
+        ``forward_features`` (else None): all that greedy decoding reads of the logits, which a
+        decoder may get without computing every one (``StaticDecoder``: ``kernels.output_head``).
+        """
+        if features:
+            logits, feats = self.forward_features(chunks, keep)
+            return argmax(logits), feats
+        return argmax(self.forward(chunks, keep)), None
+
     def step(self, ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
         """Every row takes the T tokens of its row of ``ids`` (int64 [B, T]): the logits of
         ``forward(list(ids), keep)``, which this is unless overridden (``PlainDecoder`` hands
@@ -77,6 +91,14 @@ class Decoder(ABC):
                               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_tree``'s logits and features (see ``forward_features``)."""
         raise NotImplementedError(f"{type(self).__name__} does not run token trees")
+
+    def forward_tree_argmax(self, chunks: list[torch.Tensor], parents: list[torch.Tensor],
+                            features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_argmax`` for ``forward_tree`` (and ``forward_tree_features``)."""
+        if features:
+            logits, feats = self.forward_tree_features(chunks, parents)
+            return argmax(logits), feats
+        return argmax(self.forward_tree(chunks, parents)), None
 
     def tree_columns(self) -> int | None:
         """The most cache columns (committed ones and a tree's nodes) a token tree may reach,

@@ -34,9 +34,9 @@ from .sampling import SamplingConfig, probs_from_logits
 from .stats import SpecStats
 from .tree import TokenTree, TreeSpec
 from .verify import (
-    verify_greedy,
+    verify_greedy_tokens,
     verify_sampling,
-    verify_tree_greedy,
+    verify_tree_greedy_tokens,
     verify_tree_sampling,
 )
 
@@ -75,13 +75,6 @@ def _pad_id(target, pad_token_id, stops: set[int]) -> int:
         pad_token_id = getattr(getattr(target, "generation_config", None), "pad_token_id", None)
     ids = _token_ids(pad_token_id)
     return ids[0] if ids else (min(stops) if stops else 0)
-
-
-def _verify(prop: Proposal, logits: torch.Tensor, sampling: SamplingConfig, generator):
-    if sampling.greedy:
-        return verify_greedy(prop.tokens, logits, prop.lengths)
-    target_probs = probs_from_logits(logits, sampling)
-    return verify_sampling(prop.tokens, prop.probs, target_probs, prop.lengths, generator)
 
 
 def fast_verify_default(target: torch.nn.Module) -> bool:
@@ -258,14 +251,20 @@ def _chain_step(decoder, proposer, seqs, done, sampling, generator, feeds, stats
     chunks = [torch.cat([s[-1:], d.to(device)]) for s, d in zip(seqs, prop.tokens)]
     t0 = time.perf_counter()
     feats = None
-    if feeds:
+    if sampling.greedy:  # the argmax is all greedy verification reads of the logits
+        best, feats = decoder.forward_argmax(chunks, keep=width + 1, features=feeds)
+    elif feeds:
         logits, feats = decoder.forward_features(chunks, keep=width + 1)
     else:
         logits = decoder.forward(chunks, keep=width + 1)
     stats.target_s += time.perf_counter() - t0
     stats.target_calls += 1
     stats.k_used.append(width)
-    n_acc, nxt = _verify(prop, logits, sampling, generator)
+    if sampling.greedy:
+        n_acc, nxt = verify_greedy_tokens(prop.tokens, best, prop.lengths)
+    else:
+        n_acc, nxt = verify_sampling(prop.tokens, prop.probs, probs_from_logits(logits, sampling),
+                                     prop.lengths, generator)
     n_acc, nxt = n_acc.tolist(), nxt.tolist()
     kept = [0 if done[b] else n_acc[b] for b in range(rows)]
     drops = [width + 1 if done[b] else width - n_acc[b] for b in range(rows)]
@@ -297,20 +296,23 @@ def _tree_step(decoder, proposer, seqs, done, sampling, generator, feeds, stats,
         chunks[b] = torch.cat([seqs[b][-1:], t.tokens.to(device)])
         parents[b] = torch.cat([torch.tensor([-1]), t.parents.cpu() + 1])  # node 0: the pending token
     t0 = time.perf_counter()
-    feats = None
-    if feeds:
+    feats = best = probs = None
+    if sampling.greedy:
+        best, feats = decoder.forward_tree_argmax(chunks, parents, features=feeds)
+    elif feeds:
         logits, feats = decoder.forward_tree_features(chunks, parents)
     else:
         logits = decoder.forward_tree(chunks, parents)
     stats.target_s += time.perf_counter() - t0
     stats.target_calls += 1
     stats.k_used.append(max(trees[b].depth() for b in active))
-    probs = None if sampling.greedy else probs_from_logits(logits, sampling)
+    if best is None:
+        probs = probs_from_logits(logits, sampling)
     paths, nxt, kept_feats = [[] for _ in range(rows)], [0] * rows, [empty] * rows
     for b in active:
-        lo = logits.shape[1] - len(chunks[b])
-        if probs is None:
-            paths[b], nxt[b] = verify_tree_greedy(trees[b], logits[b, lo:])
+        lo = (best if best is not None else probs).shape[1] - len(chunks[b])
+        if best is not None:
+            paths[b], nxt[b] = verify_tree_greedy_tokens(trees[b], best[b, lo:].tolist())
         else:
             paths[b], nxt[b] = verify_tree_sampling(trees[b], probs[b, lo:], generator)
         if feats is not None:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantspecError
-from ..kernels.small_ops import argmax
 from ..runtime.decoder import fast_decoder
 from .draft_vocab import PrunedHead
 from .sampling import SamplingConfig, probs_from_logits, sample
@@ -167,14 +166,13 @@ class DraftModel(Proposer):
     def propose(self, sequences, k, sampling, generator=None) -> Proposal:
         chunks = self._catch_up(sequences)
         tokens, probs = [], []
-        logits = self._decoder.forward(chunks, keep=1)[:, -1]
         for i in range(k):
             if i:
-                logits = self._decoder.step(tokens[-1].unsqueeze(1), keep=1)[:, -1]
-            if sampling.greedy:
-                tokens.append(argmax(logits))
+                chunks = list(tokens[-1].unsqueeze(1))
+            if sampling.greedy:  # the argmax only (a dense fp32 head: screened, output_head)
+                tokens.append(self._decoder.forward_argmax(chunks, keep=1)[0][:, -1])
             else:
-                q = probs_from_logits(logits, sampling)
+                q = probs_from_logits(self._decoder.forward(chunks, keep=1)[:, -1], sampling)
                 probs.append(q)
                 tokens.append(sample(q, generator))
         self._fed_drafts = k - 1

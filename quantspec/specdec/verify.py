@@ -69,7 +69,16 @@ def verify_greedy(
     Returns ``(n_accepted [B] int64, next_token [B] int64)``: the target's argmax after the
     accepted prefix.
     """
-    best = argmax(target_logits)  # [B, k + 1]
+    return verify_greedy_tokens(draft_tokens, argmax(target_logits), lengths)
+
+
+def verify_greedy_tokens(
+    draft_tokens: torch.Tensor,
+    best: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_greedy`` from the target's argmax tokens ``best`` (int64 [B, k + 1]) instead of
+    its logits (``runtime.protocol.Decoder.forward_argmax``)."""
     k = draft_tokens.shape[1]
     match = (draft_tokens == best[:, :k]) & _valid(draft_tokens, lengths)
     n = _leading_true(match)
@@ -120,7 +129,12 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
     """Greedy verification of one tree: ``(path, next_token)``, the accepted nodes from the
     root down (indices into the tree) and the target's argmax after the last of them.
     target_logits: [n + 1, V] (see the module docstring)."""
-    best = argmax(target_logits).tolist()
+    return verify_tree_greedy_tokens(tree, argmax(target_logits).tolist())
+
+
+def verify_tree_greedy_tokens(tree: TokenTree, best: list[int]) -> tuple[list[int], int]:
+    """``verify_tree_greedy`` from the target's argmax token after the pending token and after
+    each node (``best``, n + 1 of them) instead of its logits."""
     kids, tokens = tree.children(), tree.tokens.tolist()
     path, node = [], -1
     while True:
