@@ -25,8 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <tuple>
-#include <vector>
 
 namespace {
 
@@ -185,12 +185,13 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(const torch::Tensor& x,
   torch::Tensor out = torch::empty({M}, torch::TensorOptions().dtype(torch::kLong));
   torch::Tensor count = torch::empty({M}, torch::TensorOptions().dtype(torch::kLong));
 #if defined(__x86_64__) || defined(_M_X64)
-  std::vector<float> a(static_cast<size_t>(M * N));
-  screen_all(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), a.data(), M, K, N);
+  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(M * N)]);  // every element written
+  float* a = buf.get();
+  screen_all(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), a, M, K, N);
   int64_t* op = out.data_ptr<int64_t>();
   int64_t* cp = count.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)
-    cp[m] = pick(xc.data_ptr<float>() + m * K, a.data() + m * N, bound.data_ptr<float>(),
+    cp[m] = pick(xc.data_ptr<float>() + m * K, a + m * N, bound.data_ptr<float>(),
                  w.data_ptr<float>(), K, N, op + m);
 #endif
   return {out, count};
