@@ -3,7 +3,8 @@
 ``plan``: the decode plan (a step's blocks as one C++ loop) against the Python loop
 (``build_plan`` refused for the run). ``screen``: the greedy argmax of the fp32 output head
 screened through its int8 copy (``kernels.output_head``) against the argmax of every logit
-(``screen_refusal`` refusing). One target and one draft; modes: the target alone through
+(``screen_refusal`` refusing). ``share``: a self-draft starting from the target's cache of the
+prompt (``DraftModel.adopt_prompt``) against its own prefill. One target and one draft; modes: the target alone through
 transformers' ``generate`` (the base), and, each with the part on and off: the target alone
 through quantspec's runtime (``target_fast``, one token per step; ``--fast``) and speculative
 decoding (``ours``). The draft is built twice, so each copy keeps its own decoder. Greedy, every
@@ -30,6 +31,8 @@ PARTS = {
              "plan", "python", "Decode plan vs Python loop"),
     "screen": ("quantspec.kernels.output_head.screen_refusal", lambda module: "benchmark: every logit",
                "screened", "full head", "Screened head argmax vs every logit"),
+    "share": ("quantspec.specdec.proposers.DraftModel.adopt_prompt", lambda self, target, sequences: None,
+              "shared prompt cache", "own prefill", "A self-draft starting from the target's prompt cache vs its own prefill"),
 }
 
 

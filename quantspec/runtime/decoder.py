@@ -207,6 +207,23 @@ class StaticDecoder(Decoder):
                 if old:
                     cache[i][:, :, : self.width] = old[i][:, :, : self.width]
 
+    def copy_prefix_from(self, other: Decoder) -> str | None:
+        if not isinstance(other, StaticDecoder):
+            return f"the source is a {type(other).__name__}, not a StaticDecoder"
+        if other.tree is not None or other.mask is not None or not other.lengths:
+            return "the source holds a token tree, rows with holes, or nothing"
+        shape = (len(self.blocks), self.n_kv, self.head_dim, [b.window for b in self.blocks])
+        if shape != (len(other.blocks), other.n_kv, other.head_dim, [b.window for b in other.blocks]):
+            return "the source's blocks, KV heads, head size or windows differ"
+        if self.kv is not None:
+            return "this decoder rounds its cache to KV-cache scales"
+        self.reset()
+        self._ensure(len(other.lengths), other.width)
+        for mine, theirs in zip(self._k + self._v, other._k + other._v):
+            mine[:, :, : other.width] = theirs[:, :, : other.width]
+        self.width, self.lengths = other.width, list(other.lengths)
+        return None
+
     def _columns(self, chunks: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, t] (right-aligned chunks) and position ids [B, t]; updates the masks."""
         batch, dev = len(chunks), self.device

@@ -100,6 +100,13 @@ class Decoder(ABC):
             return argmax(logits), feats
         return argmax(self.forward_tree(chunks, parents)), None
 
+    def copy_prefix_from(self, other: "Decoder") -> str | None:
+        """Start afresh holding what ``other`` holds: its rows' committed tokens, their keys and
+        values copied from ``other``'s cache instead of computed (a draft over a quantized copy
+        of ``other``'s model skips its own prefill). None when done; else why not (one line,
+        nothing changed). The default: this decoder copies no caches."""
+        return f"{type(self).__name__} does not copy caches"
+
     def tree_columns(self) -> int | None:
         """The most cache columns (committed ones and a tree's nodes) a token tree may reach,
         known before anything runs: a sliding window's length, None for no limit (the default)."""

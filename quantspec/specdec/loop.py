@@ -176,6 +176,7 @@ def speculative_generate(
                 proposer.observe([f[f.shape[0] - (s.numel() - 1):] for f, s in zip(feats, seqs)])
             else:
                 decoder.forward([s[:-1] for s in seqs], keep=1)
+            proposer.adopt_prompt(decoder, seqs)
         while not all(done):
             room = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b]) - 1
             ctx = (decoder, proposer, seqs, done, sampling, generator, feeds, stats)

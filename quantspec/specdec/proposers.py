@@ -27,6 +27,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..runtime.decoder import fast_decoder
+from ..runtime.protocol import Decoder
 from .draft_vocab import PrunedHead
 from .sampling import SamplingConfig, probs_from_logits, sample
 from .tree import TokenTree, TreeSpec, grow_tree
@@ -106,6 +107,10 @@ class Proposer:
     def reset(self) -> None:
         """Forget everything (a new batch)."""
 
+    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+        """``target`` has just prefilled every row of ``sequences`` but its last token (a new
+        batch): a draft that can take the target's cache instead of prefilling does so here."""
+
     def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
                               features: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher forcing (``specdec.agreement``): the draft's first-draft logits [n, V] for
@@ -130,10 +135,15 @@ class DraftModel(Proposer):
 
     grows_trees = True
 
-    def __init__(self, model: torch.nn.Module, name: str = "draft", pruned: PrunedHead | None = None):
+    def __init__(self, model: torch.nn.Module, name: str = "draft", pruned: PrunedHead | None = None,
+                 shares_cache: bool = False):
+        """shares_cache: the model is a quantized copy of the target (same blocks, same keys
+        and values up to rounding), so the draft starts from the target's cache of the prompt
+        (``adopt_prompt``): no prefill of its own, and the prompt's keys and values exact."""
         self.model = model.eval()
         self.name = name
         self.pruned = pruned
+        self.shares_cache = shares_cache
         self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None  # per row, each tree node's index in the cache's tree
@@ -144,6 +154,15 @@ class DraftModel(Proposer):
         self._fed_nodes: list[torch.Tensor] | None = None
         if self.pruned is not None:
             self.pruned.reset_tokens()
+
+    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+        if not self.shares_cache or self._decoder.copy_prefix_from(target) is not None:
+            return  # the draft prefills the prompt itself on its first propose
+        self._fed_drafts = 0
+        self._fed_nodes = None
+        if self.pruned is not None:
+            self.pruned.reset_tokens()
+            self.pruned.add_tokens(torch.cat([s[:-1] for s in sequences]))
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""

@@ -73,11 +73,12 @@ DRAFT_HEAD = QuantScheme(bits=8, group_size=-1)
 
 
 class QuantizedSelf(DraftModel):
-    """A DraftModel over a quantized copy of the target (or a quantized checkpoint)."""
+    """A DraftModel over a quantized copy of the target (or a quantized checkpoint of it): it
+    starts each batch from the target's cache of the prompt (``DraftModel.adopt_prompt``)."""
 
     def __init__(self, model: nn.Module, name: str = "self", report: dict | None = None,
                  pruned: PrunedHead | None = None):
-        super().__init__(model, name=name, pruned=pruned)
+        super().__init__(model, name=name, pruned=pruned, shares_cache=True)
         self.report = report or {}
 
     @classmethod
