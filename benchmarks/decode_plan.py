@@ -17,7 +17,6 @@ mode on every prompt in every repeat, interleaved (``specdec.schedule``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 import sys
 from pathlib import Path

@@ -9,6 +9,9 @@ The interface (``Proposer``) is small:
 * ``reset()``: forget everything (a new batch).
 * ``observe(features)``: the target's features of newly committed tokens, for proposers that
   declare ``needs_features`` (feature-level drafts, ``specdec/eagle``).
+* ``adopt_prompt(target, sequences)``: the target's decoder right after the prompt's prefill;
+  a draft over a quantized copy of the target (``shares_cache``) copies its cache from there
+  instead of prefilling.
 * ``propose_tree(sequences, spec, sampling, generator) -> TreeProposal`` and
   ``accept_tree(paths)``: the same for token trees (``tree.py``); proposers that cannot grow
   trees refuse by default.
