@@ -66,12 +66,12 @@ def screen_tables(weight: torch.Tensor, chunk: int = 4096) -> ScreenTables:
         s = torch.where(s > 0, s, torch.ones_like(s))
         codes = (w / s.double().unsqueeze(1)).round().clamp(-127, 127)
         deq = codes * s.double().unsqueeze(1)
-        err = (w - deq).norm(dim=1)
+        err, deq_norm = (w - deq).norm(dim=1), deq.norm(dim=1)
         q[lo: lo + chunk] = codes.to(torch.int8)
         scale[lo: lo + chunk] = s
-        b = err + slack * (w.norm(dim=1) + deq.norm(dim=1))
+        b = err + slack * (w.norm(dim=1) + deq_norm)
         # the kernel forms a -/+ bound * ||x|| in fp32, |a| <= ||deq|| ||x||: one rounding each
-        bound[lo: lo + chunk] = (b + 4 * UNIT_ROUNDOFF * (deq.norm(dim=1) + b)) * (1 + 1e-6)
+        bound[lo: lo + chunk] = (b + 4 * UNIT_ROUNDOFF * (deq_norm + b)) * (1 + 1e-6)
     b32 = bound.to(torch.float32)
     return ScreenTables(q, scale, torch.nextafter(b32, torch.full_like(b32, float("inf"))))
 
@@ -87,7 +87,7 @@ def screen_refusal(module: nn.Module) -> str | None:
         return f"the head is {w.dtype}; screening takes fp32 heads (bit-exact candidates need f32_gemv)"
     if not w.is_cpu or not w.is_contiguous():
         return "the head is not a contiguous CPU tensor"
-    if not ext_supports("has_screened_argmax") or not ext_supports("has_avx512f"):
+    if not ext_supports("has_screened_argmax"):  # AVX-512 F, BW and VL
         return "this CPU or build has no screened_argmax (the C++ extension with AVX-512 F/BW/VL)"
     return None
 
@@ -111,15 +111,15 @@ def _tables(weight: torch.Tensor) -> ScreenTables | None:
 
 class OutputHead:
     """``logits(x)`` of an output head module, and ``argmax(x)``: their argmax, screened where
-    ``refusal`` is None (see the module docstring). ``screened_rows`` and ``candidates`` count
-    the rows screened so far and their candidates (the fp32 rows read)."""
+    ``refusal`` is None (see the module docstring). ``screened_rows`` counts the rows screened
+    so far."""
 
     def __init__(self, module: nn.Module, screen: bool = True):
         self.module = module
         self.refusal = screen_refusal(module) if screen else "turned off (screen=False)"
         # where argmax screens, logits come from f32_gemv at every row count it screens
         self.logits = DenseGemv(module, min_rows=1) if self.refusal is None else fast_linear(module)
-        self.screened_rows = self.candidates = 0
+        self.screened_rows = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.logits(x)
@@ -133,8 +133,7 @@ class OutputHead:
         t = _tables(w)
         if t is None:
             return argmax_rows(self.logits(x))
-        ids, count = torch.ops.quantspec_cpu.screened_argmax.default(
+        ids, _ = torch.ops.quantspec_cpu.screened_argmax.default(
             x.reshape(rows, x.shape[-1]), t.q, t.scale, t.bound, w)
         self.screened_rows += rows
-        self.candidates += int(count.sum())
         return ids.reshape(x.shape[:-1])

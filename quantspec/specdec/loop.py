@@ -310,8 +310,9 @@ def _tree_step(decoder, proposer, seqs, done, sampling, generator, feeds, stats,
     if best is None:
         probs = probs_from_logits(logits, sampling)
     paths, nxt, kept_feats = [[] for _ in range(rows)], [0] * rows, [empty] * rows
+    width = (best if best is not None else probs).shape[1]
     for b in active:
-        lo = (best if best is not None else probs).shape[1] - len(chunks[b])
+        lo = width - len(chunks[b])
         if best is not None:
             paths[b], nxt[b] = verify_tree_greedy_tokens(trees[b], best[b, lo:].tolist())
         else:
