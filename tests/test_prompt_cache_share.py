@@ -1,15 +1,19 @@
 """A self-draft starts from the target's cache of the prompt (``Decoder.copy_prefix_from``,
-``DraftModel.adopt_prompt``): no prefill of its own.
+``DraftModel.adopt_prompt``): no prefill of its own; after each step it takes the target's keys
+and values of the tokens the step committed (``copy_prefix_from(start=...)``,
+``DraftModel.adopt_accepted``).
 
 Copying a cache between decoders of the same model must change nothing (the next logits the same
-bits as the source's own); decoders whose blocks differ refuse with the reason; in the loop, the
-self-draft holds exactly the target's keys and values of the prompt, greedy output stays the
-target's, and its pruned head still scores the prompt's tokens.
+bits as the source's own); a copy from a start keeps the columns before it; decoders whose blocks
+differ refuse with the reason; in the loop, the self-draft holds exactly the target's keys and
+values of the prompt and of every committed token, greedy output stays the target's, and its
+pruned head still scores the prompt's tokens.
 """
 
 from __future__ import annotations
 
 import helpers
+import pytest
 import torch
 
 from quantspec.core.scheme import QuantScheme
@@ -83,3 +87,67 @@ def test_another_model_keeps_its_own_prefill():
         draft.reset()
         draft.adopt_prompt(dec, [prompt[0]])
     assert draft._decoder.lengths == []
+
+
+def test_copy_from_a_start_keeps_the_columns_before_it():
+    target = helpers.tiny_model("llama")
+    draft = QuantizedSelf.from_target(target, QuantScheme(bits=4, group_size=32)).model
+    src, dst = StaticDecoder(target), StaticDecoder(draft)
+    gen = torch.Generator().manual_seed(3)
+    prompt, more = torch.randint(3, 300, (12,), generator=gen), torch.randint(3, 300, (5,), generator=gen)
+    with torch.inference_mode():
+        src.forward([prompt])
+        dst.forward([prompt])  # its own keys and values: not the target's
+        own = [k[:, :, :12].clone() for k in dst._k + dst._v]
+        assert not all(torch.equal(a, b[:, :, :12]) for a, b in zip(own, src._k + src._v))
+        src.forward([more])
+        assert "first 13 columns" in dst.copy_prefix_from(src, start=13)  # it holds 12
+        assert dst.width == 12
+        assert dst.copy_prefix_from(src, start=12) is None
+    assert dst.lengths == [17] and dst.width == 17
+    for mine, kept, theirs in zip(dst._k + dst._v, own, src._k + src._v):
+        assert torch.equal(mine[:, :, :12], kept)
+        assert torch.equal(mine[:, :, 12:17], theirs[:, :, 12:17])
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_self_draft_takes_the_targets_keys_and_values_of_every_step(monkeypatch, tree):
+    target = helpers.tiny_model("llama")
+    prop = QuantizedSelf.from_target(target, QuantScheme(bits=4, group_size=32),
+                                     token_ids=torch.arange(0, 40))
+    prompt = torch.randint(3, 300, (1, 13), generator=torch.Generator().manual_seed(4))
+    want = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24)
+    steps = []
+    adopt = DraftModel.adopt_accepted
+
+    def spy(self, decoder, sequences):
+        adopt(self, decoder, sequences)
+        mine, theirs = self._decoder, decoder
+        steps.append(mine.lengths == theirs.lengths == [len(sequences[0]) - 1] and all(
+            torch.equal(a[:, :, : mine.width], b[:, :, : mine.width])
+            for a, b in zip(mine._k + mine._v, theirs._k + theirs._v)))
+
+    monkeypatch.setattr(DraftModel, "adopt_accepted", spy)
+    out, stats = speculative_generate(target, prop, prompt, max_new_tokens=24, k=3, tree=tree)
+    assert torch.equal(out, want)
+    assert len(steps) == stats.target_calls and all(steps[:-1])  # the last step may stop early
+    assert stats.accepted > 0
+
+
+def test_rows_with_holes_end_the_sharing_and_the_output_stays_the_targets(monkeypatch):
+    target = helpers.tiny_model("llama")
+    prop = QuantizedSelf.from_target(target, QuantScheme(bits=3, group_size=32))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(6))
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+    shared = []
+    adopt = DraftModel.adopt_prompt
+
+    def spy(self, decoder, sequences):
+        adopt(self, decoder, sequences)
+        shared.append(self._shared)
+
+    monkeypatch.setattr(DraftModel, "adopt_prompt", spy)
+    out, stats = speculative_generate(target, prop, ids, torch.ones_like(ids), max_new_tokens=16, k=3)
+    assert torch.equal(out, want)
+    assert shared == [8] and stats.target_calls > 1
+    assert prop._shared == 0  # the rows kept different counts: holes, and the draft went on with its own

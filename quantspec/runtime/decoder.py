@@ -207,7 +207,7 @@ class StaticDecoder(Decoder):
                 if old:
                     cache[i][:, :, : self.width] = old[i][:, :, : self.width]
 
-    def copy_prefix_from(self, other: Decoder) -> str | None:
+    def copy_prefix_from(self, other: Decoder, start: int = 0) -> str | None:
         if not isinstance(other, StaticDecoder):
             return f"the source is a {type(other).__name__}, not a StaticDecoder"
         if other.tree is not None or other.mask is not None or not other.lengths:
@@ -217,10 +217,14 @@ class StaticDecoder(Decoder):
             return "the source's blocks, KV heads, head size or windows differ"
         if self.kv is not None:
             return "this decoder rounds its cache to KV-cache scales"
-        self.reset()
+        if start and (self.tree is not None or self.mask is not None or len(self.lengths) != len(other.lengths)
+                      or not start <= min(self.width, other.width)):
+            return f"this decoder does not hold the first {start} columns of the source's rows"
+        if not start:
+            self.reset()
         self._ensure(len(other.lengths), other.width)
         for mine, theirs in zip(self._k + self._v, other._k + other._v):
-            mine[:, :, : other.width] = theirs[:, :, : other.width]
+            mine[:, :, start: other.width] = theirs[:, :, start: other.width]
         self.width, self.lengths = other.width, list(other.lengths)
         return None
 

@@ -100,11 +100,13 @@ class Decoder(ABC):
             return argmax(logits), feats
         return argmax(self.forward_tree(chunks, parents)), None
 
-    def copy_prefix_from(self, other: "Decoder") -> str | None:
-        """Start afresh holding what ``other`` holds: its rows' committed tokens, their keys and
-        values copied from ``other``'s cache instead of computed (a draft over a quantized copy
-        of ``other``'s model skips its own prefill). None when done; else why not (one line,
-        nothing changed). The default: this decoder copies no caches."""
+    def copy_prefix_from(self, other: "Decoder", start: int = 0) -> str | None:
+        """Hold what ``other`` holds: its rows' committed tokens, their keys and values copied
+        from ``other``'s cache instead of computed (a draft over a quantized copy of ``other``'s
+        model skips its own prefill). ``start`` > 0: keep this decoder's first ``start`` columns
+        (the caller knows they hold the same tokens; no holes, no tree) and copy the rest. None
+        when done; else why not (one line, nothing changed). The default: this decoder copies
+        no caches."""
         return f"{type(self).__name__} does not copy caches"
 
     def tree_columns(self) -> int | None:

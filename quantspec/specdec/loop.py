@@ -190,6 +190,7 @@ def speculative_generate(
                 done[b] = emitted[-1] in stops or len(new[b]) >= max_new_tokens
                 seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
             step.settle()
+            proposer.adopt_accepted(decoder, seqs)
             if feeds:  # the features of the pending token and of every emitted token but the last
                 proposer.observe([step.feats[b][: committed[b]] for b in range(len(seqs))])
             n_acc = [len(step.accepted[b]) for b in active]

@@ -11,7 +11,8 @@ The interface (``Proposer``) is small:
   declare ``needs_features`` (feature-level drafts, ``specdec/eagle``).
 * ``adopt_prompt(target, sequences)``: the target's decoder right after the prompt's prefill;
   a draft over a quantized copy of the target (``shares_cache``) copies its cache from there
-  instead of prefilling.
+  instead of prefilling. ``adopt_accepted(target, sequences)``: the same after each step, for
+  the keys and values of the tokens that step committed.
 * ``propose_tree(sequences, spec, sampling, generator) -> TreeProposal`` and
   ``accept_tree(paths)``: the same for token trees (``tree.py``); proposers that cannot grow
   trees refuse by default.
@@ -114,6 +115,11 @@ class Proposer:
         """``target`` has just prefilled every row of ``sequences`` but its last token (a new
         batch): a draft that can take the target's cache instead of prefilling does so here."""
 
+    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+        """After each step, both caches cropped to the accepted tokens (``accept``): ``target``
+        holds every committed token of ``sequences`` but the last; a draft that took the prompt's
+        cache (``adopt_prompt``) replaces its keys and values of this step's tokens by the target's."""
+
     def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
                               features: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher forcing (``specdec.agreement``): the draft's first-draft logits [n, V] for
@@ -150,22 +156,37 @@ class DraftModel(Proposer):
         self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None  # per row, each tree node's index in the cache's tree
+        self._shared = 0  # columns copied from the target's cache up to now (0: none this batch)
 
     def reset(self) -> None:
         self._decoder.reset()
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None
+        self._shared = 0
         if self.pruned is not None:
             self.pruned.reset_tokens()
 
     def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+        self._shared = 0
         if not self.shares_cache or self._decoder.copy_prefix_from(target) is not None:
             return  # the draft prefills the prompt itself on its first propose
         self._fed_drafts = 0
         self._fed_nodes = None
+        self._shared = self._decoder.width
         if self.pruned is not None:
             self.pruned.reset_tokens()
             self.pruned.add_tokens(torch.cat([s[:-1] for s in sequences]))
+
+    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+        """The draft's cache holds the columns before ``_shared`` as the target's and its own
+        keys and values of the pending token and the accepted drafts after them: those become
+        the target's (the draft then conditions on exact keys and values of everything
+        committed). A refusal (rows with holes in a batch) ends the sharing for the batch. The
+        only committed tokens this adds that the draft never fed are accepted drafts, which its
+        pruned head proposed, so it scores them already."""
+        if self._shared:
+            why = self._decoder.copy_prefix_from(target, start=self._shared)
+            self._shared = 0 if why else self._decoder.width
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
