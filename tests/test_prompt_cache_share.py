@@ -24,6 +24,17 @@ from quantspec.specdec.proposers import DraftModel
 from quantspec.specdec.selfdraft import QuantizedSelf
 
 
+def _after(monkeypatch, hook: str, record) -> None:
+    """Call ``record(draft, target_decoder, sequences)`` after each ``DraftModel.<hook>``."""
+    real = getattr(DraftModel, hook)
+
+    def spy(self, decoder, sequences):
+        real(self, decoder, sequences)
+        record(self, decoder, sequences)
+
+    monkeypatch.setattr(DraftModel, hook, spy)
+
+
 def test_copy_from_the_same_model_changes_nothing():
     model = helpers.tiny_model("qwen2")
     src, dst = StaticDecoder(model), StaticDecoder(model)
@@ -61,15 +72,13 @@ def test_self_draft_adopts_the_targets_prompt_cache(monkeypatch):
     prompt = torch.randint(3, 300, (1, 21), generator=torch.Generator().manual_seed(1))
     want = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12)
     seen = {}
-    adopt = DraftModel.adopt_prompt
 
-    def spy(self, decoder, sequences):
-        adopt(self, decoder, sequences)
+    def record(self, decoder, sequences):
         seen["target"] = [k[:, :, :20].clone() for k in decoder._k]
         seen["draft"] = [k[:, :, :20].clone() for k in self._decoder._k]
         seen["scored"] = bool(self.pruned.scored[prompt[0, :-1]].all())
 
-    monkeypatch.setattr(DraftModel, "adopt_prompt", spy)
+    _after(monkeypatch, "adopt_prompt", record)
     out, stats = speculative_generate(target, prop, prompt, max_new_tokens=12, k=3)
     assert torch.equal(out, want)
     assert all(torch.equal(a, b) for a, b in zip(seen["draft"], seen["target"]))
@@ -118,16 +127,14 @@ def test_self_draft_takes_the_targets_keys_and_values_of_every_step(monkeypatch,
     prompt = torch.randint(3, 300, (1, 13), generator=torch.Generator().manual_seed(4))
     want = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24)
     steps = []
-    adopt = DraftModel.adopt_accepted
 
-    def spy(self, decoder, sequences):
-        adopt(self, decoder, sequences)
+    def record(self, decoder, sequences):
         mine, theirs = self._decoder, decoder
         steps.append(mine.lengths == theirs.lengths == [len(sequences[0]) - 1] and all(
             torch.equal(a[:, :, : mine.width], b[:, :, : mine.width])
             for a, b in zip(mine._k + mine._v, theirs._k + theirs._v)))
 
-    monkeypatch.setattr(DraftModel, "adopt_accepted", spy)
+    _after(monkeypatch, "adopt_accepted", record)
     out, stats = speculative_generate(target, prop, prompt, max_new_tokens=24, k=3, tree=tree)
     assert torch.equal(out, want)
     assert len(steps) == stats.target_calls and all(steps[:-1])  # the last step may stop early
@@ -140,13 +147,7 @@ def test_rows_with_holes_end_the_sharing_and_the_output_stays_the_targets(monkey
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(6))
     want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
     shared = []
-    adopt = DraftModel.adopt_prompt
-
-    def spy(self, decoder, sequences):
-        adopt(self, decoder, sequences)
-        shared.append(self._shared)
-
-    monkeypatch.setattr(DraftModel, "adopt_prompt", spy)
+    _after(monkeypatch, "adopt_prompt", lambda self, decoder, sequences: shared.append(self._shared))
     out, stats = speculative_generate(target, prop, ids, torch.ones_like(ids), max_new_tokens=16, k=3)
     assert torch.equal(out, want)
     assert shared == [8] and stats.target_calls > 1
