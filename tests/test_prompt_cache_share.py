@@ -35,18 +35,18 @@ def _after(monkeypatch, hook: str, record) -> None:
     monkeypatch.setattr(DraftModel, hook, spy)
 
 
-def test_copy_from_the_same_model_changes_nothing():
+@pytest.mark.parametrize("sizes", [(19,), (19, 11)])  # (19, 11): ragged rows, the second padded
+def test_copy_from_the_same_model_changes_nothing(sizes):
     model = helpers.tiny_model("qwen2")
     src, dst = StaticDecoder(model), StaticDecoder(model)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 300, (19,), generator=gen)
     with torch.inference_mode():
-        src.forward([prompt])
+        src.forward([torch.randint(3, 300, (n,), generator=gen) for n in sizes])
         assert dst.copy_prefix_from(src) is None
-        assert dst.lengths == src.lengths == [19] and dst.width == 19
+        assert dst.lengths == src.lengths == list(sizes) and dst.width == 19
         for n in (1, 4, 1):
-            ids = torch.randint(3, 300, (n,), generator=gen)
-            assert torch.equal(dst.forward([ids]), src.forward([ids]))
+            ids = [torch.randint(3, 300, (n,), generator=gen) for _ in sizes]
+            assert torch.equal(dst.forward(ids), src.forward(ids))
 
 
 def test_refusals_leave_the_decoder_as_it_was():
@@ -59,9 +59,7 @@ def test_refusals_leave_the_decoder_as_it_was():
         src.forward([torch.arange(3, 12)])
         assert "blocks" in dst.copy_prefix_from(src)
         assert "StaticDecoder" in dst.copy_prefix_from(KVDecoder(model))
-        rows = StaticDecoder(model)
-        rows.forward([torch.arange(3, 8), torch.arange(3, 6)])  # ragged rows: holes
-        assert "holes" in dst.copy_prefix_from(rows)
+        assert "nothing" in dst.copy_prefix_from(StaticDecoder(model))
     assert dst.lengths == [7]
 
 
@@ -141,14 +139,26 @@ def test_self_draft_takes_the_targets_keys_and_values_of_every_step(monkeypatch,
     assert stats.accepted > 0
 
 
-def test_rows_with_holes_end_the_sharing_and_the_output_stays_the_targets(monkeypatch):
+def test_rows_with_holes_keep_sharing_and_the_output_stays_the_targets(monkeypatch):
     target = helpers.tiny_model("llama")
     prop = QuantizedSelf.from_target(target, QuantScheme(bits=3, group_size=32))
-    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(6))
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
-    shared = []
-    _after(monkeypatch, "adopt_prompt", lambda self, decoder, sequences: shared.append(self._shared))
-    out, stats = speculative_generate(target, prop, ids, torch.ones_like(ids), max_new_tokens=16, k=3)
-    assert torch.equal(out, want)
-    assert shared == [8] and stats.target_calls > 1
-    assert prop._shared == 0  # the rows kept different counts: holes, and the draft went on with its own
+    gen = torch.Generator().manual_seed(6)
+    rows = [torch.randint(3, 300, (n,), generator=gen) for n in (11, 8)]
+    ids, mask = torch.zeros(2, 11, dtype=torch.int64), torch.zeros(2, 11, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        ids[b, 11 - len(r):], mask[b, 11 - len(r):] = r, 1
+    want = [target.generate(r[None], attention_mask=torch.ones(1, len(r), dtype=torch.int64), do_sample=False,
+                            max_new_tokens=16)[0, len(r):] for r in rows]
+    steps = []
+
+    def record(self, decoder, sequences):
+        mine, theirs = self._decoder, decoder
+        steps.append((mine.lengths == theirs.lengths, theirs.mask is not None and torch.equal(mine.mask, theirs.mask),
+                      all(torch.equal(a[:, :, : mine.width], b[:, :, : mine.width])
+                          for a, b in zip(mine._k + mine._v, theirs._k + theirs._v))))
+
+    _after(monkeypatch, "adopt_accepted", record)
+    out, stats = speculative_generate(target, prop, ids, mask, max_new_tokens=16, k=3)
+    for b in range(2):
+        assert torch.equal(out[b, 11: 11 + len(want[b])], want[b]), b
+    assert len(steps) == stats.target_calls > 1 and all(all(s) for s in steps)

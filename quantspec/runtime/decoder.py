@@ -210,14 +210,14 @@ class StaticDecoder(Decoder):
     def copy_prefix_from(self, other: Decoder, start: int = 0) -> str | None:
         if not isinstance(other, StaticDecoder):
             return f"the source is a {type(other).__name__}, not a StaticDecoder"
-        if other.tree is not None or other.mask is not None or not other.lengths:
-            return "the source holds a token tree, rows with holes, or nothing"
+        if other.tree is not None or not other.lengths:
+            return "the source holds a token tree or nothing"
         shape = (len(self.blocks), self.n_kv, self.head_dim, [b.window for b in self.blocks])
         if shape != (len(other.blocks), other.n_kv, other.head_dim, [b.window for b in other.blocks]):
             return "the source's blocks, KV heads, head size or windows differ"
         if self.kv is not None:
             return "this decoder rounds its cache to KV-cache scales"
-        if start and (self.tree is not None or self.mask is not None or len(self.lengths) != len(other.lengths)
+        if start and (self.tree is not None or len(self.lengths) != len(other.lengths)
                       or not start <= min(self.width, other.width)):
             return f"this decoder does not hold the first {start} columns of the source's rows"
         if not start:
@@ -226,6 +226,7 @@ class StaticDecoder(Decoder):
         for mine, theirs in zip(self._k + self._v, other._k + other._v):
             mine[:, :, start: other.width] = theirs[:, :, start: other.width]
         self.width, self.lengths = other.width, list(other.lengths)
+        self.mask = None if other.mask is None else other.mask.clone()  # the rows' holes and padding
         return None
 
     def _columns(self, chunks: list[torch.Tensor], t: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ class Decoder(ABC):
         """Hold what ``other`` holds: its rows' committed tokens, their keys and values copied
         from ``other``'s cache instead of computed (a draft over a quantized copy of ``other``'s
         model skips its own prefill). ``start`` > 0: keep this decoder's first ``start`` columns
-        (the caller knows they hold the same tokens; no holes, no tree) and copy the rest. None
+        (the caller knows they hold the same tokens in the same columns) and copy the rest. None
         when done; else why not (one line, nothing changed). The default: this decoder copies
         no caches."""
         return f"{type(self).__name__} does not copy caches"

@@ -156,18 +156,18 @@ class DraftModel(Proposer):
         self._decoder = fast_decoder(self.model)
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None  # per row, each tree node's index in the cache's tree
-        self._shared = 0  # columns copied from the target's cache up to now (0: none this batch)
+        self._shared: int | None = None  # leading columns that hold the target's cache (None: not sharing)
 
     def reset(self) -> None:
         self._decoder.reset()
         self._fed_drafts = 0
         self._fed_nodes: list[torch.Tensor] | None = None
-        self._shared = 0
+        self._shared = None
         if self.pruned is not None:
             self.pruned.reset_tokens()
 
     def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
-        self._shared = 0
+        self._shared = None
         if not self.shares_cache or self._decoder.copy_prefix_from(target) is not None:
             return  # the draft prefills the prompt itself on its first propose
         self._fed_drafts = 0
@@ -181,12 +181,18 @@ class DraftModel(Proposer):
         """The draft's cache holds the columns before ``_shared`` as the target's and its own
         keys and values of the pending token and the accepted drafts after them: those become
         the target's (the draft then conditions on exact keys and values of everything
-        committed). A refusal (rows with holes in a batch) ends the sharing for the batch. The
-        only committed tokens this adds that the draft never fed are accepted drafts, which its
-        pruned head proposed, so it scores them already."""
-        if self._shared:
-            why = self._decoder.copy_prefix_from(target, start=self._shared)
-            self._shared = 0 if why else self._decoder.width
+        committed). Both decoders write only at or past their width, so the columns before the
+        least width either had since the last copy are still equal (``_cropped``). A refusal
+        ends the sharing for the batch. The only committed tokens this adds that the draft never
+        fed are accepted drafts, which its pruned head proposed, so it scores them already."""
+        if self._shared is not None:
+            why = self._decoder.copy_prefix_from(target, start=min(self._shared, target.width))
+            self._shared = None if why else self._decoder.width
+
+    def _cropped(self) -> None:
+        """After the draft's cache dropped columns: they and any written later are its own."""
+        if self._shared is not None:
+            self._shared = min(self._shared, self._decoder.width)
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
@@ -199,7 +205,8 @@ class DraftModel(Proposer):
         else:
             excess = [max(0, held - (len(s) - 1)) for held, s in zip(dec.lengths, sequences)]
             if any(excess):
-                dec.drop_last(excess)
+                dec.drop_last(excess)  # a done row's: the target holds tokens past its stop
+                self._cropped()
             chunks = [s[held:] for held, s in zip(dec.lengths, sequences)]
         if self.pruned is not None:
             self.pruned.add_tokens(torch.cat(chunks))
@@ -242,6 +249,7 @@ class DraftModel(Proposer):
         fed = [f.tolist() for f in self._fed_nodes]
         # an unfed node has no fed descendants: the fed part of a path is a prefix of it
         self._decoder.keep_path([[fed[b][n] for n in path if fed[b][n] >= 0] for b, path in enumerate(paths)])
+        self._cropped()
         self._fed_nodes = None
 
     def tree_refusal(self) -> str | None:
@@ -266,6 +274,7 @@ class DraftModel(Proposer):
             return
         kept = [min(n, self._fed_drafts) for n in n_accepted]
         self._decoder.drop_last([self._fed_drafts - n for n in kept])
+        self._cropped()
         self._fed_drafts = 0
 
 
