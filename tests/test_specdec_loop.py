@@ -234,6 +234,24 @@ def test_sampling_end_to_end_matches_target_distribution(sampling):
     assert torch.equal(out, again)  # seeded: reproducible
 
 
+def test_sampling_with_a_draft_taking_the_targets_cache_matches_target_distribution():
+    """A draft that takes the target's keys and values (``shares_cache``: here another model of the
+    same shapes, so its proposals get worse, never wrong): k = 1, so that rows rejected in the
+    first step draft the second token from the copied cache (with holes: 3,000 rows)."""
+    sampling = SamplingConfig(temperature=1.0)
+    target = tiny("llama", seed=3, vocab=16)
+    target.config.eos_token_id = None
+    target.generation_config.eos_token_id = None
+    draft = DraftModel(tiny("llama", seed=4, vocab=16), shares_cache=True)
+    prompt = torch.tensor([3, 7, 5, 9])
+    out, stats = speculative_generate(target, draft, prompt.expand(3000, -1), max_new_tokens=2, k=1,
+                                      sampling=sampling, seed=7)
+    p1, p2 = _exact_two_token_laws(target, prompt, sampling)
+    assert _chi2(torch.bincount(out[:, 4], minlength=16), p1) > 1e-3
+    assert _chi2(torch.bincount(out[:, 5], minlength=16), p2) > 1e-3
+    assert draft._shared is not None and stats.target_calls == 2
+
+
 def test_divergence_names_the_first_differing_token_and_its_logit_gap(setup):
     from quantspec.specdec.bench import divergence
 

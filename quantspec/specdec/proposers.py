@@ -199,6 +199,7 @@ class DraftModel(Proposer):
         dec = self._decoder
         if len(dec.lengths) != len(sequences):  # a new batch: the cache, and the tokens it brought in
             dec.reset()
+            self._shared = None
             if self.pruned is not None:
                 self.pruned.reset_tokens()
             chunks = list(sequences)
