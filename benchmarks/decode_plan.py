@@ -32,9 +32,9 @@ PARTS = {
              "plan", "python", "Decode plan vs Python loop"),
     "screen": ("quantspec.kernels.output_head.screen_refusal", lambda module: "benchmark: every logit",
                "screened", "full head", "Screened head argmax vs every logit"),
-    "share": ("quantspec.specdec.proposers.DraftModel.adopt_prompt", lambda self, target, sequences: None,
+    "share": ("quantspec.specdec.proposers.DraftModel.adopt_prompt", lambda self, target, sequences: False,
               "shared prompt cache", "own prefill", "A self-draft starting from the target's prompt cache vs its own prefill"),
-    "sync": ("quantspec.specdec.proposers.DraftModel.adopt_accepted", lambda self, target, sequences: None,
+    "sync": ("quantspec.specdec.proposers.DraftModel.adopt_accepted", lambda self, target, sequences: False,
              "shared step caches", "prompt cache only",
              "A self-draft taking the target's keys and values of each step's tokens vs of the prompt only"),
 }

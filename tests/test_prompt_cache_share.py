@@ -29,8 +29,9 @@ def _after(monkeypatch, hook: str, record) -> None:
     real = getattr(DraftModel, hook)
 
     def spy(self, decoder, sequences):
-        real(self, decoder, sequences)
+        done = real(self, decoder, sequences)
         record(self, decoder, sequences)
+        return done
 
     monkeypatch.setattr(DraftModel, hook, spy)
 
@@ -92,7 +93,7 @@ def test_another_model_keeps_its_own_prefill():
         dec = StaticDecoder(target)
         dec.forward([prompt[0, :-1]])
         draft.reset()
-        draft.adopt_prompt(dec, [prompt[0]])
+        assert not draft.adopt_prompt(dec, [prompt[0]])
     assert draft._decoder.lengths == []
 
 
@@ -136,6 +137,7 @@ def test_self_draft_takes_the_targets_keys_and_values_of_every_step(monkeypatch,
     out, stats = speculative_generate(target, prop, prompt, max_new_tokens=24, k=3, tree=tree)
     assert torch.equal(out, want)
     assert len(steps) == stats.target_calls and all(steps[:-1])  # the last step may stop early
+    assert stats.cache_copies == 1 + stats.target_calls  # the prompt's and every step's
     assert stats.accepted > 0
 
 
@@ -162,3 +164,4 @@ def test_rows_with_holes_keep_sharing_and_the_output_stays_the_targets(monkeypat
     for b in range(2):
         assert torch.equal(out[b, 11: 11 + len(want[b])], want[b]), b
     assert len(steps) == stats.target_calls > 1 and all(all(s) for s in steps)
+    assert stats.cache_copies == 1 + stats.target_calls

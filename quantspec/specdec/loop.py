@@ -176,7 +176,7 @@ def speculative_generate(
                 proposer.observe([f[f.shape[0] - (s.numel() - 1):] for f, s in zip(feats, seqs)])
             else:
                 decoder.forward([s[:-1] for s in seqs], keep=1)
-            proposer.adopt_prompt(decoder, seqs)
+            stats.cache_copies += proposer.adopt_prompt(decoder, seqs)
         while not all(done):
             room = max(max_new_tokens - len(new[b]) for b in range(len(seqs)) if not done[b]) - 1
             ctx = (decoder, proposer, seqs, done, sampling, generator, feeds, stats)
@@ -190,7 +190,7 @@ def speculative_generate(
                 done[b] = emitted[-1] in stops or len(new[b]) >= max_new_tokens
                 seqs[b] = torch.cat([seqs[b], torch.tensor(emitted, device=device)])
             step.settle()
-            proposer.adopt_accepted(decoder, seqs)
+            stats.cache_copies += proposer.adopt_accepted(decoder, seqs)
             if feeds:  # the features of the pending token and of every emitted token but the last
                 proposer.observe([step.feats[b][: committed[b]] for b in range(len(seqs))])
             n_acc = [len(step.accepted[b]) for b in active]

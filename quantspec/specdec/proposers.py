@@ -111,14 +111,18 @@ class Proposer:
     def reset(self) -> None:
         """Forget everything (a new batch)."""
 
-    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> bool:
         """``target`` has just prefilled every row of ``sequences`` but its last token (a new
-        batch): a draft that can take the target's cache instead of prefilling does so here."""
+        batch): a draft that can take the target's cache instead of prefilling does so here.
+        Returns whether it did (the default: no)."""
+        return False
 
-    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> bool:
         """After each step, both caches cropped to the accepted tokens (``accept``): ``target``
         holds every committed token of ``sequences`` but the last; a draft that took the prompt's
-        cache (``adopt_prompt``) replaces its keys and values of this step's tokens by the target's."""
+        cache (``adopt_prompt``) replaces its keys and values of this step's tokens by the target's.
+        Returns whether it did (the default: no)."""
+        return False
 
     def teacher_forced_logits(self, sequence: torch.Tensor, n: int,
                               features: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,18 +170,19 @@ class DraftModel(Proposer):
         if self.pruned is not None:
             self.pruned.reset_tokens()
 
-    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+    def adopt_prompt(self, target: Decoder, sequences: list[torch.Tensor]) -> bool:
         self._shared = None
         if not self.shares_cache or self._decoder.copy_prefix_from(target) is not None:
-            return  # the draft prefills the prompt itself on its first propose
+            return False  # the draft prefills the prompt itself on its first propose
         self._fed_drafts = 0
         self._fed_nodes = None
         self._shared = self._decoder.width
         if self.pruned is not None:
             self.pruned.reset_tokens()
             self.pruned.add_tokens(torch.cat([s[:-1] for s in sequences]))
+        return True
 
-    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> None:
+    def adopt_accepted(self, target: Decoder, sequences: list[torch.Tensor]) -> bool:
         """The draft's cache holds the columns before ``_shared`` as the target's and its own
         keys and values of the pending token and the accepted drafts after them: those become
         the target's (the draft then conditions on exact keys and values of everything
@@ -185,9 +190,11 @@ class DraftModel(Proposer):
         least width either had since the last copy are still equal (``_cropped``). A refusal
         ends the sharing for the batch. The only committed tokens this adds that the draft never
         fed are accepted drafts, which its pruned head proposed, so it scores them already."""
-        if self._shared is not None:
-            why = self._decoder.copy_prefix_from(target, start=min(self._shared, target.width))
-            self._shared = None if why else self._decoder.width
+        if self._shared is None:
+            return False
+        why = self._decoder.copy_prefix_from(target, start=min(self._shared, target.width))
+        self._shared = None if why else self._decoder.width
+        return why is None
 
     def _cropped(self) -> None:
         """After the draft's cache dropped columns: they and any written later are its own."""

@@ -19,6 +19,8 @@ class SpecStats:
     the first d-1 / accepted at least d (``by_depth`` turns them into rates).
     draft_s / target_s: wall time inside the proposer and inside verifying target forwards (the
     rest of wall_s is the prompt's prefill and the loop's own work).
+    cache_copies: times the draft took the target's keys and values instead of its own (after the
+    prompt's prefill and after each target call; ``Proposer.adopt_prompt`` / ``adopt_accepted``).
     """
 
     target_calls: int = 0
@@ -30,6 +32,7 @@ class SpecStats:
     wall_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0
+    cache_copies: int = 0
     hist: Counter = field(default_factory=Counter)
     k_used: list[int] = field(default_factory=list)
     offered_at: Counter = field(default_factory=Counter)
@@ -107,6 +110,7 @@ class SpecStats:
             wall_s=self.wall_s + other.wall_s,
             draft_s=self.draft_s + other.draft_s,
             target_s=self.target_s + other.target_s,
+            cache_copies=self.cache_copies + other.cache_copies,
             hist=self.hist + other.hist,
             k_used=self.k_used + other.k_used,
             offered_at=self.offered_at + other.offered_at,
@@ -129,6 +133,7 @@ class SpecStats:
             "wall_s": round(self.wall_s, 4),
             "draft_s": round(self.draft_s, 4),
             "target_s": round(self.target_s, 4),
+            "cache_copies": self.cache_copies,
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mean_k": round(sum(self.k_used) / len(self.k_used), 3) if self.k_used else 0.0,
             "mean_proposed": round(self.proposed / self.verifications, 3) if self.verifications else 0.0,
