@@ -152,7 +152,9 @@ class DraftModel(Proposer):
                  shares_cache: bool = False):
         """shares_cache: the model is a quantized copy of the target (same blocks, same keys
         and values up to rounding), so the draft starts from the target's cache of the prompt
-        (``adopt_prompt``): no prefill of its own, and the prompt's keys and values exact."""
+        (``adopt_prompt``) and takes its keys and values of each step's committed tokens
+        (``adopt_accepted``): no prefill of its own, and the keys and values of everything
+        committed exact."""
         self.model = model.eval()
         self.name = name
         self.pruned = pruned

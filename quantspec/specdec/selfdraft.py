@@ -74,7 +74,8 @@ DRAFT_HEAD = QuantScheme(bits=8, group_size=-1)
 
 class QuantizedSelf(DraftModel):
     """A DraftModel over a quantized copy of the target (or a quantized checkpoint of it): it
-    starts each batch from the target's cache of the prompt (``DraftModel.adopt_prompt``)."""
+    starts each batch from the target's cache of the prompt and takes the target's keys and values
+    of each step's committed tokens (``DraftModel.adopt_prompt``, ``adopt_accepted``)."""
 
     def __init__(self, model: nn.Module, name: str = "self", report: dict | None = None,
                  pruned: PrunedHead | None = None):
