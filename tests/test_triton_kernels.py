@@ -388,7 +388,8 @@ def test_preshuffled_gemv_falls_back_to_the_dot_kernel(tk, monkeypatch):
 
 @interp
 @pytest.mark.parametrize("tile,lay", [((16, 16, 64), "mma16x64"), ((16, 32, 64), "mma16x64"), ((32, 64, 128), "mma16x64"),
-                                      ((64, 256, 64), "mma16x64"), ((16, 16, 128), "mfma16x128"),
+                                      ((64, 256, 64), "mma16x64"), ((16, 256, 128), "mma16x64"),
+                                      ((16, 16, 128), "mfma16x128"),
                                       ((64, 32, 256), "mfma16x128")])
 def test_preshuffled_other_tiles(tk, monkeypatch, tile, lay):
     """The GPU configs' tiles (one 16 x 64 atom a tile and up; the interpreter's own is 32 x 128 x

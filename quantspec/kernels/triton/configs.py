@@ -127,7 +127,7 @@ def get_cuda_autotune_config(family: str, arch: str) -> list[triton.Config]:
             _cfg(bm, bn, bk, w, s)
             for bm in (16, 32)
             for bn, bk, w, s in [
-                (64, 128, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3), (256, 64, 8, 3),
+                (64, 128, 4, deep), (128, 64, 4, deep), (128, 128, 4, 3), (256, 64, 8, 3), (256, 128, 8, 3),
                 (64, 64, 4, deep), (128, 32, 4, deep), (256, 32, 8, deep),
             ]
         ] + [_cfg(bm, bn, 16, w, 3) for bm in (16, 32) for bn, w in _FMA_SMALL_N]
