@@ -165,3 +165,43 @@ def test_rows_with_holes_keep_sharing_and_the_output_stays_the_targets(monkeypat
         assert torch.equal(out[b, 11: 11 + len(want[b])], want[b]), b
     assert len(steps) == stats.target_calls > 1 and all(all(s) for s in steps)
     assert stats.cache_copies == 1 + stats.target_calls
+
+
+@pytest.mark.parametrize("arch,dtype", [("phi", torch.float32), ("gpt_neox", torch.bfloat16), ("bloom", torch.float32)])
+def test_undeclared_families_share_through_transformers_cache(monkeypatch, arch, dtype):
+    """Families the static decoder does not declare run through ``KVDecoder``: its copy takes the
+    target's tensors by reference, cast to the draft's dtype (a bf16 draft of an fp32 target)."""
+    target = helpers.tiny_model(arch)
+    prop = QuantizedSelf.from_target(target, QuantScheme(bits=4, group_size=32), dtype=dtype)
+    prompt = torch.randint(3, 300, (1, 13), generator=torch.Generator().manual_seed(4))
+    want = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=20)
+    steps = []
+
+    def record(self, decoder, sequences):
+        mine, theirs = self._decoder, decoder
+        assert isinstance(mine, KVDecoder) and isinstance(theirs, KVDecoder)
+        steps.append(mine.lengths == theirs.lengths and torch.equal(mine.mask, theirs.mask) and all(
+            a.keys.dtype == dtype and torch.equal(a.keys, b.keys.to(dtype)) and torch.equal(a.values, b.values.to(dtype))
+            for a, b in zip(mine.cache.layers, theirs.cache.layers)))
+
+    _after(monkeypatch, "adopt_accepted", record)
+    out, stats = speculative_generate(target, prop, prompt, max_new_tokens=20, k=3)
+    assert torch.equal(out, want)
+    assert all(steps) and stats.cache_copies == 1 + stats.target_calls == 1 + len(steps)
+
+
+def test_transformers_cache_refusals_leave_the_decoder_as_it_was():
+    model = helpers.tiny_model("phi")
+    dst = KVDecoder(model)
+    with torch.inference_mode():
+        dst.forward([torch.arange(3, 10)])
+        other = KVDecoder(helpers.tiny_model("phi", num_hidden_layers=3))
+        other.forward([torch.arange(3, 12)])
+        assert "layers, heads" in dst.copy_prefix_from(other)
+        static = StaticDecoder(helpers.tiny_model("llama"))
+        static.forward([torch.arange(3, 12)])
+        assert "not a KVDecoder" in dst.copy_prefix_from(static)
+        sliding = KVDecoder(helpers.tiny_model("mistral", sliding_window=4))
+        sliding.forward([torch.arange(3, 12)])
+        assert "sliding-window" in KVDecoder(helpers.tiny_model("mistral", sliding_window=4)).copy_prefix_from(sliding)
+    assert dst.lengths == [7] and dst.columns == 7

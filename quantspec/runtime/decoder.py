@@ -207,6 +207,10 @@ class StaticDecoder(Decoder):
                 if old:
                     cache[i][:, :, : self.width] = old[i][:, :, : self.width]
 
+    @property
+    def columns(self) -> int:
+        return self.width
+
     def copy_prefix_from(self, other: Decoder, start: int = 0) -> str | None:
         if not isinstance(other, StaticDecoder):
             return f"the source is a {type(other).__name__}, not a StaticDecoder"

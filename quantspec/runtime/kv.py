@@ -31,6 +31,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import QuantspecError, one_line
 from .kv_quant import new_cache
@@ -69,6 +70,10 @@ class KVDecoder(Decoder):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def columns(self) -> int:
+        return 0 if self.mask is None else int(self.mask.shape[1])
+
     def reset(self) -> None:
         self.cache, self.mask, self.lengths, self.tree, self._recording = None, None, [], None, False
 
@@ -79,6 +84,28 @@ class KVDecoder(Decoder):
             self._must_record = _sliding(self.cache) or _recurrent(self.cache)
             self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
             self.lengths = [0] * batch_size
+
+    def copy_prefix_from(self, other: Decoder, start: int = 0) -> str | None:
+        """Takes ``other``'s keys and values by reference, whatever ``start`` (a DynamicLayer never
+        changes a tensor in place: ``update`` concatenates, ``crop`` and ``keep_path`` rebind), cast
+        to this model's dtype. Plain caches only: a sliding-window, recurrent or quantized layer
+        keeps state that columns do not describe."""
+        if not isinstance(other, KVDecoder) or other.cache is None or other.tree is not None:
+            return f"the source is a {type(other).__name__}, not a KVDecoder holding a cache without a token tree"
+        if _kv_shape(self.model) != _kv_shape(other.model):
+            return "the source's layers, heads or head size differ"
+        mine = new_cache(self.model)
+        if not (_plain(mine) and _plain(other.cache)) or len(mine.layers) != len(other.cache.layers):
+            return "a cache with sliding-window, recurrent or quantized layers, or layers made as they come"
+        dtype = self.model.get_input_embeddings().weight.dtype
+        for layer, theirs in zip(mine.layers, other.cache.layers):
+            if theirs.is_initialized:
+                keys, values = theirs.keys.to(dtype), theirs.values.to(dtype)
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+        self.cache, self.mask, self.lengths = mine, other.mask.clone(), list(other.lengths)
+        self.tree, self._recording, self._must_record = None, False, False
+        return None
 
     def forward(self, chunks: list[torch.Tensor], keep: int = 0) -> torch.Tensor:
         """Feed ``chunks[b]`` (int64 [T_b], T_b may be 0) to row b; returns logits [B, T, V].
@@ -250,6 +277,18 @@ class KVDecoder(Decoder):
 _COLUMNS = {"keys": (2, (slice(None), None, slice(None), None)), "values": (2, (slice(None), None, slice(None), None)),
             "indexer_keys": (1, (slice(None), slice(None), None)),
             "indexer_position_ids": (2, (None, slice(None), slice(None)))}
+
+
+def _plain(cache) -> bool:
+    """A DynamicCache of plain DynamicLayers (no window, no recurrent state, no KV-cache scales)."""
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _kv_shape(model) -> tuple:
+    """What makes two models' caches interchangeable: layers, heads, KV heads, widths."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return tuple(getattr(cfg, name, None) for name in
+                 ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim"))
 
 
 def _sliding(cache) -> bool:

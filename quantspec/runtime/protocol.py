@@ -35,6 +35,12 @@ class Decoder(ABC):
     lengths: list[int]
 
     @property
+    def columns(self) -> int:
+        """Cache columns in use (committed tokens, the holes between them, a held tree's nodes);
+        a forward writes only at or past them. The default: rows without holes."""
+        return max(self.lengths, default=0)
+
+    @property
     @abstractmethod
     def device(self) -> torch.device:
         """Where the model's weights and the cache are."""

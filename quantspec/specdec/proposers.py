@@ -178,7 +178,7 @@ class DraftModel(Proposer):
             return False  # the draft prefills the prompt itself on its first propose
         self._fed_drafts = 0
         self._fed_nodes = None
-        self._shared = self._decoder.width
+        self._shared = self._decoder.columns
         if self.pruned is not None:
             self.pruned.reset_tokens()
             self.pruned.add_tokens(torch.cat([s[:-1] for s in sequences]))
@@ -188,20 +188,20 @@ class DraftModel(Proposer):
         """The draft's cache holds the columns before ``_shared`` as the target's and its own
         keys and values of the pending token and the accepted drafts after them: those become
         the target's (the draft then conditions on exact keys and values of everything
-        committed). Both decoders write only at or past their width, so the columns before the
-        least width either had since the last copy are still equal (``_cropped``). A refusal
+        committed). Both decoders write only at or past their ``columns``, so the columns before
+        the fewest either had since the last copy are still equal (``_cropped``). A refusal
         ends the sharing for the batch. The only committed tokens this adds that the draft never
         fed are accepted drafts, which its pruned head proposed, so it scores them already."""
         if self._shared is None:
             return False
-        why = self._decoder.copy_prefix_from(target, start=min(self._shared, target.width))
-        self._shared = None if why else self._decoder.width
+        why = self._decoder.copy_prefix_from(target, start=min(self._shared, target.columns))
+        self._shared = None if why else self._decoder.columns
         return why is None
 
     def _cropped(self) -> None:
         """After the draft's cache dropped columns: they and any written later are its own."""
         if self._shared is not None:
-            self._shared = min(self._shared, self._decoder.width)
+            self._shared = min(self._shared, self._decoder.columns)
 
     def _catch_up(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each row's committed tokens that the cache does not hold yet (at least one)."""
