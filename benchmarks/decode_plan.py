@@ -4,9 +4,9 @@
 (``build_plan`` refused for the run). ``screen``: the greedy argmax of the fp32 output head
 screened through its int8 copy (``kernels.output_head``) against the argmax of every logit
 (``screen_refusal`` refusing). ``share``: a self-draft starting from the target's cache of the
-prompt (``DraftModel.adopt_prompt``) against its own prefill. ``sync``: a self-draft also taking the
-target's keys and values of each step's committed tokens (``DraftModel.adopt_accepted``) against
-the prompt's only. One target and one draft; modes: the target alone through
+prompt (``DraftModel.adopt_prompt``) against its own prefill. ``sync``: a self-draft also taking
+the target's keys and values of each step's committed tokens (``DraftModel.adopt_accepted``)
+against the prompt's only. One target and one draft; modes: the target alone through
 transformers' ``generate`` (the base), and, each with the part on and off: the target alone
 through quantspec's runtime (``target_fast``, one token per step; ``--fast``) and speculative
 decoding (``ours``). The draft is built twice, so each copy keeps its own decoder. Greedy, every

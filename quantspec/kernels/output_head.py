@@ -8,8 +8,8 @@ instead (a quarter of the bytes) and then the fp32 rows of the few tokens that c
 * ``screen_tables(weight)``: each row rounded to int8 with one fp32 scale (absmax / 127), and a
   bound per row such that |logit - screened logit| <= bound * ||x||_2 for every x: the row's
   rounding error (Cauchy-Schwarz: ||w - scale * q||_2) plus the fp32 rounding of both products
-  (at most (K/16 + 4) unit roundoffs of ||w||_2 ||x||_2 for a 16-lane sum; four times that is
-  kept).
+  (at most (K/16 + 4) unit roundoffs of ||w||_2 ||x||_2 for a 16-lane sum; the tables keep
+  4 (K/16 + 8), more than four times that).
 * the extension's ``screened_argmax`` (csrc/cpu_screen.cpp): the screened logits; every token
   whose upper bound reaches the best lower bound is a candidate; the candidates' fp32 logits
   come from the same tile as ``f32_gemv``'s, bit for bit; the first maximum among them wins.
