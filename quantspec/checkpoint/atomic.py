@@ -87,19 +87,24 @@ def restore_interrupted_swap(out: Path) -> bool:
     return True
 
 
-def check_destination(out: str | os.PathLike, overwrite: bool) -> Path:
+def check_destination(out: str | os.PathLike, overwrite: bool, marks: tuple[str, ...] = ()) -> Path:
     """Refuse an existing destination unless ``overwrite``; call this before any work starts.
+    ``marks``: files of which an existing non-empty folder must hold one for ``overwrite`` to
+    replace it (what this kind of output writes), so that no other folder is deleted.
 
     First restores a folder that an interrupted ``--overwrite`` left as its backup."""
     out = Path(out).absolute()
     restore_interrupted_swap(out)
+    if out.exists() and not out.is_dir():
+        raise QuantspecError(f"output path {out} exists and is a file.", "choose another --out.")
     if out.exists() and not overwrite:
         raise QuantspecError(
             f"output folder {out} already exists.",
             "pass --overwrite to replace it, or choose another --out.",
         )
-    if out.exists() and not out.is_dir():
-        raise QuantspecError(f"output path {out} exists and is not a folder.", "choose another --out.")
+    if out.exists() and marks and any(out.iterdir()) and not any((out / m).exists() for m in marks):
+        raise QuantspecError(f"--overwrite would delete {out}, which holds no {' or '.join(marks)}: not an "
+                             "output of this kind.", "choose another --out, or empty that folder yourself.")
     return out
 
 
@@ -156,9 +161,10 @@ def sibling_temp_folder(out: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_folder(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder; on success it replaces ``out``, on failure it is removed."""
-    out = check_destination(out, overwrite)
+def atomic_folder(out: str | os.PathLike, overwrite: bool = False, marks: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces ``out``, on failure it is removed
+    (``marks``: ``check_destination``'s)."""
+    out = check_destination(out, overwrite, marks)
     _clean_stale(out.parent, out.name)
     with sibling_temp_folder(out) as tmp:
         try:

@@ -19,6 +19,8 @@ from ..sizes import files_bytes, tensors_bytes
 from .atomic import atomic_folder
 from . import checksums
 
+CHECKPOINT_MARKS = (checksums.MANIFEST, "quant_report.json")  # a folder --overwrite may replace holds one
+
 SHARD_BYTES = 4 * 1024**3
 
 
@@ -97,7 +99,7 @@ def write_checkpoint(
     ``metadata``: the keyword arguments of ``write_metadata`` (tokenizer, generation_config,
     recipe_yaml, report)."""
     out = Path(out)
-    with atomic_folder(out, overwrite) as tmp:
+    with atomic_folder(out, overwrite, CHECKPOINT_MARKS) as tmp:
         write_safetensors(tmp, state)
         write_metadata(tmp, config, **metadata)
         checksums.write_manifest(tmp)

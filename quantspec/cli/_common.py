@@ -29,3 +29,49 @@ def check_destination(path: str | os.PathLike, flag: str) -> None:
     except OSError as exc:
         raise QuantspecError(f"{flag} {path} cannot be written: nothing can be created in {ancestor} "
                              f"({exc.strerror or type(exc).__name__}).", f"give {flag} a path in a writable folder.") from None
+
+
+INPUT_FLAGS = ("model", "target", "path", "checkpoints", "quantized", "draft", "prompts", "recipe", "calib",
+               "load_scales", "sweep", "tasks_path", "include_path")  # what a command reads
+OUTPUT_FLAGS = ("out", "json", "save_scales")  # what it writes
+
+
+def local_inputs(args) -> list[tuple[str, Path]]:
+    """(flag, resolved path) of every input of ``args`` that is a local file or folder (a draft
+    spec's ``self:``/``eagle:`` prefix removed; hub ids, aliases and dataset names are not paths)."""
+    found = []
+    for name in INPUT_FLAGS:
+        value = getattr(args, name, None)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(item, (str, os.PathLike)):
+                continue
+            text = str(item)
+            for prefix in ("self:", "eagle:"):
+                text = text.removeprefix(prefix)
+            path = Path(text).expanduser()
+            if text.strip() and path.exists():
+                found.append((name, path.resolve()))
+    return found
+
+
+def check_apart(args) -> None:
+    """Refuse, before any work, a destination that would change an input: ``--out``/``--json``
+    that is an input, an existing file inside an input folder, or (``--overwrite``) a folder
+    holding an input; and a ``--json`` that is a folder."""
+    inputs = local_inputs(args)
+    for name in OUTPUT_FLAGS:
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        flag = "--" + name.replace("_", "-")
+        dest = Path(value).expanduser().resolve()
+        if name != "out" and dest.is_dir():
+            raise QuantspecError(f"{flag} {value} is a folder.", f"give {flag} a file name.")
+        for source_flag, source in inputs:
+            what = "the input" if source_flag in ("model", "target", "path") else f"the --{source_flag.replace('_', '-')} input"
+            if dest == source or (dest.is_file() and source in dest.parents):
+                raise QuantspecError(f"{flag} {value} would overwrite {what} {source}.",
+                                     f"choose a {flag} outside {source}.")
+            if getattr(args, "overwrite", False) and dest in source.parents:
+                raise QuantspecError(f"{flag} {value} holds {what} {source}, which --overwrite would delete.",
+                                     f"choose a {flag} that does not contain {source}.")

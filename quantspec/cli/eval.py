@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--windows", type=int, default=40, help="first N windows (0 = all)")
     p.add_argument("--stride", type=int, default=None)
     p.add_argument("--tasks", help="comma-separated lm-eval tasks (needs quantspec[lm-eval])")
-    p.add_argument("--tasks-path", help="folder of local lm-eval task YAMLs")
+    p.add_argument("--tasks-path", "--include-path", dest="tasks_path", help="folder of local lm-eval task YAMLs")
     p.add_argument("--limit", type=int, help="lm-eval: examples per task")
     p.add_argument("--speed", action="store_true", help="also measure speed against the dense baseline")
     p.add_argument("--dtype", default="auto")
@@ -51,9 +51,23 @@ def _size_bytes(spec: str, model) -> int:
     return dense_size_bytes(model)
 
 
+def check_flags(args) -> None:
+    """Refuse flags that would do nothing in this run, or out of range, before any model loads."""
+    from ..errors import QuantspecError
+
+    if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
+        raise QuantspecError(f"--tasks {args.tasks!r} names no task.", "pass task names, e.g. --tasks arc_easy.")
+    if not args.tasks and (args.limit is not None or args.tasks_path):
+        flag = "--limit" if args.limit is not None else "--tasks-path"
+        raise QuantspecError(f"{flag} applies to lm-eval tasks, and no --tasks was given.", f"add --tasks, or drop {flag}.")
+    if args.limit is not None and args.limit < 1:
+        raise QuantspecError(f"--limit {args.limit} is not positive.", "pass 1 or more examples per task, or drop --limit.")
+
+
 def run(args) -> int:
     from ..eval.perplexity import perplexity
 
+    check_flags(args)
     out: dict = {"model": args.model}
     datas = args.ppl if args.ppl is not None else ([] if (args.tasks or args.speed) else ["wikitext2"])
     if datas:

@@ -95,17 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        from ._common import check_destination
+        from ._common import check_apart, check_destination
 
         for flag in ("out", "json"):  # where results go, checked before any model loads
             if getattr(args, flag, None):
                 check_destination(getattr(args, flag), f"--{flag}")
+        check_apart(args)
         with one_line_warnings(args.debug):
             return int(args.func(args) or 0)
     except QuantspecError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"quantspec: error: {exc}", file=sys.stderr)
+        print(f"quantspec: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("quantspec: interrupted", file=sys.stderr)

@@ -51,13 +51,21 @@ def run(args) -> int:
     from ..data.calibration import calibration_samples
     from ..data.tokens import tokenizer_fingerprint
     from ..models.load import load_model, model_label
+    from ..specdec.eagle.head import CONFIG_FILE
     from ..specdec.eagle.prompts import BUILTIN, TEXT, training_prompts
-    from ..specdec.eagle.train import TrainConfig, train_head
+    from ..specdec.eagle.train import REPORT_FILE, STATE_FILE, TrainConfig, train_head
+
+    marks = (CONFIG_FILE, STATE_FILE, REPORT_FILE, "features")  # what a head folder, or a started one, holds
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise QuantspecError(f"--out {out} is a file.", "give a folder for the head.")
+    if out.is_dir() and any(out.iterdir()) and not any((out / m).exists() for m in marks):
+        raise QuantspecError(f"--out {out} holds other files and no EAGLE head or its training state "
+                             f"({', '.join(marks)}).", "give a new or empty folder for the head.")
+    if args.threads is not None and args.threads < 1:
+        raise QuantspecError(f"--threads {args.threads} is invalid.", "use at least 1 thread.")
     if cfg.prompts not in (BUILTIN, TEXT):
         training_prompts(cfg.prompts, cfg.samples, cfg.seed)  # a bad file is refused before the model loads
     if args.threads:

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..checkpoint.atomic import atomic_write_text
+from ..errors import QuantspecError
 from .machine import describe_machine
 
 CLASSES = ("dequant-GEMM", "GEMM", "attention", "norms+elementwise", "sampling", "other")
@@ -65,6 +67,12 @@ class ProfileConfig:
     decode_steps: int = 16
     batch_size: int = 1
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_length", "decode_steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise QuantspecError(f"{name}={getattr(self, name)} is not positive.",
+                                     f"use --{name.replace('_', '-')} 1 or more.")
 
 
 def classify(name: str, scopes: tuple[str, ...] = ()) -> str:
@@ -338,14 +346,17 @@ def profile_to_folder(model_spec: str, out: str | Path, config: ProfileConfig = 
     say = progress or (lambda _m: None)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "summary.json").is_file())):
+        raise QuantspecError(f"--out {out} exists and is not an earlier profile's folder (no summary.json).",
+                             "give a new folder, or that of an earlier profile to replace its files.")
     say(f"loading {model_spec}")
     model, _tok, desc = load_model(model_spec, dtype=dtype, device=device, backend=backend)
+    out.mkdir(parents=True, exist_ok=True)
     say("measuring the roofline")
     peak = roofline(device, next(model.parameters()).dtype)
     say(f"profiling {config.prompt_length}-token prefill + {config.decode_steps} decode steps")
     summary = profile_model(model, config, device, out / "trace.json", peak)
     summary = {"model": model_spec, "load": desc, "machine": describe_machine(), **summary}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown(summary))
+    atomic_write_text(out / "summary.md", summary_markdown(summary))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

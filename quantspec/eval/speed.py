@@ -68,6 +68,9 @@ class SpeedConfig:
             raise QuantspecError("prompt lengths must be positive.", "use e.g. --prompt-lengths 128 512.")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise QuantspecError("batch sizes must be positive.", "use e.g. --batch-sizes 1 8.")
+        if self.decode_prompt_length < 1:
+            raise QuantspecError(f"decode_prompt_length={self.decode_prompt_length} is not positive.",
+                                 "use e.g. --decode-prompt-length 64.")
         if self.new_tokens < 2:
             raise QuantspecError("new_tokens must be at least 2 (TTFT + one TPOT).", "use e.g. 32.")
         if self.repeats < 1 or self.warmup < 0:

@@ -47,7 +47,7 @@ def resolve_recipe(recipe: Recipe | str | Path | None) -> Recipe:
     shipped = RECIPES_DIR / f"{recipe}.yaml"
     if shipped.is_file():
         return Recipe.from_yaml(shipped)
-    names = sorted(f.stem for f in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+    names = sorted(f.stem for f in RECIPES_DIR.glob("*.yaml") if not f.stem.startswith("sweep-")) if RECIPES_DIR.is_dir() else []
     raise QuantspecError(
         f"unknown recipe {recipe!r}.", f"give a YAML path or one of {names or ['(none shipped)']}."
     )
@@ -112,7 +112,7 @@ def quantize(
     """
     from ..checkpoint.atomic import atomic_folder, check_destination
     from ..checkpoint.checksums import write_manifest
-    from ..checkpoint.save import write_metadata, write_safetensors
+    from ..checkpoint.save import CHECKPOINT_MARKS, write_metadata, write_safetensors
     from ..formats import get_format
     from ..models import dense_folder, model_slug, resolve_device
     from ..models.experts import key_map
@@ -124,7 +124,7 @@ def quantize(
     recipe = resolve_recipe(recipe)
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
-    check_destination(out, overwrite)
+    check_destination(out, overwrite, CHECKPOINT_MARKS)
     reducer = from_environment()
     dev = local_device(reducer, resolve_device(device))
     lazy = want_streaming(streaming, dense_folder(model))
@@ -147,7 +147,7 @@ def quantize(
     save_dtype = save_dtype_for(dense.config)
     report: dict[str, Any] = {"layers": {}}
     resume_dir = resume_folder(out) if resume else None
-    with atomic_folder(out, overwrite) as tmp:
+    with atomic_folder(out, overwrite, CHECKPOINT_MARKS) as tmp:
         t0 = time.perf_counter()
         sink = opened.sink(tmp, job.arch, fmt, save_dtype, bool(job.outside_plan))
         results, rest = run(dense, job, device=dev, progress=progress, report=report["layers"],

@@ -97,7 +97,7 @@ class ResumeState:
                 raise QuantspecError(
                     f"the resume state in {self.dir} was made for a different model, plan, "
                     "method or calibration set.",
-                    "delete that folder, or pass another resume folder.",
+                    "delete that folder to start over, or run with those settings again.",
                 )
             self.manifest = old
 

@@ -186,6 +186,10 @@ def resolve_kv(model, kind: str = "checkpoint", scales: str = "calibrated"
     ``scales`` "calibrated" (the checkpoint's; for the other kind, rescaled from the same maxima),
     "unit" or "dynamic". None: a plain cache."""
     ckpt = getattr(model, "quantspec_kv_cache", None)  # set by checkpoint.load_quantized
+    if scales != "calibrated" and (kind == "off" or (kind == "checkpoint" and ckpt is None)):
+        raise QuantspecError(f"{scales} KV scales were asked for, and the KV cache is not quantized "
+                             f"({'off' if kind == 'off' else 'the model declares none'}).",
+                             "name the cache to quantize (--kv-cache fp8 or int8), or drop the scales.")
     if kind == "off" or (kind == "checkpoint" and ckpt is None):
         return None
     if kind == "checkpoint":
