@@ -60,10 +60,25 @@ def check_decode_args(args: argparse.Namespace) -> None:
     from ..errors import QuantspecError
     from ..specdec.factory import check_spec
 
-    if args.draft:
+    if args.draft is not None:
         check_spec(args.draft)
         if args.k < (1 if args.adaptive else 0):
             raise QuantspecError(f"--k {args.k} is invalid.", "use --k 1 or more (0: plain decoding, without --adaptive).")
+    else:
+        unused = [flag for flag, used in (("--k", args.k != 4), ("--adaptive", args.adaptive),
+                                          ("--draft-head", args.draft_head != "w8gpc"),
+                                          ("--draft-dtype", args.draft_dtype != "auto"),
+                                          ("--draft-vocab", args.draft_vocab is not None),
+                                          ("--fast-verify", args.fast_verify is not None)) if used]
+        if unused:
+            raise QuantspecError(f"{unused[0]} sets speculative decoding, and no --draft was given.",
+                                 f"add --draft SPEC, or drop {unused[0]}.")
+    if args.temperature == 0:
+        sampled = [flag for flag, used in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                           ("--seed", getattr(args, "seed", None) is not None)) if used]
+        if sampled:
+            raise QuantspecError(f"{sampled[0]} shapes sampling, and --temperature 0 decodes greedily.",
+                                 f"add --temperature T > 0, or drop {sampled[0]}.")
     if args.max_new_tokens < 1:
         raise QuantspecError(f"--max-new-tokens {args.max_new_tokens} generates nothing.", "use 1 or more.")
     if getattr(args, "threads", None) is not None and args.threads < 1:

@@ -28,16 +28,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _encode(tok, prompt: str, chat: bool):
-    if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
-            return_dict=True,
-        )
-        return ids["input_ids"]
-    return tok(prompt, return_tensors="pt").input_ids
-
-
 def timing(new_tokens: int, setup_s: float, generate_s: float) -> dict:
     """The JSON timing fields of every mode: building the proposer (``setup_seconds``: loading
     a draft model or quantizing the self-draft; 0 for the target alone) apart from generating,
@@ -50,6 +40,9 @@ def timing(new_tokens: int, setup_s: float, generate_s: float) -> dict:
 def run(args) -> int:
     import torch
 
+    from ..errors import QuantspecError
+    from ..specdec.bench import encode
+
     tree = tree_from_args(args)  # refused before anything loads
     sampling = sampling_from_args(args)
     check_decode_args(args)
@@ -57,7 +50,10 @@ def run(args) -> int:
     from ..models.load import load_model, model_label
 
     model, tok, desc = load_model(args.model, args.dtype, args.device, args.backend)
-    input_ids = _encode(tok, args.prompt, args.chat).to(args.device)
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise QuantspecError(f"--chat: the tokenizer of {args.model} has no chat template.",
+                             "drop --chat, or use a model whose tokenizer has one.")
+    input_ids = encode(tok, args.prompt, args.chat).to(args.device)
     out: dict = {"model": model_label(desc), "prompt": args.prompt, "mode": "speculative" if args.draft else "target"}
     t0 = time.perf_counter()
     out["load_seconds"] = round(t0 - t_load, 3)
@@ -69,7 +65,7 @@ def run(args) -> int:
         t1 = time.perf_counter()
         ids, stats = specdec.speculative_generate(
             model, proposer, input_ids, max_new_tokens=args.max_new_tokens, k=args.k,
-            adaptive=args.adaptive, sampling=sampling, eos_token_id=tok.eos_token_id,
+            adaptive=args.adaptive, sampling=sampling,
             seed=args.seed, fast_verify=args.fast_verify, tree=tree,
         )
         out["specdec"] = stats.to_dict()

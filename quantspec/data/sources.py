@@ -63,10 +63,10 @@ def _read_utf8(path: Path) -> str:
     return text
 
 
-def read_jsonl(path: Path, field: str = "text") -> list[str]:
-    """The string ``field`` of every line of a JSONL file (blank ones skipped); a line that is
-    not JSON or has no such string raises QuantspecError naming the line."""
-    docs = []
+def read_jsonl_rows(path: Path, field: str = "text") -> list[tuple[int, dict]]:
+    """(line number, object) of every line of a JSONL file (blank ones skipped); a line that is
+    not a JSON object with a string ``field`` raises QuantspecError naming the line."""
+    rows = []
     for lineno, line in enumerate(_read_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
@@ -78,8 +78,14 @@ def read_jsonl(path: Path, field: str = "text") -> list[str]:
         if not isinstance(row, dict) or not isinstance(row.get(field), str):
             raise QuantspecError(f"{path} line {lineno} has no string field \"{field}\".",
                                  f"write one JSON object per line, each with a \"{field}\" field.")
-        if row[field].strip():
-            docs.append(row[field])
+        rows.append((lineno, row))
+    return rows
+
+
+def read_jsonl(path: Path, field: str = "text") -> list[str]:
+    """The string ``field`` of every line of a JSONL file (``read_jsonl_rows``; blank strings
+    skipped)."""
+    docs = [row[field] for _, row in read_jsonl_rows(path, field) if row[field].strip()]
     if not docs:
         raise QuantspecError(f"{path} has no non-empty \"{field}\" documents.", "pass a file with text in it.")
     return docs

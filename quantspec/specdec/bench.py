@@ -11,7 +11,6 @@ its chains (``ours``).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,18 @@ SCHEDULE = ("for each repeat, for each prompt, every mode once, rotated by (repe
 
 
 def load_prompts(path: str | Path, kinds: list[str] | None = None) -> list[dict]:
-    """JSONL rows ``{"id", "kind", "prompt"}``, optionally only the given kinds."""
+    """JSONL rows ``{"id", "kind", "prompt"}``, optionally only the given kinds; a line that is
+    not such an object, or whose prompt is blank, raises QuantspecError naming the line."""
+    from ..data.sources import read_jsonl_rows
+
     path = Path(path)
     if not path.is_file():
         raise QuantspecError(f"prompts file {path} does not exist.", "pass --prompts FILE.jsonl.")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for lineno, row in read_jsonl_rows(path, "prompt"):
+        if not row["prompt"].strip():
+            raise QuantspecError(f"{path} line {lineno} has a blank prompt.", "give every line a prompt, or remove it.")
+        rows.append(row)
     if kinds:
         rows = [r for r in rows if r.get("kind") in kinds]
     if not rows:
@@ -49,8 +55,13 @@ def encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    return tokenizer(prompt, return_tensors="pt").input_ids
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise QuantspecError(f"the prompt {prompt!r} is no tokens (the tokenizer adds no start token).",
+                             "give a prompt with text in it.")
+    return ids
 
 
 @dataclass

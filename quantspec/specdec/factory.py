@@ -55,8 +55,13 @@ def _head_scheme(text: str) -> QuantScheme:
 def check_spec(spec: str) -> None:
     """Refuse, before the target loads, a spec that cannot make a draft: an n-gram size that is
     not a whole number >= 1, an ``eagle:`` folder without a head, a ``self:`` that is neither a
-    folder nor a scheme name. (A model id or folder is checked when it loads.)"""
+    folder nor a scheme name, a prefix with nothing after it. (A model id or folder is checked
+    when it loads.)"""
     spec = spec.strip()
+    prefix = next((p for p in ("ngram:", "eagle:", "self:") if spec.startswith(p)), "")
+    if not spec[len(prefix):].strip():
+        raise QuantspecError(f"draft '{spec}' names no draft.",
+                             "use e.g. --draft ngram, self:w4g128, eagle:HEAD_FOLDER or a draft model's folder.")
     if spec.startswith("ngram:"):
         size = spec[len("ngram:"):]
         if not size.isdigit() or int(size) < 1:

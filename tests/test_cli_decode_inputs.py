@@ -1,0 +1,95 @@
+"""generate / bench-specdec refuse bad prompts and flags that would do nothing, in one line (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantspec.cli.main import main
+
+from helpers import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def _refused(argv, capsys, needle):
+    rc = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("quantspec")]  # no loading bars
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("quantspec: error:") and needle in err[0], err
+
+
+def test_an_empty_prompt_is_refused(tiny, capsys):
+    for draft in ([], ["--draft", "ngram"]):
+        _refused(["generate", str(tiny), "--prompt", "", "--max-new-tokens", "2", *draft], capsys, "is no tokens")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"prompt": "a"}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"text": "a"}\n', "line 1 has no string field \"prompt\""),
+    ('{"prompt": 5}\n', "line 1 has no string field"),
+    ('[1, 2]\n', "line 1 has no string field"),
+    ('{"prompt": "a"}\n\n{"prompt": "  "}\n', "line 3 has a blank prompt"),
+])
+def test_bench_specdec_checks_every_prompt_line_before_loading(tmp_path, capsys, text, needle):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(text)
+    _refused(["bench-specdec", str(tmp_path / "no-such-model"), "--draft", "ngram", "--prompts", str(prompts)],
+             capsys, needle)
+
+
+@pytest.mark.parametrize("draft", ["self:", "eagle:", " ", "ngram:"])
+def test_a_draft_prefix_without_a_path_is_refused(tiny, capsys, draft):
+    _refused(["generate", str(tiny), "--prompt", "hi", "--draft", draft], capsys, "'")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--adaptive"], "--adaptive sets speculative decoding"),
+    (["--k", "9"], "--k sets speculative decoding"),
+    (["--draft-head", "w4g32"], "--draft-head"),
+    (["--draft-dtype", "bfloat16"], "--draft-dtype"),
+    (["--draft-vocab", "100"], "--draft-vocab"),
+    (["--fast-verify"], "--fast-verify"),
+    (["--top-p", "0.5"], "--top-p shapes sampling"),
+    (["--top-k", "3"], "--top-k shapes sampling"),
+    (["--seed", "1"], "--seed shapes sampling"),
+    (["--chat"], "has no chat template"),
+])
+def test_flags_that_would_do_nothing_are_refused(tiny, capsys, flags, needle):
+    _refused(["generate", str(tiny), "--prompt", "hi", "--max-new-tokens", "2", *flags], capsys, needle)
+
+
+def test_sampling_flags_with_a_temperature_still_run(tiny, capsys):
+    assert main(["generate", str(tiny), "--prompt", "hi", "--max-new-tokens", "2", "--temperature", "0.8",
+                 "--top-p", "0.9", "--top-k", "5", "--seed", "1"]) == 0
+
+
+def test_a_draft_stops_at_every_stop_token_the_target_alone_stops_at(tmp_path):
+    """A model whose generation config lists more stop tokens than its tokenizer's end token
+    (Llama-3-Instruct, Gemma-it): ``generate --draft`` ends where ``generate`` does."""
+    import json
+
+    import transformers
+
+    from helpers import make_tiny_tokenizer, tiny_model
+
+    model, tok = tiny_model("llama"), make_tiny_tokenizer()
+    ids = tok("hello world", return_tensors="pt").input_ids
+    free = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    extra = next(t for t in free[2:] if t != tok.eos_token_id)  # a token the target writes, made a stop
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[tok.eos_token_id, extra])
+    folder = tmp_path / "multi-stop"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    runs = {}
+    for name, draft in (("target", []), ("ngram", ["--draft", "ngram"]), ("self", ["--draft", "self:w4g128"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["generate", str(folder), "--prompt", "hello world", "--max-new-tokens", "12",
+                     "--json", str(out), *draft]) == 0
+        runs[name] = json.loads(out.read_text())
+    stop = free.index(extra) + 1
+    assert runs["target"]["new_tokens"] == stop < 12
+    assert all((r["new_tokens"], r["text"]) == (stop, runs["target"]["text"]) for r in runs.values())
