@@ -93,3 +93,15 @@ def test_a_draft_stops_at_every_stop_token_the_target_alone_stops_at(tmp_path):
     stop = free.index(extra) + 1
     assert runs["target"]["new_tokens"] == stop < 12
     assert all((r["new_tokens"], r["text"]) == (stop, runs["target"]["text"]) for r in runs.values())
+
+
+def test_draft_refusals_name_the_real_problem_before_the_target_loads(tiny, tmp_path, capsys):
+    ckpt = tmp_path / "q"
+    assert main(["quantize", str(tiny), "--method", "rtn", "--bits", "4", "--group-size", "32", "--out", str(ckpt),
+                 "--no-progress"]) == 0
+    missing = str(tmp_path / "no-such-target")  # refused before it would be looked for
+    _refused(["generate", missing, "--prompt", "hi", "--draft", str(ckpt)], capsys, f"--draft self:{ckpt}")
+    _refused(["generate", missing, "--prompt", "hi", "--draft", "self:w4g128", "--draft-head", "w4g7"], capsys,
+             "group_size=7")
+    _refused(["generate", missing, "--prompt", "hi", "--draft", "self:w4g128", "--draft-head", "fast"], capsys,
+             "'fast' is not a scheme name")

@@ -58,10 +58,11 @@ def check_decode_args(args: argparse.Namespace) -> None:
     """Refuse, before any model loads, decoding settings that cannot run (``generate`` and
     ``bench-specdec``): the draft spec, k, the token budget, the thread count."""
     from ..errors import QuantspecError
-    from ..specdec.factory import check_spec
+    from ..specdec.factory import check_spec, head_scheme
 
     if args.draft is not None:
         check_spec(args.draft)
+        head_scheme(args.draft_head)
         if args.k < (1 if args.adaptive else 0):
             raise QuantspecError(f"--k {args.k} is invalid.", "use --k 1 or more (0: plain decoding, without --adaptive).")
     else:

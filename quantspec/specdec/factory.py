@@ -42,14 +42,16 @@ def parse_scheme(text: str) -> QuantScheme:
     return QuantScheme(bits=int(m.group(1)), group_size=group, symmetric=not m.group(3))
 
 
-def _head_scheme(text: str) -> QuantScheme:
-    try:
-        return parse_scheme(text)
-    except QuantspecError:
+def head_scheme(text: str) -> QuantScheme | None:
+    """The scheme of ``--draft-head`` (None: ``same`` or ``dense``, decided by the draft)."""
+    if text in ("same", "dense"):
+        return None
+    if not re.fullmatch(r"w(\d+)g(\d+|pc)(-asym)?", text.strip().lower()):
         raise QuantspecError(
             f"draft head '{text}' is not a scheme name.",
             "use e.g. w8gpc (the default), w4g32-asym, same (the body's) or dense.",
-        ) from None
+        )
+    return parse_scheme(text)  # a scheme name whose bits or group size cannot be: its own message
 
 
 def check_spec(spec: str) -> None:
@@ -73,6 +75,16 @@ def check_spec(spec: str) -> None:
         head_files(spec[len("eagle:"):])
     elif spec.startswith("self:") and not Path(spec[len("self:"):]).expanduser().is_dir():
         parse_scheme(spec[len("self:"):])
+    elif not spec.startswith("self:") and Path(spec).expanduser().is_dir():
+        from ..checkpoint.load import is_quantized_folder
+
+        if is_quantized_folder(Path(spec).expanduser()):
+            raise QuantspecError(f"draft {spec} is a quantized checkpoint.",
+                                 f"give it as --draft self:{spec} (a quantized draft runs through quantspec's layers).")
+
+
+def _name(model: torch.nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "_name_or_path", "") or "target"
 
 
 def _vocab_rows(model: torch.nn.Module) -> int:
@@ -192,21 +204,21 @@ def make_proposer(spec: str, target: torch.nn.Module, tokenizer=None,
         if head == "same":
             raise QuantspecError("--draft-head same names a self: draft's body scheme; an eagle: head has none.",
                                  "use a scheme (w8gpc, the default) or dense for an eagle: head.")
-        return eagle_proposer(spec[len("eagle:"):], target, None if head == "dense" else _head_scheme(head))
+        return eagle_proposer(spec[len("eagle:"):], target, head_scheme(head))
     dtype = draft_dtype(target, dtype)
     token_ids = draft_token_ids(target, tokenizer, vocab)
     if spec.startswith("self:"):
         rest = spec[len("self:"):]
-        head_scheme = None if head in ("same", "dense") else _head_scheme(head)
+        scheme = head_scheme(head)
         if Path(rest).expanduser().is_dir():
             prop = QuantizedSelf.from_checkpoint(str(Path(rest).expanduser()), target, dtype=dtype,
-                                                 head_scheme=head_scheme, token_ids=token_ids)
-            check_same_vocab(target, prop.model, draft_name=spec)
+                                                 head_scheme=scheme, token_ids=token_ids)
+            check_same_vocab(target, prop.model, target_name=_name(target), draft_name=spec)
             return prop
         return QuantizedSelf.from_target(target, parse_scheme(rest), include_lm_head=head != "dense",
-                                         dtype=dtype, head_scheme=head_scheme, token_ids=token_ids)
+                                         dtype=dtype, head_scheme=scheme, token_ids=token_ids)
     model, draft_tok = _load_draft(spec, target, dtype)
-    name = getattr(getattr(target, "config", None), "_name_or_path", "target") or "target"
+    name = _name(target)
     check_same_vocab(target, model, tokenizer, draft_tok, target_name=name, draft_name=spec)
     pruned = None
     if token_ids is not None:
