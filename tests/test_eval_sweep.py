@@ -120,16 +120,12 @@ def test_resume_skips_finished_points_and_retries_failed(tmp_path):
     assert third.calls == [] and timer.calls == []  # the complete speed rounds are reused too
 
 
-def test_impossible_point_is_recorded_without_running(tmp_path):
-    runner = FakeRunner()
-    cfg = _cfg(dense=False, grid={"methods": ["rtn"], "bits": [4], "group_sizes": [128], "formats": ["gptq"]},
-               points=[{"method": "smoothquant", "bits": 4, "group_size": 128, "format": "gptq"}])
-    timer = FakeTimer()
-    report = run_sweep(cfg, tmp_path, runner=runner, timer=timer)
-    assert runner.calls == ["rtn-w4g128-gptq"]
-    assert {n for n, _ in timer.calls} == {"dense", "rtn-w4g128-gptq"}  # the baseline, not a point
-    bad = [r for r in report["rows"] if r["status"] == "failed"]
-    assert len(bad) == 1 and "QuantspecError" in bad[0]["error"]
+def test_impossible_point_is_refused_before_anything_runs(tmp_path):
+    from quantspec.errors import QuantspecError
+
+    with pytest.raises(QuantspecError, match="smoothquant-w4g128-gptq"):
+        _cfg(dense=False, grid={"methods": ["rtn"], "bits": [4], "group_sizes": [128], "formats": ["gptq"]},
+             points=[{"method": "smoothquant", "bits": 4, "group_size": 128, "format": "gptq"}])
 
 
 def test_sweep_yaml_is_strict_and_default_parses(tmp_path):
@@ -163,7 +159,7 @@ def test_point_steps_parse_with_the_real_cli(tmp_path):
             args = parser.parse_args(step.argv[3:])
             assert args.command == step.name
             if step.name == "quantize":
-                assert args.method == point.method and args.bits == point.bits
+                assert args.method == point.method and args.bits == (None if args.w8a8 else point.bits)
                 assert args.w8a8 == (point.method == "smoothquant")
             if step.name == "eval":
                 assert args.ppl == ["wikitext2"] and args.windows == 20

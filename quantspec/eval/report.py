@@ -6,16 +6,22 @@ task accuracy (mean of the tasks' ``acc``), decode tokens/s (batch = first bench
 and speed-up (tokens/s over the dense model's, both measured in the same bench run).
 :func:`render_report` redraws report.md/.png/.html from a saved report.json without measuring
 anything (``quantspec report DIR``); a plot with no point is left out and the text says why.
+A report.json is checked field by field before anything is drawn (:func:`check_report`), and the
+files are drawn into a temporary folder and moved into place together: never a partial set.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import QuantspecError, one_line
 from .machine import describe_machine, machine_line
 
 COLUMNS = ("name", "method", "bits", "group", "format", "size_mb", "ppl", "ppl_delta", "acc",
@@ -162,13 +168,16 @@ def report_markdown(report: dict[str, Any], png: str | Path | None = "report.png
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def render_report(report: dict[str, Any], out: str | Path) -> Path | None:
-    """Write report.md, report.png and report.html into ``out`` from a report (as saved in
-    report.json: nothing is measured); return the PNG path, None when no plot has a point."""
+REPORT_FILES = ("report.md", "report.png", "report.html")
+SERVING_FILES = ("serve-report.md", "serve-report.png", "serve-report.html")
+
+
+def _draw(report: dict[str, Any], out: Path) -> Path | None:
+    """Write report.md, report.png and report.html (and the serving report) into ``out``; return
+    the PNG path, None when no plot has a point."""
     from .report_html import report_html
     from .report_plot import plot_notes, plot_report
 
-    out = Path(out)
     notes = plot_notes(report["rows"], plot_why(report))
     png = plot_report(report["rows"], out / "report.png", title=f"{report['model']} on {machine_line(report['machine'])}")
     md, page = report_markdown(report, png, notes), report_html(report, png, notes)
@@ -184,20 +193,100 @@ def render_report(report: dict[str, Any], out: str | Path) -> Path | None:
     return png
 
 
-def load_report(path: str | Path) -> dict[str, Any]:
-    """A saved report.json (or the folder holding one), checked to have what rendering reads."""
-    from ..errors import QuantspecError
+def render_report(report: dict[str, Any], out: str | Path) -> Path | None:
+    """Write report.md, report.png and report.html into ``out`` from a report (as saved in
+    report.json: nothing is measured); return the PNG path, None when no plot has a point.
 
+    The report is checked first (``check_report``), every file is drawn into a temporary folder
+    in ``out``, and moved into place only when all of them are drawn: a failure leaves the files
+    of the previous render as they were, never a new picture beside an old table."""
+    check_report(report)
+    out = Path(out)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    except OSError as exc:
+        raise QuantspecError(f"cannot write the report files into {out} ({exc.strerror or type(exc).__name__}).",
+                             "make the folder writable, or copy report.json into a writable folder and pass that.") from None
+    try:
+        png = _draw(report, tmp)
+        owned = REPORT_FILES + (SERVING_FILES if report.get("serving") else ())
+        for name in owned:  # drawn: replaces the previous file; not drawn (no picture): the previous one goes
+            if (tmp / name).is_file():
+                os.replace(tmp / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return None if png is None else out / png.name
+
+
+# ---------------------------------------------------------------- what report.json must hold
+
+# field -> the types it may hold (``strict.admits``). Rows: every row has ROW_FIELDS, an ok row
+# OK_ROW_FIELDS (None where not measured), a failed one may carry its "error".
+REPORT_FIELDS = {"model": str, "created": str, "machine": dict, "protocol": dict, "rows": list}
+OPTIONAL_REPORT_FIELDS = {"versions": dict | None, "sweep": dict | None, "serving": dict | None}
+PROTOCOL_FIELDS = {"perplexity": str, "size": str, "speed": dict}
+MACHINE_FIELDS = {"gpus": tuple[str, ...] | None, "cpu_isa": str | None}  # optional: what machine_line reads
+ROW_FIELDS = {"name": str, "method": str, "bits": int | None, "group": int | None, "format": str, "status": str}
+OK_ROW_FIELDS = {k: float | None for k in ("size_mb", "ppl", "ppl_delta", "acc", "tokens_per_s", "speedup")}
+
+
+def _check_fields(obj: dict[str, Any], spec: dict[str, Any], where: str, required: bool = True) -> None:
+    """QuantspecError naming ``where + field`` for the first field of ``spec`` that ``obj`` lacks
+    (when ``required``) or holds with a type ``spec`` does not allow."""
+    from ..strict import admits, describe
+
+    for key, tp in spec.items():
+        if key not in obj:
+            if required:
+                raise QuantspecError(f"report.json {where}{key} is missing.", _REPORT_FIX)
+            continue
+        if not admits(tp, obj[key]):
+            raise QuantspecError(f"report.json {where}{key} must be {describe(tp)}, got {one_line(repr(obj[key]), 60)}.",
+                                 _REPORT_FIX)
+
+
+_REPORT_FIX = ("restore the field as quantspec sweep wrote it (rerunning the sweep into the same folder rewrites "
+               "report.json, reusing every finished point).")
+
+
+def check_report(report: Any) -> None:
+    """QuantspecError naming the first field of a report (as read from report.json) that rendering
+    would trip on: missing, or of the wrong type."""
+    if not isinstance(report, dict):
+        raise QuantspecError(f"report.json must hold a mapping, not {type(report).__name__}.", _REPORT_FIX)
+    _check_fields(report, REPORT_FIELDS, "")
+    _check_fields(report, OPTIONAL_REPORT_FIELDS, "", required=False)
+    _check_fields(report["machine"], MACHINE_FIELDS, "machine.", required=False)
+    _check_fields(report["protocol"], PROTOCOL_FIELDS, "protocol.")
+    _check_fields(report["protocol"]["speed"], {"speedup": str}, "protocol.speed.")
+    _check_fields(report.get("sweep") or {}, {"eval": dict | None}, "sweep.", required=False)
+    for i, row in enumerate(report["rows"]):
+        if not isinstance(row, dict):
+            raise QuantspecError(f"report.json rows[{i}] must be a mapping, got {one_line(repr(row), 60)}.", _REPORT_FIX)
+        _check_fields(row, ROW_FIELDS, f"rows[{i}].")
+        if row["status"] == "ok":
+            _check_fields(row, OK_ROW_FIELDS, f"rows[{i}].")
+        else:
+            _check_fields(row, {"error": str | None}, f"rows[{i}].", required=False)
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """A saved report.json (or the folder holding one), checked to have what rendering reads
+    (``check_report``: a hand-edited file fails here, naming the field, before anything is written)."""
     p = Path(path)
     p = p / "report.json" if p.is_dir() else p
     try:
         report = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise QuantspecError(f"cannot read a report from {p}: {exc}.", "pass a sweep's report.json or its folder.")
-    lacks = [k for k in ("model", "machine", "protocol", "rows", "created") if k not in report]
+    lacks = [k for k in ("model", "machine", "protocol", "rows", "created") if k not in report] \
+        if isinstance(report, dict) else ["mapping at the top"]
     if lacks:
         raise QuantspecError(f"{p} is not a sweep report: it has no {', '.join(lacks)}.",
                              "pass the report.json that quantspec sweep wrote.")
+    check_report(report)
     return report
 
 

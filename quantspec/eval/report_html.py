@@ -50,7 +50,7 @@ def report_html(report: dict[str, Any], png: str | Path | None, notes: list[str]
                f'src="data:image/png;base64,{data}">')
     if notes:
         img += "<ul class=notes>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
-    meta = {k: report[k] for k in ("machine", "versions", "protocol")}
+    meta = {k: report.get(k) for k in ("machine", "versions", "protocol")}  # versions may be absent
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>quantspec sweep: {html.escape(str(report['model']))}</title><style>{_CSS}</style></head><body>"

@@ -1,6 +1,6 @@
 """Sweeps: quantize a model over a grid of recipes, evaluate every point, write one report.
 
-A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys are errors)::
+A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys and mistyped values are errors)::
 
     model: smollm2-135m
     grid: {methods: [rtn, gptq], bits: [4], group_sizes: [128], formats: [gptq]}
@@ -8,6 +8,8 @@ A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys are errors)::
     eval: {ppl: [wikitext2], seqlen: 512, windows: 20, tasks: [], speed: true}
     speed: {prompt_lengths: [128], batch_sizes: [1], new_tokens: 16, repeats: 3, rounds: 3}
 
+The whole sweep is checked when it is loaded, before any point runs: every setting, and every
+point's quantize command as ``quantspec quantize`` would parse and resolve it (``check_point``).
 Every point (the dense baseline is one too) runs as subprocesses of the ``quantspec`` CLI:
 ``quantize ... --json`` and ``eval ... --json`` (and the lm-eval shim for tasks), each step's
 JSON cached in ``OUT/points/NAME/``. Accuracy is measured on the scheme each checkpoint declares
@@ -20,6 +22,7 @@ not), in interleaved rounds (``sweep_speed``: equal kernels then measure equal).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import subprocess
@@ -27,11 +30,12 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import QuantspecError
-from ..strict import from_dict_strict, reject_unknown
+from ..errors import QuantspecError, one_line
+from ..strict import check_types, from_dict_strict, reject_unknown
 from .sweep_speed import Timed, Timer, subprocess_timer, time_interleaved
 
 Progress = Callable[[str], None]
@@ -55,6 +59,21 @@ class EvalConfig:
     include_path: str | None = None
     speed: bool = True
 
+    def __post_init__(self) -> None:
+        if self.seqlen < 2:
+            raise QuantspecError(f"sweep eval.seqlen must be at least 2, got {self.seqlen}.", "set e.g. eval: {seqlen: 512}.")
+        if self.windows < 0:
+            raise QuantspecError(f"sweep eval.windows must be 0 (all) or more, got {self.windows}.",
+                                 "set e.g. eval: {windows: 20}.")
+        if self.limit is not None and self.limit < 1:
+            raise QuantspecError(f"sweep eval.limit must be at least 1 or null (every example), got {self.limit}.",
+                                 "set e.g. eval: {limit: 100}, or null.")
+        for name in self.ppl:
+            check_data_name(name, "eval.ppl")
+        if self.include_path is not None and not Path(self.include_path).expanduser().is_dir():
+            raise QuantspecError(f"sweep eval.include_path {self.include_path} is not a folder.",
+                                 "give the folder of your lm-eval task YAMLs, or null.")
+
 
 @dataclass(frozen=True)
 class SpeedSettings:
@@ -64,10 +83,18 @@ class SpeedSettings:
     repeats: int = 3  # timed runs per bench process (median)
     rounds: int = 3  # interleaved rounds over all points (median over rounds; see sweep_speed)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # what the bench (eval.speed.SpeedConfig) would refuse, refused here first
         if self.repeats < 1 or self.rounds < 1:
             raise QuantspecError(f"speed needs repeats >= 1 and rounds >= 1, got {self.repeats} and {self.rounds}.",
                                  "set e.g. speed: {repeats: 3, rounds: 3}.")
+        for key in ("prompt_lengths", "batch_sizes"):
+            values = getattr(self, key)
+            if not values or min(values) < 1:
+                raise QuantspecError(f"sweep speed.{key} needs at least one value, each at least 1, got {list(values)}.",
+                                     f"set e.g. speed: {{{key}: [{128 if key == 'prompt_lengths' else 1}]}}.")
+        if self.new_tokens < 2:
+            raise QuantspecError(f"sweep speed.new_tokens must be at least 2 (the first token and one more), "
+                                 f"got {self.new_tokens}.", "set e.g. speed: {new_tokens: 16}.")
 
 
 @dataclass(frozen=True)
@@ -155,17 +182,31 @@ class SweepConfig:
     serve: ServeSettings | None = None
     timeout_s: int = 3600
 
+    def __post_init__(self) -> None:
+        """Every sweep-wide setting and every point checked now, before any point runs."""
+        check_settings(self)
+        parser = _quantize_parser()
+        for point in self.all_points():
+            check_point(point, self, parser)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SweepConfig":
+        """The config of a sweep YAML's mapping: unknown keys and mistyped values are QuantspecErrors
+        (a string where a list belongs is not read letter by letter, "no" is not true)."""
         data = dict(data)
         reject_unknown(cls, data, "sweep")
+        data["quantize_args"] = command_words(data.get("quantize_args"), "quantize_args")
         for key, sub in (("grid", GridConfig), ("eval", EvalConfig), ("speed", SpeedSettings)):
-            data[key] = from_dict_strict(sub, data.get(key), key, lists_as_tuples=True)
+            data[key] = _from_dict_typed(sub, data.get(key), key)
         if data.get("serve") is not None:
-            data["serve"] = from_dict_strict(ServeSettings, data["serve"], "serve", lists_as_tuples=True)
-        data["points"] = tuple(from_dict_strict(SweepPoint, p, "points[]", lists_as_tuples=True)
-                               for p in data.get("points") or ())
-        data["quantize_args"] = tuple(str(a) for a in data.get("quantize_args") or ())
+            data["serve"] = _from_dict_typed(ServeSettings, data["serve"], "serve")
+        points = data.get("points")
+        if points is not None and not isinstance(points, list):
+            raise QuantspecError(f"sweep points must be a list of mappings, got {one_line(repr(points), 80)}.",
+                                 "write points: [{method: rtn, bits: 8, group_size: -1, format: gptq}].")
+        data["points"] = tuple(_from_dict_typed(SweepPoint, _point_words(p, i), f"points[{i}]")
+                               for i, p in enumerate(points or ()))
+        check_types(cls, data, "sweep")  # the sections are built: the plain values are left
         return cls(**data)
 
     @classmethod
@@ -190,12 +231,128 @@ class SweepConfig:
         for m, b, gs, f in itertools.product(g.methods, g.bits, g.group_sizes, g.formats):
             pts.append(SweepPoint(method=m, bits=b, group_size=gs, format=f))
         pts += list(self.points)
-        seen, out = set(), []
+        seen: dict[str, SweepPoint] = {}
         for p in pts:
-            if p.name not in seen:
-                seen.add(p.name)
-                out.append(p)
-        return out
+            if p.name in seen and p != seen[p.name]:  # same name, other extra_args: one would be lost
+                raise QuantspecError(f"sweep point {p.name} is given twice, with extra_args {list(seen[p.name].extra_args)} "
+                                     f"and {list(p.extra_args)}.", "give each point (method, bits, group size, format) once.")
+            seen.setdefault(p.name, p)
+        return list(seen.values())
+
+
+# ---------------------------------------------------------------- checking a sweep before it runs
+
+def _from_dict_typed(cls: type, data: Any, where: str) -> Any:
+    """``from_dict_strict`` with every value type-checked first (before ``cls``'s own checks read it)."""
+    if isinstance(data, dict):
+        reject_unknown(cls, data, where=where)
+        check_types(cls, data, f"sweep {where}")
+    return from_dict_strict(cls, data, where, lists_as_tuples=True)
+
+
+def command_words(value: Any, where: str) -> tuple[str, ...]:
+    """Command-line words from YAML: a list of strings (numbers become words); null is none."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(w, (str, int, float)) and not isinstance(w, bool) for w in value):
+        raise QuantspecError(f"sweep {where} must be a list of command-line words, got {one_line(repr(value), 80)}.",
+                             f'write e.g. {where}: [--calib, c4, --calib-samples, "32"].')
+    return tuple(str(w) for w in value)
+
+
+def _point_words(point: Any, i: int) -> Any:
+    if isinstance(point, dict) and "extra_args" in point:
+        return {**point, "extra_args": command_words(point["extra_args"], f"points[{i}].extra_args")}
+    return point
+
+
+def check_data_name(name: str, where: str) -> None:
+    """QuantspecError unless ``name`` is a data set ``data.sources.load_text`` knows or an existing file."""
+    from ..data import bundled
+    from ..data.sources import LOCAL_FILES
+
+    known = [*LOCAL_FILES, *bundled.SPLITS, "pydoc", "python-stdlib"]
+    if str(name).strip().lower() in known or Path(str(name)).expanduser().is_file():
+        return
+    raise QuantspecError(f"sweep {where}: unknown data set {name!r} (and no such file).",
+                         f"use one of {known}, or the path of an existing .txt or .jsonl file.")
+
+
+def _prefixed(where: str, exc: QuantspecError) -> QuantspecError:
+    return QuantspecError(f"sweep {where}: {one_line(exc.problem)}", exc.fix)
+
+
+def check_settings(cfg: SweepConfig) -> None:
+    """The sweep-wide settings every point's commands share: a model that can be found (a local
+    path must exist; a hub id is looked up when it runs), a dtype and device the commands accept."""
+    from ..models.source import _classify, resolve_device, resolve_dtype
+
+    if cfg.timeout_s < 1:
+        raise QuantspecError(f"sweep timeout_s must be at least 1 second, got {cfg.timeout_s}.", "set e.g. timeout_s: 3600.")
+    for key, check in (("model", lambda: _classify(cfg.model)), ("dtype", lambda: resolve_dtype(cfg.dtype, "cpu")),
+                       ("device", lambda: cfg.device is None or resolve_device(cfg.device))):
+        try:
+            check()
+        except QuantspecError as exc:
+            raise _prefixed(key, exc) from None
+
+
+class _Refused(argparse.ArgumentParser):
+    """An argparse parser that prints nothing and whose usage errors (and exits, e.g. --help) are QuantspecErrors."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        pass
+
+    def exit(self, status: int = 0, message: str | None = None):
+        message = message or "its quantize command (quantize_args + extra_args) would stop at once (-h/--help?)"
+        raise QuantspecError(one_line(message).rstrip(".") + ".",
+                             "correct quantize_args or the point's extra_args (see `quantspec quantize --help`).")
+
+    def error(self, message: str):
+        self.exit(2, f"its quantize command (quantize_args + extra_args) is refused: {message}")
+
+
+@lru_cache(maxsize=1)
+def _quantize_parser() -> argparse.ArgumentParser:
+    """``quantspec quantize``'s own parser (its flags, choices and value types)."""
+    from ..cli import quantize
+
+    top = _Refused(prog="quantspec")
+    quantize.add_parser(top.add_subparsers(dest="command"))
+    return top
+
+
+def quantize_recipe(point: SweepPoint, cfg: SweepConfig, parser: argparse.ArgumentParser | None = None):
+    """The recipe a point's quantize step will run: its command line (with the sweep's
+    quantize_args and the point's extra_args) parsed and resolved as ``quantspec quantize`` does."""
+    from ..cli.quantize import recipe_from_args
+
+    step = point_steps(point, cfg, Path("OUT") / "points" / point.name)[0]
+    return recipe_from_args((parser or _quantize_parser()).parse_args(step.argv[3:]))
+
+
+def check_point(point: SweepPoint, cfg: SweepConfig, parser: argparse.ArgumentParser | None = None) -> None:
+    """QuantspecError naming the point when its recipe is impossible, its quantize command would be
+    refused, or its format cannot hold its scheme (on a layer of any common shape, 4096 x 4096)."""
+    from ..formats import get_format
+
+    if point.is_dense:
+        return
+    try:
+        point.validate()
+        recipe = quantize_recipe(point, cfg, parser)
+        made = SweepPoint(recipe.method, recipe.scheme.bits, recipe.scheme.group_size, recipe.format)
+        if made.name != point.name:  # a flag in quantize_args / extra_args overrides the point's own
+            raise QuantspecError(f"its quantize command would make {made.name} instead.",
+                                 "drop the flag of quantize_args or extra_args that overrides the point's "
+                                 "method, bits, group size or format.")
+        reason = get_format(recipe.format).cannot_hold(recipe.scheme, 4096, 4096)
+        if reason:
+            raise QuantspecError(f"the {recipe.format} format cannot hold it: {reason}.",
+                                 "pick a format that holds this scheme (compressed-tensors holds every one) or another scheme.")
+    except QuantspecError as exc:
+        raise _prefixed(f"point {point.name}", exc) from None
 
 
 def default_sweep_path() -> Path:
@@ -230,10 +387,10 @@ def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]
     target = point_target(point, cfg, folder)
     steps = []
     if not point.is_dense:
-        argv = q + ["quantize", cfg.model, "--method", point.method, "--bits", str(point.bits),
-                    "--group-size", str(point.group_size), "--format", point.format,
+        w8a8 = point.method == "smoothquant"  # --w8a8 fixes bits and group size (8, per channel: validate checks)
+        argv = q + ["quantize", cfg.model, "--method", point.method, "--format", point.format,
                     "--out", target, "--json", str(folder / "quantize.json"), "--no-compare", "--no-progress"]
-        argv += ["--w8a8"] if point.method == "smoothquant" else []
+        argv += ["--w8a8"] if w8a8 else ["--bits", str(point.bits), "--group-size", str(point.group_size)]
         argv += ["--overwrite"]  # a half-written checkpoint of an earlier failed attempt
         steps.append(Step("quantize", argv + list(cfg.quantize_args) + list(point.extra_args), folder / "quantize.json"))
     ev = cfg.eval
