@@ -105,3 +105,18 @@ def test_draft_refusals_name_the_real_problem_before_the_target_loads(tiny, tmp_
              "group_size=7")
     _refused(["generate", missing, "--prompt", "hi", "--draft", "self:w4g128", "--draft-head", "fast"], capsys,
              "'fast' is not a scheme name")
+
+
+def test_work_past_the_declared_context_is_refused(tmp_path, capsys):
+    """A model of 32 positions: generating, measuring perplexity or benchmarking past them is
+    refused before it runs (learned-position families crash there, RoPE ones extrapolate)."""
+    short = make_tiny_model(tmp_path, "llama", max_position_embeddings=32)
+    _refused(["generate", str(short), "--prompt", "hi", "--max-new-tokens", "40"], capsys, "context of 32")
+    _refused(["generate", str(short), "--prompt", "hi", "--max-new-tokens", "40", "--draft", "ngram"], capsys,
+             "context of 32")
+    assert main(["generate", str(short), "--prompt", "hi", "--max-new-tokens", "8"]) == 0
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(600)))
+    _refused(["eval", str(short), "--ppl", str(text), "--seqlen", "64", "--no-progress"], capsys, "use --seqlen 32")
+    _refused(["bench", str(short), "--prompt-lengths", "64", "--no-baseline-run", "--no-progress"], capsys,
+             "context of 32")

@@ -118,7 +118,7 @@ def test_sweep_serving_stage(tmp_path):
     script.chmod(0o755)
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))  # read, never loaded
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 3}) + "\n" for i in range(3)))
     cfg = _cfg(model=str(model), eval={"ppl": ["wikitext2"], "seqlen": 512, "windows": 20, "speed": False},

@@ -41,6 +41,7 @@ def run(args) -> int:
     import torch
 
     from ..errors import QuantspecError
+    from ..models.source import check_context
     from ..specdec.bench import encode
 
     tree = tree_from_args(args)  # refused before anything loads
@@ -54,6 +55,9 @@ def run(args) -> int:
         raise QuantspecError(f"--chat: the tokenizer of {args.model} has no chat template.",
                              "drop --chat, or use a model whose tokenizer has one.")
     input_ids = encode(tok, args.prompt, args.chat).to(args.device)
+    check_context(model.config, input_ids.shape[1] + args.max_new_tokens,
+                  f"the prompt ({input_ids.shape[1]} tokens) with --max-new-tokens {args.max_new_tokens}",
+                  "shorten the prompt or lower --max-new-tokens (together at most {context}).")
     out: dict = {"model": model_label(desc), "prompt": args.prompt, "mode": "speculative" if args.draft else "target"}
     t0 = time.perf_counter()
     out["load_seconds"] = round(t0 - t_load, 3)

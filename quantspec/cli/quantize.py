@@ -126,6 +126,11 @@ def recipe_from_args(args):
         "static_groups": args.static_groups,
     }
     if args.w8a8:
+        given = [flag for flag, v in (("--bits", args.bits), ("--group-size", args.group_size),
+                                      ("--sym" if args.sym else "--no-sym", args.sym)) if v is not None]
+        if given:
+            raise QuantspecError(f"--w8a8 fixes the scheme (8-bit symmetric weights, one scale per output channel); "
+                                 f"{', '.join(given)} would be overridden.", f"drop {', '.join(given)} (or --w8a8).")
         scheme_fields.update(bits=8, group_size=-1, symmetric=True, activations="int8-token-dynamic")
     if args.scheme:
         given = [flag for flag, v in (("--bits", args.bits), ("--group-size", args.group_size), ("--sym", args.sym),
@@ -163,12 +168,13 @@ def recipe_from_args(args):
            if v is not None}
     for flag, value in (("--kv-cache-strategy", args.kv_cache_strategy), ("--kv-scale-rule", args.kv_scale_rule),
                         ("--kv-search-samples", args.kv_search_samples)):
-        if value and not args.kv_cache:
+        if value is not None and not args.kv_cache:
             raise QuantspecError(f"{flag} needs --kv-cache.", "add --kv-cache fp8 (or int8).")
     if args.kv_cache:
         top["kv_cache"] = {"kind": args.kv_cache, "strategy": args.kv_cache_strategy or "tensor",
-                           **({"scale_rule": args.kv_scale_rule} if args.kv_scale_rule else {}),
-                           **({"search_samples": args.kv_search_samples} if args.kv_search_samples else {})}
+                           **({"scale_rule": args.kv_scale_rule} if args.kv_scale_rule is not None else {}),
+                           **({"search_samples": args.kv_search_samples} if args.kv_search_samples is not None
+                              else {})}
         if not args.format:
             top["format"] = "compressed-tensors"
     gptq = {k: v for k, v in {"asymmetric": args.asymmetric_calibration,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantspecError
+from ..strict import config_value
 
 KV_MAX = {"fp8": 448.0, "int8": 127.0}  # the top code of each KV kind
 KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
@@ -71,10 +72,12 @@ def kv_cache_scheme(cfg: KVCacheConfig) -> dict:
 def parse_kv_cache_scheme(scheme: dict) -> KVCacheConfig:
     """The KVCacheConfig of a checkpoint's ``kv_cache_scheme``; QuantspecError for what we
     cannot run (dynamic or asymmetric KV quantization, other widths)."""
+    where = "kv_cache_scheme"
     kind = {"float": "fp8", "int": "int8"}.get(str(scheme.get("type", "")).lower())
     strategy = {v: k for k, v in KV_STRATEGIES.items()}.get(str(scheme.get("strategy", "tensor")).lower())
-    if (kind is None or strategy is None or int(scheme.get("num_bits", 0)) != 8 or scheme.get("dynamic")
-            or not scheme.get("symmetric", True)):
+    if (kind is None or strategy is None or config_value(scheme, "num_bits", int, 0, where) != 8
+            or config_value(scheme, "dynamic", bool | str, False, where)
+            or not config_value(scheme, "symmetric", bool, True, where)):
         raise QuantspecError(f"kv_cache_scheme {scheme} is not supported.",
                              "quantspec runs static, symmetric 8-bit KV scales (fp8 or int8) per tensor or head.")
     return KVCacheConfig(kind=kind, strategy=strategy)

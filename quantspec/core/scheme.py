@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantspecError
-from ..strict import reject_unknown
+from ..strict import check_types, reject_unknown
 from .floatcodes import dequantize_values
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -239,6 +239,7 @@ class QuantScheme:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "QuantScheme":
         reject_unknown(cls, data, "scheme")
+        check_types(cls, data, "scheme")
         return cls(**data)
 
 

@@ -31,6 +31,7 @@ from ..data.tokens import cached_token_ids
 from ..errors import QuantspecError
 from ..kernels.backend import computes_declared_scheme
 from ..kernels.quant_linear import QuantLinear
+from ..models.source import check_context
 from ..runtime.kv import cache_kwarg
 from ..runtime.kv_quant import QuantKVCache, resolve_kv
 
@@ -109,6 +110,7 @@ def perplexity(model, tokenizer, data: str | TextSource, seqlen: int = 512, wind
     """
     stride = seqlen if stride is None else stride
     _validate(seqlen, windows, stride, batch_size)
+    check_context(getattr(model, "config", None), seqlen, "the perplexity window (--seqlen)", "use --seqlen {context} or less.")
     source = data if isinstance(data, TextSource) else load_text(data)
     ids = cached_token_ids(tokenizer, source)
     starts = window_starts(ids.numel(), seqlen, stride, windows)

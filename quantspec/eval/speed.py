@@ -34,6 +34,7 @@ from ..checkpoint.load import is_quantized_folder
 
 from ..errors import QuantspecError
 from ..models.load import load_model
+from ..models.source import check_context
 from ..runtime.kv import PlainDecoder, cache_kwarg
 from ..runtime.protocol import Decoder
 from .machine import describe_machine
@@ -309,6 +310,9 @@ def measure_model(spec: str, config: SpeedConfig, dtype="auto", device="cpu", ba
         model, _tok, desc = load_model(spec, dtype=dtype, device=device, backend=backend)
         load_s = time.perf_counter() - start
         say(f"loaded {desc['kind']} {spec} in {load_s:.1f}s")
+        check_context(model.config, max(max(config.prompt_lengths), config.decode_prompt_length + config.new_tokens),
+                      "the longest prompt (--prompt-lengths), or --decode-prompt-length with --new-tokens,",
+                      "keep every prompt, and the decode prompt with its new tokens, within {context}.")
         wbytes = weight_bytes(model)  # as loaded (--static fuses some layers' layouts later)
         result = measure_speed(model, config, device, lambda m: say(f"{desc['kind']}: {m}"))
     del model

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantResult, QuantScheme
+from ..strict import config_value
 from ._common import check_tensors, g_idx_to_store, group_rule
 from .base import FormatConfig
 from .bitpack import pack_int32, unpack_int32
@@ -165,15 +166,17 @@ class AWQFormat:
                 f"AWQ version {version!r} is not supported (only the GEMM layout is).",
                 "re-export the model with AutoAWQ version='gemm', or requantize with quantspec.",
             )
-        bits = int(config.get("bits", config.get("w_bit", 4)))
+        where = "AWQ quantization_config"
+        # AutoAWQ's quant_config.json spells bits and group_size w_bit and q_group_size
+        bits = config_value(config, "bits" if "bits" in config else "w_bit", int, 4, where)
         if bits != 4:
             raise QuantspecError(f"AWQ with {bits} bits is not supported.", "use a 4-bit AWQ checkpoint.")
-        if not config.get("zero_point", True):
+        if not config_value(config, "zero_point", bool, True, where):
             raise QuantspecError(
                 "AWQ checkpoints without zero points (zero_point: false) are not supported.",
                 "use a zero_point: true AWQ checkpoint, or a GPTQ one.",
             )
-        group = int(config.get("group_size", config.get("q_group_size", 128)))
+        group = config_value(config, "group_size" if "group_size" in config else "q_group_size", int, 128, where)
         scheme = QuantScheme(bits=4, group_size=group, symmetric=False)
-        ignore = list(config.get("modules_to_not_convert") or [])
+        ignore = list(config_value(config, "modules_to_not_convert", list, [], where))
         return FormatConfig(format="awq", scheme=scheme, ignore=ignore, extra={"version": version})

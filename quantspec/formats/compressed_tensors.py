@@ -50,6 +50,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantResult, QuantScheme
+from ..strict import config_value
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
 from ..core.kv_config import parse_kv_cache_scheme
 from . import ct_float
@@ -229,19 +230,22 @@ class CompressedTensorsFormat:
                 f"quant_method {method!r} is not compressed-tensors.", "read it with the matching format."
             )
         _refuse_extras(config)
-        groups = config.get("config_groups") or {}
+        groups = config_value(config, "config_groups", dict, {}, "compressed-tensors quantization_config")
         if len(groups) != 1:
             raise QuantspecError(
                 f"compressed-tensors config has {len(groups)} config_groups; quantspec reads exactly one.",
                 "requantize with one scheme for all quantized Linear layers.",
             )
         (group,) = groups.values()
+        if not isinstance(group, dict):
+            raise QuantspecError(f"compressed-tensors config group {group!r} is not a mapping.",
+                                 "write config_groups as {group_0: {targets: [Linear], weights: {...}}}.")
         fmt = str(group.get("format") or config.get("format") or "").lower()
         scheme = _scheme_from_group(group, fmt)
         return FormatConfig(
             format="compressed-tensors",
             scheme=scheme,
-            ignore=list(config.get("ignore") or []),
+            ignore=list(config_value(config, "ignore", list, [], "compressed-tensors quantization_config")),
             extra={"format": fmt, "targets": list(group.get("targets") or []),
                    "kv_cache": parse_kv_cache_scheme(config["kv_cache_scheme"]) if config.get("kv_cache_scheme") else None},
         )
@@ -264,18 +268,23 @@ def _refuse_extras(config: dict) -> None:
 
 
 def _scheme_from_group(group: dict, fmt: str) -> QuantScheme:
-    w = group.get("weights") or {}
+    w = config_value(group, "weights", dict, {}, "compressed-tensors config group")
+    acts = config_value(group, "input_activations", dict | None, None, "compressed-tensors config group")
     if str(w.get("type", "int")).lower() == "float" and not group.get("output_activations"):
-        return ct_float.scheme_from_args(w, group.get("input_activations"), fmt)
+        return ct_float.scheme_from_args(w, acts, fmt)
     if str(w.get("type", "int")).lower() != "int":
         raise QuantspecError(
             f"compressed-tensors weights of type {w.get('type')!r} are not supported.", "use integer weights."
         )
     if group.get("output_activations"):
         raise QuantspecError("compressed-tensors output activation quantization is not supported.", "drop it.")
-    strategy = str(w.get("strategy") or ("group" if (w.get("group_size") or 0) > 0 else "channel")).lower()
+    where = "compressed-tensors weights"
+    group_size = config_value(w, "group_size", int | None, None, where)
+    strategy = str(w.get("strategy") or ("group" if (group_size or 0) > 0 else "channel")).lower()
     if strategy == "group":
-        group_size = int(w["group_size"])
+        if group_size is None:
+            raise QuantspecError("compressed-tensors weights have strategy 'group' but no group_size.",
+                                 "add group_size (32, 64 or 128) to the weights in config.json.")
     elif strategy == "channel":
         group_size = -1
     else:
@@ -287,7 +296,6 @@ def _scheme_from_group(group: dict, fmt: str) -> QuantScheme:
     actorder = None if actorder is None else str(actorder).lower()
     if actorder not in (None, "group", "dynamic", "weight", "static"):
         raise QuantspecError(f"compressed-tensors actorder {actorder!r} is unknown.", "use 'group' or 'weight'.")
-    acts = group.get("input_activations")
     activations = _activation_scheme(acts) if acts else None
     expected = PACKED if activations is None else _W8A8_FORMATS
     if (activations is None and fmt != PACKED) or (activations is not None and fmt not in _W8A8_FORMATS):
@@ -296,9 +304,9 @@ def _scheme_from_group(group: dict, fmt: str) -> QuantScheme:
             "use 'pack-quantized' for weight-only int and 'int-quantized' for W8A8.",
         )
     return QuantScheme(
-        bits=int(w.get("num_bits", 8)),
+        bits=config_value(w, "num_bits", int, 8, where),
         group_size=group_size,
-        symmetric=bool(w.get("symmetric", True)),
+        symmetric=config_value(w, "symmetric", bool, True, where),
         act_order=actorder is not None,
         static_groups=actorder in ("weight", "static"),
         activations=activations,
@@ -308,8 +316,8 @@ def _scheme_from_group(group: dict, fmt: str) -> QuantScheme:
 def _activation_scheme(acts: dict) -> str:
     ok = (
         str(acts.get("type", "int")).lower() == "int"
-        and int(acts.get("num_bits", 8)) == 8
-        and bool(acts.get("symmetric", True))
+        and config_value(acts, "num_bits", int, 8, "compressed-tensors input_activations") == 8
+        and config_value(acts, "symmetric", bool, True, "compressed-tensors input_activations")
         and str(acts.get("strategy", "")).lower() == "token"
         and acts.get("dynamic") is True
     )

@@ -38,6 +38,7 @@ import torch
 from ..errors import QuantspecError
 from ..core.floatcodes import pack_fp4_pairs, unpack_fp4_pairs
 from ..core.scheme import FP8_BLOCK, QuantResult, QuantScheme
+from ..strict import config_value
 
 FP8_WEIGHT_ONLY = "naive-quantized"
 FP8_DYNAMIC = "float-quantized"
@@ -157,9 +158,9 @@ def input_args(scheme: QuantScheme) -> dict | None:
 
 def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
     """The float QuantScheme of a config group's ``weights`` / ``input_activations``."""
-    bits = int(w.get("num_bits", 8))
+    bits = config_value(w, "num_bits", int, 8, "compressed-tensors weights")
     strategy = str(w.get("strategy") or "").lower()
-    group = w.get("group_size")
+    group = config_value(w, "group_size", int | None, None, "compressed-tensors weights")
     if bits == 8 and strategy == "channel":
         weights, group_size = "fp8", -1
     elif bits == 8 and strategy == "block" and group is None and list(w.get("block_structure") or []) == [
@@ -176,7 +177,7 @@ def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
             "use FP8 per channel or in 128x128 blocks, NVFP4 (group 16) or MXFP4 (group 32); per-tensor "
             "FP8 and other block shapes are not read yet.",
         )
-    if not w.get("symmetric", True):
+    if not config_value(w, "symmetric", bool, True, "compressed-tensors weights"):
         raise QuantspecError("asymmetric float weights are not supported.", "use symmetric FP8/FP4.")
     activations = None
     if acts:
@@ -195,8 +196,9 @@ def scheme_from_args(w: dict, acts: dict | None, fmt: str) -> QuantScheme:
 
 
 def _fp8_activations(acts: dict) -> str:
-    fp8 = (str(acts.get("type")).lower() == "float" and int(acts.get("num_bits", 0)) == 8
-           and bool(acts.get("symmetric", True)))
+    where = "compressed-tensors input_activations"
+    fp8 = (str(acts.get("type")).lower() == "float" and config_value(acts, "num_bits", int, 0, where) == 8
+           and config_value(acts, "symmetric", bool, True, where))
     strategy, dynamic = str(acts.get("strategy", "")).lower(), acts.get("dynamic")
     if fp8 and strategy == "token" and dynamic is True:
         return "fp8-token-dynamic"

@@ -52,6 +52,7 @@ import torch
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantResult, QuantScheme
+from ..strict import config_value
 from ._common import check_tensors, g_idx_from_store, g_idx_to_store, group_rule
 from .base import FormatConfig
 from .bitpack import pack_int32, pack_multiple, unpack_int32
@@ -87,6 +88,23 @@ def dynamic_to_ignore(dynamic: dict) -> list[str]:
         m = _NAME_RE.fullmatch(pattern)
         names.append(m.group(1).replace("\\.", ".") if m else "re:" + pattern)
     return names
+
+
+WHERE = "GPTQ quantization_config"
+
+
+def scheme_from_config(config: dict, where: str = WHERE) -> QuantScheme:
+    """The scheme of a GPTQ ``quantization_config`` (or of a ``dynamic`` entry over it), each
+    field type-checked (``config_value``: sym "false" is not a bool, bits "four" not an int)."""
+    # static groups imply act-order even when written as desc_act=false (see quantization_config)
+    static = config_value(config, "static_groups", bool, False, where)
+    return QuantScheme(
+        bits=config_value(config, "bits", int, None, where),
+        group_size=config_value(config, "group_size", int, 128, where),
+        symmetric=config_value(config, "sym", bool, True, where),
+        act_order=config_value(config, "desc_act", bool, False, where) or static,
+        static_groups=static,
+    )
 
 
 class GPTQFormat:
@@ -235,29 +253,21 @@ class GPTQFormat:
                 f"quant_method {method!r} is not GPTQ.", "read it with the matching format."
             )
         ckpt = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
-        if config.get("is_marlin_format") or ckpt not in CHECKPOINT_FORMATS:
+        marlin = config_value(config, "is_marlin_format", bool, False, WHERE)
+        if marlin or ckpt not in CHECKPOINT_FORMATS:
             raise QuantspecError(
-                f"GPTQ checkpoint_format {'marlin' if config.get('is_marlin_format') else ckpt!r} is not supported.",
+                f"GPTQ checkpoint_format {'marlin' if marlin else ckpt!r} is not supported.",
                 "convert it to the plain 'gptq' (v1) or 'gptq_v2' layout with GPTQModel first.",
             )
-        if config.get("lm_head"):
+        if config_value(config, "lm_head", bool, False, WHERE):
             raise QuantspecError(
                 "this GPTQ checkpoint quantizes lm_head, which quantspec keeps dense.",
                 "requantize with lm_head left dense (lm_head: false).",
             )
         if "bits" not in config:
             raise QuantspecError("GPTQ quantization_config has no 'bits'.", "add bits (2, 3, 4 or 8).")
-        # static groups imply act-order even when written as desc_act=false (see above)
-        static = bool(config.get("static_groups", False))
-        act_order = bool(config.get("desc_act", False)) or static
-        scheme = QuantScheme(
-            bits=int(config["bits"]),
-            group_size=int(config.get("group_size", 128)),
-            symmetric=bool(config.get("sym", True)),
-            act_order=act_order,
-            static_groups=static,
-        )
-        ignore = ["lm_head"] + dynamic_to_ignore(config.get("dynamic") or {})
+        scheme = scheme_from_config(config)
+        ignore = ["lm_head"] + dynamic_to_ignore(config_value(config, "dynamic", dict, {}, WHERE))
         extra = {"checkpoint_format": ckpt}
         if config.get("modules_in_block_to_quantize"):
             extra["modules_in_block_to_quantize"] = config["modules_in_block_to_quantize"]

@@ -15,6 +15,7 @@ from copy import deepcopy
 
 from ..errors import QuantspecError
 from ..core.scheme import QuantScheme
+from .gptq import scheme_from_config
 
 SUPPORTS_OVERRIDES = ("gptq", "compressed-tensors")
 # projection -> the fused module vLLM builds from it
@@ -74,15 +75,12 @@ def split_overrides(qcfg: dict) -> tuple[dict, list[tuple[str, QuantScheme]]]:
                 dynamic[key] = val
                 continue
             pattern = key[2:] if key.startswith("+:") else key
-            static = bool(qcfg.get("static_groups", False))
-            s = QuantScheme(
-                bits=int(val.get("bits", qcfg.get("bits", 4))),
-                group_size=int(val.get("group_size", qcfg.get("group_size", 128))),
-                symmetric=bool(val.get("sym", qcfg.get("sym", True))),
-                act_order=bool(val.get("desc_act", qcfg.get("desc_act", False))) or static,
-                static_groups=static,
-            )
-            out.append((pattern, s))
+            if not isinstance(val, dict):
+                raise QuantspecError(f"GPTQ dynamic entry {key!r} is {val!r}, not a mapping.",
+                                     "write each dynamic entry as {bits: ..., group_size: ...} in config.json.")
+            # the entry's fields over the base config's (static groups: the base config's)
+            merged = {"bits": 4, **qcfg, **val, "static_groups": qcfg.get("static_groups")}
+            out.append((pattern, scheme_from_config(merged, f"GPTQ dynamic entry {key!r}")))
         base["dynamic"] = dynamic
     elif method == "compressed-tensors" and len(qcfg.get("config_groups") or {}) > 1:
         from .compressed_tensors import CompressedTensorsFormat

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QuantspecError
+from ..errors import QuantspecError, one_line
 from .aliases import DEFAULT_ALIAS, Alias, find_alias
 from .dense_cache import build_dense_cache, gguf_cache_dir
 from .fetch import find_or_fetch_gguf
@@ -168,9 +168,68 @@ def dense_folder(model: str | None = None) -> Path:
     original (``float_original``) gives its dense copy (built on first use); a folder whose
     config.json carries another ``quantization_config`` is refused (QuantspecError).
     """
-    folder = dense_copy(_resolve(_classify(model))[0])
+    folder, _ = _resolve(_classify(model))
+    model_config(folder)
+    folder = dense_copy(folder)
     _refuse_quantized(folder)
     return folder
+
+
+def model_config(folder: Path | str):
+    """The transformers config of a model folder, checked before anything else reads the folder:
+    a config.json that is not JSON, or a value transformers refuses (``"hidden_size": -5``), is a
+    one-line QuantspecError naming the file (not the tokenizer's or an internal error)."""
+    import json
+
+    from transformers import AutoConfig
+
+    path = Path(folder) / "config.json"
+    fix = "correct config.json (or save the model again with save_pretrained)."
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise QuantspecError(f"{path} is not a readable JSON file ({type(exc).__name__}: {one_line(exc)}).",
+                             fix) from exc
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers' own validation: StrictDataclassClassValidationError, ValueError, ...
+        raise QuantspecError(f"{path} is not a valid model config ({type(exc).__name__}: {one_line(exc)}).",
+                             fix) from exc
+
+
+# the config fields that declare a model's context, by family (the first one present counts)
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def declared_context(config) -> tuple[str, int] | None:
+    """(field, tokens): the longest sequence a transformers ``config`` declares (its text model's,
+    for a multimodal one); None when it declares none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in CONTEXT_FIELDS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+def check_context(config, tokens: int, what: str, fix: str) -> None:
+    """Refuse (QuantspecError) ``what`` of ``tokens`` tokens (a calibration window, a prompt and
+    its new tokens) longer than the context ``config`` declares (``declared_context``; nothing
+    when it declares none). ``fix`` may name ``{context}``."""
+    declared = declared_context(config)
+    if declared is not None and tokens > declared[1]:
+        name, context = declared
+        raise QuantspecError(f"{what} is {tokens} tokens, longer than the model's context of {context} "
+                             f"tokens ({name} in its config).", fix.format(context=context))
+
+
+def check_calibration_seqlen(model: str | None, seqlen: int | None) -> None:
+    """Refuse (QuantspecError), before any calibration, a calibration sequence length longer
+    than the context ``model``'s config declares; nothing when ``seqlen`` is None (the default
+    length) or the config declares no context."""
+    if seqlen is not None:
+        check_context(model_config(dense_folder(model)), seqlen, "the calibration sequence length",
+                      "use --calib-seqlen {context} or less (calibration.seqlen in a recipe).")
 
 
 def _refuse_quantized(folder: Path) -> None:
@@ -264,6 +323,7 @@ def load_dense(model: str | None = None, dtype: torch.dtype | str = "auto", devi
     spec = _classify(model)
     torch_dtype = resolve_dtype(dtype, device)
     folder, source = _resolve(spec)
+    model_config(folder)  # before the tokenizer, which reads config.json too
     folder = dense_copy(folder)
     _refuse_quantized(folder)
     tokenizer = _load_tokenizer(folder)

@@ -116,12 +116,14 @@ def quantize(
     from ..formats import get_format
     from ..models import dense_folder, model_slug, resolve_device
     from ..models.experts import key_map
+    from ..models.source import check_calibration_seqlen
     from .distributed import from_environment, local_device
     from .job import prepare, run
     from .opened import Lazy, Resident
     from .pack import checkpoint_config, checkpoint_state
 
     recipe = resolve_recipe(recipe)
+    check_calibration_seqlen(model, recipe.calibration.seqlen)
     fmt = get_format(recipe.format)
     out = Path(out) if out is not None else default_out(model_slug(model), recipe)
     check_destination(out, overwrite, CHECKPOINT_MARKS)

@@ -10,13 +10,15 @@ Example (recipes/gptq-w4g128.yaml)::
     calibration: {data: c4, samples: 128, seqlen: 2048, seed: 0}
     gptq: {damp_percent: 0.01, block_size: 128}
 
-Unknown keys are errors (a typo must not silently fall back to a default). The resolved recipe
-is saved as recipe.yaml in every checkpoint.
+Unknown keys are errors (a typo must not silently fall back to a default), and so are values of
+the wrong type (``strict.check_types``: ``symmetric: "no"`` is not a bool). Without a
+``name`` the recipe is named after its method and scheme (``default_recipe_name``, as the CLI
+names a recipe built from flags). The resolved recipe is saved as recipe.yaml in every checkpoint.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,12 @@ from .options import AWQOptions, CalibrationConfig, GPTQOptions, SmoothQuantOpti
 from .registry import METHODS, default_scheme
 from ..core.floatcodes import require_float8
 from ..core.scheme import QuantScheme
+from ..strict import check_types
 
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str = "gptq-w4g128"
+    name: str | None = None  # None: default_recipe_name(method, scheme)
     method: str = "gptq"
     format: str = "gptq"
     scheme: QuantScheme | None = None  # None: default_scheme(method)
@@ -45,12 +48,18 @@ class Recipe:
     kv_cache: KVCacheConfig | None = None  # calibrated KV-cache scales (compressed-tensors only)
 
     def __post_init__(self) -> None:
+        check_types(Recipe, _values(self), "recipe")
+        for key, part in _values(self).items():
+            if is_dataclass(part):
+                check_types(type(part), _values(part), f"recipe.{key}")
         if self.method not in METHODS:
             raise QuantspecError(
                 f"unknown method {self.method!r}.", f"use one of {list(METHODS)}."
             )
         if self.scheme is None:
             object.__setattr__(self, "scheme", default_scheme(self.method))
+        if self.name is None:
+            object.__setattr__(self, "name", default_recipe_name(self.method, self.scheme))
         if self.format not in FORMAT_NAMES:
             raise QuantspecError(
                 f"unknown format {self.format!r}.", f"use one of {list(FORMAT_NAMES)}."
@@ -126,6 +135,7 @@ class Recipe:
                     raise QuantspecError(
                         f"recipe field {key!r} must be a mapping.", f"write {key}: {{...}}."
                     )
+                check_types(sub, data[key], f"recipe.{key}")  # before its own checks compare values
                 data[key] = from_dict_strict(sub, data[key], f"recipe.{key}")
         for key in ("targets", "ignore"):
             if key in data:
@@ -155,6 +165,11 @@ class Recipe:
         if not isinstance(data, dict):
             raise QuantspecError(f"recipe {p} must be a YAML mapping.", "see recipes/*.yaml.")
         return cls.from_dict(data)
+
+
+def _values(obj: Any) -> dict[str, Any]:
+    """The fields of dataclass instance ``obj`` by name (not recursing, unlike ``asdict``)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 def default_recipe_name(method: str, scheme: QuantScheme) -> str:
