@@ -54,3 +54,25 @@ def test_save_file_fsyncs_then_renames(tmp_path, monkeypatch):
     assert events == ["fsync file", "fsync dir"]
     assert torch.equal(load_file(path)["w"], torch.arange(6.0).reshape(2, 3))
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+def test_written_files_and_folders_get_plain_modes(tmp_path):
+    """mkdtemp makes 0700 folders and safetensors 0600 files: a checkpoint must be readable by an
+    engine running as another user, so it gets the modes a plain mkdir / open gives."""
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from quantspec.checkpoint.atomic import atomic_folder, atomic_save_file
+
+    with atomic_folder(tmp_path / "ckpt") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "sub").mkdir(mode=0o700)
+    atomic_save_file({"w": torch.zeros(2)}, tmp_path / "head.safetensors")
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain.txt").write_text("x")
+    assert mode(tmp_path / "ckpt") == mode(tmp_path / "ckpt" / "sub") == mode(tmp_path / "plain")
+    assert mode(tmp_path / "ckpt" / "model.safetensors") == mode(tmp_path / "head.safetensors") \
+        == mode(tmp_path / "plain.txt")

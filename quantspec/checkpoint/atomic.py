@@ -116,6 +116,22 @@ def _clean_stale(parent: Path, name: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def new_mode(folder: bool) -> int:
+    """The permission bits ``mkdir`` / ``open`` give a new folder / file under the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if folder else 0o666) & ~mask
+
+
+def _plain_modes(tmp: Path) -> None:
+    """Give ``tmp`` (``mkdtemp``: 0700) and everything under it the bits of a plain new folder or
+    file (safetensors writes 0600), so that an engine running as another user can read it."""
+    folder, file = new_mode(True), new_mode(False)
+    for path in [tmp, *tmp.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, folder if path.is_dir() else file)
+
+
 def _flush(tmp: Path) -> None:
     """fsync every file and folder under ``tmp`` before the rename makes them visible."""
     for path in [tmp, *tmp.rglob("*")]:
@@ -144,6 +160,7 @@ def _swap_in(tmp: Path, out: Path) -> None:
 def rename_folder_into_place(tmp: Path, out: Path) -> None:
     """fsync every file and folder under ``tmp``, then rename it to ``out`` (no folder, or an
     empty one, may be there: ``os.replace`` refuses a non-empty one) and fsync the parent."""
+    _plain_modes(tmp)
     _flush(tmp)
     _rename(tmp, out)
 
@@ -169,6 +186,7 @@ def atomic_folder(out: str | os.PathLike, overwrite: bool = False, marks: tuple[
     with sibling_temp_folder(out) as tmp:
         try:
             yield tmp
+            _plain_modes(tmp)
             _flush(tmp)
             _swap_in(tmp, out)
         except OSError as exc:
@@ -202,8 +220,7 @@ def atomic_file(path: str | os.PathLike, mode: int | None = None) -> Iterator[Pa
     try:
         yield tmp
         fsync_file(tmp)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, new_mode(False) if mode is None else mode)  # a writer that recreated it (safetensors: 0600)
         _rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

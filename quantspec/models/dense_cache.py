@@ -77,13 +77,6 @@ def load_gguf(gguf: Path, dtype: torch.dtype = CACHE_DTYPE):
     return model, tokenizer
 
 
-def _make_readable(folder: Path) -> None:
-    """mkdtemp and safetensors create owner-only modes; a shared cache should be readable."""
-    folder.chmod(0o755)
-    for item in folder.iterdir():
-        item.chmod(0o644)
-
-
 def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) -> Path:
     """Write the dense copy of ``gguf`` to ``dest`` (temp folder + rename); return ``dest``."""
     if (dest / "config.json").is_file():
@@ -103,10 +96,9 @@ def build_dense_cache(gguf: Path, dest: Path, dtype: torch.dtype = CACHE_DTYPE) 
 
 
 def finish_dense_folder(tmp: Path, dest: Path, meta: dict) -> None:
-    """Write ``meta`` as ``SOURCE_FILE`` into the temporary folder ``tmp``, make it readable and
-    rename it to ``dest`` (a lost race to another process writing the same copy is not an error)."""
+    """Write ``meta`` as ``SOURCE_FILE`` into the temporary folder ``tmp`` and rename it to ``dest``
+    (``rename_folder_into_place`` gives it a plain folder's modes) (a lost race to another process writing the same copy is not an error)."""
     (tmp / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    _make_readable(tmp)
     try:
         rename_folder_into_place(tmp, dest)
     except OSError:
