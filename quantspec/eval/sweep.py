@@ -286,11 +286,11 @@ def _prefixed(where: str, exc: QuantspecError) -> QuantspecError:
 def check_settings(cfg: SweepConfig) -> None:
     """The sweep-wide settings every point's commands share: a model that can be found (a local
     path must exist; a hub id is looked up when it runs), a dtype and device the commands accept."""
-    from ..models.source import _classify, resolve_device, resolve_dtype
+    from ..models.source import check_model_spec, resolve_device, resolve_dtype
 
     if cfg.timeout_s < 1:
         raise QuantspecError(f"sweep timeout_s must be at least 1 second, got {cfg.timeout_s}.", "set e.g. timeout_s: 3600.")
-    for key, check in (("model", lambda: _classify(cfg.model)), ("dtype", lambda: resolve_dtype(cfg.dtype, "cpu")),
+    for key, check in (("model", lambda: check_model_spec(cfg.model)), ("dtype", lambda: resolve_dtype(cfg.dtype, "cpu")),
                        ("device", lambda: cfg.device is None or resolve_device(cfg.device))):
         try:
             check()

@@ -59,6 +59,12 @@ class _Spec:
     alias: Alias | None = None
 
 
+def check_model_spec(spec: str | None) -> None:
+    """Refuse (QuantspecError) a model spec that cannot name a model, without loading it: a
+    local path that does not exist (a hub id or an alias is looked up when it loads)."""
+    _classify(spec)
+
+
 def model_slug(spec: str | None) -> str:
     """Short lowercase slug for folder names: the alias, or the last path / hub-id part.
 
