@@ -286,3 +286,22 @@ def test_calibration_within_the_context_or_without_a_declared_one_passes(tiny):
     check_calibration_seqlen(str(tiny), None)
     assert declared_context(SimpleNamespace(hidden_size=64)) is None
     assert declared_context(SimpleNamespace(n_positions=1024)) == ("n_positions", 1024)
+
+
+def test_a_default_calibration_length_past_the_context_is_cut_to_it(tmp_path):
+    """No calibration seqlen given: the CPU default (512) on a model of 128 learned positions is cut
+    to 128, reported and warned about (it crashed in the position embedding before)."""
+    import json
+
+    from helpers import calib_text, make_tiny_model
+
+    from quantspec.quant.pipeline import quantize
+    from quantspec.quant.recipe import Recipe
+
+    model = make_tiny_model(tmp_path, "gpt2")
+    recipe = Recipe.from_dict({"method": "gptq", "scheme": {"bits": 4, "group_size": 32},
+                               "calibration": {"data": str(calib_text(tmp_path)), "samples": 2}})
+    with pytest.warns(UserWarning, match="past the model's context"):
+        quantize(str(model), recipe, tmp_path / "q", progress=False)
+    calib = json.loads((tmp_path / "q" / "quant_report.json").read_text())["calibration"]
+    assert calib["seqlen"] == 128 and "context (max_position_embeddings 128)" in calib["seqlen_cut"]

@@ -89,7 +89,7 @@ def prepare(model: nn.Module, tokenizer, recipe: Recipe, fmt, device: torch.devi
         raise QuantspecError(f"{recipe.scheme.short_name} calibrates activation scales inside the decoder blocks; "
                              f"{outside[:3]} lie outside.", "leave them dense (recipe ignore, e.g. lm_head).")
     wants_data = method.needs_calibration or static
-    ids, calib = calibration(tokenizer, recipe, device) if wants_data else (None, None)
+    ids, calib = calibration(tokenizer, recipe, device, getattr(model, "config", None)) if wants_data else (None, None)
     if calib is not None and experts:
         calib["experts"] = recipe.calibration.experts
     return Job(recipe, method, arch, plan, ids, calib)
@@ -142,13 +142,27 @@ def check_smoothing(arch: ArchSpec, method: BlockMethod, model: nn.Module, name:
         )
 
 
-def calibration(tokenizer, recipe: Recipe, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Calibration ids [n, L] and the calibration actually used (for the report)."""
+def calibration(tokenizer, recipe: Recipe, device: torch.device, config=None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Calibration ids [n, L] and the calibration actually used (for the report). A default
+    length (no ``calibration.seqlen``) past the context the model's ``config`` declares is cut
+    to it, with a warning and ``seqlen_cut`` in the report (an explicit one is refused earlier:
+    ``models.source.check_calibration_seqlen``)."""
+    import warnings
+    from dataclasses import replace
+
     from ..data import calibration_samples
     from ..data.fallback import load_or_fallback
+    from ..models.source import declared_context
 
     calib = recipe.calibration.resolved(on_gpu=device.type != "cpu")
+    info: dict[str, Any] = {}
+    declared = declared_context(config) if config is not None else None
+    if recipe.calibration.seqlen is None and declared is not None and declared[1] < calib.seqlen:
+        info["seqlen_cut"] = (f"the default calibration length {calib.seqlen} is past the model's context "
+                              f"({declared[0]} {declared[1]}): windows of {declared[1]} tokens")
+        warnings.warn(info["seqlen_cut"] + ".", stacklevel=2)
+        calib = replace(calib, seqlen=declared[1])
     _, source = load_or_fallback(calib.data, "calibration")
     ids = calibration_samples(tokenizer, source, calib.samples, calib.seqlen, calib.seed)
-    info = {"data": source.label, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed}
+    info = {"data": source.label, "samples": calib.samples, "seqlen": calib.seqlen, "seed": calib.seed, **info}
     return ids, info

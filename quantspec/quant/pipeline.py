@@ -191,7 +191,7 @@ def _kv_inputs(model, job, tokenizer, device) -> tuple[torch.Tensor, list[str]]:
     if tokenizer is None:
         raise QuantspecError("KV-cache scales are calibrated on text, so they need a tokenizer.",
                              "point at a model folder with its tokenizer, or drop --kv-cache.")
-    return calibration(tokenizer, job.recipe, device)[0], attn
+    return calibration(tokenizer, job.recipe, device, getattr(model, "config", None))[0], attn
 
 
 def _write_kv_scales(folder: Path, ids, attn: list[str], recipe: Recipe, report: dict, progress: bool) -> None:
