@@ -120,3 +120,14 @@ def test_work_past_the_declared_context_is_refused(tmp_path, capsys):
     _refused(["eval", str(short), "--ppl", str(text), "--seqlen", "64", "--no-progress"], capsys, "use --seqlen 32")
     _refused(["bench", str(short), "--prompt-lengths", "64", "--no-baseline-run", "--no-progress"], capsys,
              "context of 32")
+
+
+def test_a_tree_a_sliding_window_cannot_hold_is_refused_before_the_draft_is_built(tmp_path, capsys, monkeypatch):
+    import quantspec.specdec as specdec
+
+    model = make_tiny_model(tmp_path, "gemma3_text")
+    built = []
+    monkeypatch.setattr(specdec, "make_proposer", lambda *a, **k: built.append(a))
+    _refused(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "80", "--draft", "self:w4g128",
+              "--tree", "static"], capsys, "sliding-window")
+    assert built == []  # refused before the draft would have been built

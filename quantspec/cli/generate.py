@@ -63,7 +63,10 @@ def run(args) -> int:
     out["load_seconds"] = round(t0 - t_load, 3)
     if args.draft:
         from .. import specdec
+        from ..specdec.loop import check_tree
 
+        if tree is not None:  # refused before the draft is built
+            check_tree(model, input_ids.shape[1], args.max_new_tokens, tree, args.fast_verify)
         proposer = specdec.make_proposer(args.draft, model, tok, dtype=args.draft_dtype,
                                          head=args.draft_head, vocab=args.draft_vocab)
         t1 = time.perf_counter()

@@ -201,6 +201,16 @@ def speculative_generate(
     return _assemble(input_ids, new, _pad_id(target, pad_token_id, stops)), stats
 
 
+def check_tree(target, prompt_len: int, max_new_tokens: int, tree: TreeSpec, fast_verify: bool | None = None) -> None:
+    """``speculative_generate``'s refusal of a tree run on ``target``, before a draft is built
+    (a self-draft's quantization, a draft model's load): the decoder it would verify through,
+    without fusing, planning or screening anything."""
+    if fast_verify is None:
+        fast_verify = fast_verify_default(target)
+    decoder = fast_decoder(target, fuse=False, plan=False, screen=False) if fast_verify else KVDecoder(target)
+    _check_tree_fits(decoder, prompt_len, max_new_tokens, tree)
+
+
 def _check_tree_fits(decoder, prompt_len: int, max_new_tokens: int, tree: TreeSpec) -> None:
     """Refuse, before anything runs, a tree run whose columns could pass the decoder's limit
     (``tree_columns``: a sliding window). A step with ``g`` tokens generated holds ``prompt_len
