@@ -131,3 +131,17 @@ def test_a_tree_a_sliding_window_cannot_hold_is_refused_before_the_draft_is_buil
     _refused(["generate", str(model), "--prompt", "hi", "--max-new-tokens", "80", "--draft", "self:w4g128",
               "--tree", "static"], capsys, "sliding-window")
     assert built == []  # refused before the draft would have been built
+
+
+def test_the_api_past_a_learned_position_table_names_the_context(tmp_path):
+    """speculative_generate (no CLI check before it) on a 128-position GPT-2 run past 128: the
+    error names the context, not the cache (it said the forward "refuses incremental decoding")."""
+    from helpers import make_tiny_tokenizer, tiny_model
+
+    from quantspec.errors import QuantspecError
+    from quantspec.specdec import NGram, speculative_generate
+
+    model, tok = tiny_model("gpt2"), make_tiny_tokenizer()
+    ids = tok(" ".join(["word"] * 120), return_tensors="pt").input_ids[:, :120]
+    with pytest.raises(QuantspecError, match="context of 128"):
+        speculative_generate(model, NGram(), ids, max_new_tokens=40, k=4, fast_verify=False)

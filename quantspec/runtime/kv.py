@@ -196,6 +196,12 @@ class KVDecoder(Decoder):
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, ValueError, TypeError, IndexError, AssertionError, NotImplementedError) as exc:
+            from ..models.source import check_context
+
+            mask = kw.get("attention_mask")
+            if mask is not None:  # past the positions it has: that, not the cache, is the cause
+                check_context(getattr(self.model, "config", None), int(mask.shape[-1]), "the sequence",
+                              "shorten the prompt or generate fewer tokens (together at most {context}).")
             why = one_line(exc, 200) or "no message"
             raise QuantspecError(f"{self._name()}'s forward refuses {what} ({type(exc).__name__}: {why}).",
                                  f"{fix} for this model.") from exc
