@@ -130,3 +130,15 @@ def test_errors_print_on_one_line(monkeypatch, capsys):
     rc = main(["inspect", "anything"])
     assert rc == 2
     assert capsys.readouterr().err == "quantspec: error: a message quoted from another library. Fix: the fix.\n"
+
+
+def test_a_checkpoint_that_lost_its_quantization_config_says_so(ckpt, tmp_path, capsys):
+    held = tmp_path / "q"
+    shutil.copytree(ckpt, held)
+    config = json.loads((held / "config.json").read_text())
+    del config["quantization_config"]
+    (held / "config.json").write_text(json.dumps(config))
+    (held / "quantspec.checksums.json").unlink()
+    rc = main(["generate", str(held), "--prompt", "hi", "--max-new-tokens", "2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("quantspec")]
+    assert rc == 2 and len(err) == 1 and "has no quantization_config" in err[0], err

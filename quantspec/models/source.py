@@ -249,9 +249,21 @@ def _refuse_quantized(folder: Path) -> None:
         )
 
 
+# the tensor names of GPTQ / AWQ (qweight, qzeros, scales) and compressed-tensors (weight_packed, weight_scale, ...)
+QUANTIZED_TENSOR_NAMES = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                                    "weight_zero_point", "weight_shape", "weight_global_scale"})
+
+
 def _missing_weights(folder: Path, loading_info: dict) -> None:
     """Refuse a model that transformers completed with randomly initialised weights."""
     missing = sorted(loading_info.get("missing_keys") or [])
+    packed = sorted(k for k in loading_info.get("unexpected_keys") or []
+                    if k.rsplit(".", 1)[-1] in QUANTIZED_TENSOR_NAMES)
+    if missing and packed:
+        raise QuantspecError(f"{folder} holds quantized tensors ({', '.join(packed[:2])}, ...) but its config.json "
+                             "has no quantization_config, so they cannot be read.",
+                             "restore the quantization_config the checkpoint was written with (its recipe.yaml "
+                             "or quant_report.json says which), or quantize the dense original again.")
     if missing:
         raise QuantspecError(
             f"{folder} does not hold a complete causal LM: transformers would initialise "
