@@ -305,3 +305,19 @@ def test_a_default_calibration_length_past_the_context_is_cut_to_it(tmp_path):
         quantize(str(model), recipe, tmp_path / "q", progress=False)
     calib = json.loads((tmp_path / "q" / "quant_report.json").read_text())["calibration"]
     assert calib["seqlen"] == 128 and "context (max_position_embeddings 128)" in calib["seqlen_cut"]
+
+
+def test_the_default_recipe_keeps_its_name_and_output_folder():
+    """The default (no recipe, no flags) writes what it always wrote: recipe.yaml's name and the
+    default --out are part of the checkpoint a user already has."""
+    import argparse
+    from pathlib import Path
+
+    from quantspec.cli.quantize import add_parser, recipe_from_args
+    from quantspec.quant.pipeline import default_out, resolve_recipe
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    from_cli = recipe_from_args(parser.parse_args(["quantize"]))
+    assert resolve_recipe(None).name == from_cli.name == "gptq-w4g128"
+    assert default_out("smollm2-135m", from_cli) == Path("quantspec-out/smollm2-135m-gptq-w4g128")

@@ -35,7 +35,7 @@ from ..strict import check_types
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str | None = None  # None: default_recipe_name(method, scheme)
+    name: str | None = "gptq-w4g128"  # the default recipe's; None: default_recipe_name(method, scheme)
     method: str = "gptq"
     format: str = "gptq"
     scheme: QuantScheme | None = None  # None: default_scheme(method)
@@ -121,6 +121,7 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         data = dict(data)
         reject_unknown(cls, data, "recipe")
+        data.setdefault("name", None)  # a recipe without one is named after what it holds
         nested = {
             "scheme": QuantScheme,
             "calibration": CalibrationConfig,
