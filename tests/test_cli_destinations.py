@@ -142,3 +142,8 @@ def test_a_checkpoint_that_lost_its_quantization_config_says_so(ckpt, tmp_path, 
     rc = main(["generate", str(held), "--prompt", "hi", "--max-new-tokens", "2"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("quantspec")]
     assert rc == 2 and len(err) == 1 and "has no quantization_config" in err[0], err
+
+
+def test_a_missing_checkpoint_is_called_missing(tmp_path, capsys):
+    rc = main(["inspect", str(tmp_path / "nowhere")])
+    assert rc == 2 and "nowhere does not exist" in capsys.readouterr().err

@@ -26,6 +26,8 @@ from .reader import CheckpointReader
 
 def read_config(path: Path) -> dict:
     cfg_path = path / "config.json"
+    if not path.exists():
+        raise QuantspecError(f"{path} does not exist.", "check the path of the checkpoint folder.")
     if not cfg_path.is_file():
         raise QuantspecError(
             f"{path} has no config.json.", "point to a checkpoint folder written by `quantspec quantize`."
