@@ -61,7 +61,7 @@ def test_quantize_inspect_eval_generate(tiny, tmp_path, capsys):
     [
         (["quantize", "/nonexistent/model-folder", "--method", "rtn", "--out", "X"], "model folder not found"),
         (["eval", "/nonexistent/ckpt", "--ppl", "pydoc"], "not"),
-        (["inspect", "/nonexistent/ckpt"], "config.json"),
+        (["inspect", "/nonexistent/ckpt"], "does not exist"),
         (["quantize", "--recipe", "no-such-recipe"], "unknown recipe"),
         # each refused before the (absent) model is looked for: internal errors or runs before
         (["generate", "no-model", "--prompt", "hi", "--max-new-tokens", "-5"], "--max-new-tokens -5"),
