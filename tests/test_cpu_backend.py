@@ -442,3 +442,18 @@ def test_cpu_benchmark_rotation_and_read_floor():
     expected = int(words.sum()) & ((1 << 64) - 1)
     got = mod["stream_read"]()(words.view(torch.uint8)) & ((1 << 64) - 1)
     assert got == expected
+
+
+def test_two_checkouts_build_in_their_own_folders(tmp_path, monkeypatch):
+    """The same sources elsewhere (a second checkout, a worktree) get another build folder: ninja
+    records the absolute source paths, so a shared folder was rebuilt (minutes) at every switch."""
+    import shutil
+
+    from quantspec.kernels import cpu_ext
+
+    here = cpu_ext.build_name()
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_ext.SOURCES[0].parent, copy)
+    monkeypatch.setattr(cpu_ext, "SOURCES", tuple(copy / s.name for s in cpu_ext.SOURCES))
+    monkeypatch.setattr(cpu_ext, "HEADERS", tuple(copy / h.name for h in cpu_ext.HEADERS))
+    assert cpu_ext.build_name() != here

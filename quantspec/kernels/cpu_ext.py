@@ -59,9 +59,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def build_name() -> str:
+    """The build folder's name: the sources' bytes, torch, the CPU's flags and where the sources
+    are (ninja records their absolute paths, so two checkouts sharing one folder rebuilt it in turn)."""
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
+        digest.update(str(source.resolve()).encode())
     digest.update(torch.__version__.encode())
     digest.update(cpu_flags().encode())
     return f"quantspec_cpu_qgemm_{digest.hexdigest()[:12]}"
