@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from quantspec.checkpoint import atomic
-from quantspec.checkpoint.atomic import atomic_file, atomic_save_file, atomic_write_bytes, atomic_write_text
+from quantspec.checkpoint.atomic import (
+    atomic_file,
+    atomic_save_file,
+    atomic_write_bytes,
+    atomic_write_text,
+)
 
 
 def test_write_text_replaces_and_leaves_nothing_else(tmp_path):
@@ -70,7 +75,7 @@ def test_written_files_and_folders_get_plain_modes(tmp_path):
         save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
         (tmp / "sub").mkdir(mode=0o700)
     atomic_save_file({"w": torch.zeros(2)}, tmp_path / "head.safetensors")
-    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain.txt").write_text("x")
     assert mode(tmp_path / "ckpt") == mode(tmp_path / "ckpt" / "sub") == mode(tmp_path / "plain")

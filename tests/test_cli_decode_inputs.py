@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import make_tiny_model
 
 from quantspec.cli.main import main
-
-from helpers import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +71,6 @@ def test_a_draft_stops_at_every_stop_token_the_target_alone_stops_at(tmp_path):
     import json
 
     import transformers
-
     from helpers import make_tiny_tokenizer, tiny_model
 
     model, tok = tiny_model("llama"), make_tiny_tokenizer()
@@ -123,7 +121,7 @@ def test_work_past_the_declared_context_is_refused(tmp_path, capsys):
 
 
 def test_a_tree_a_sliding_window_cannot_hold_is_refused_before_the_draft_is_built(tmp_path, capsys, monkeypatch):
-    import quantspec.specdec as specdec
+    from quantspec import specdec
 
     model = make_tiny_model(tmp_path, "gemma3_text")
     built = []

@@ -7,10 +7,9 @@ import json
 import shutil
 
 import pytest
+from helpers import make_tiny_model
 
 from quantspec.cli.main import main
-
-from helpers import make_tiny_model
 
 
 @pytest.fixture(scope="module")

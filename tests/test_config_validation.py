@@ -9,13 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import make_tiny_model
 
 from quantspec.cli.main import build_parser, main
 from quantspec.core.scheme import QuantScheme
 from quantspec.errors import QuantspecError
 from quantspec.quant.recipe import Recipe
-
-from helpers import make_tiny_model
 
 
 @pytest.fixture(scope="module")
