@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from quantspec.eval.report_plot import pareto_front
-from quantspec.eval.sweep import SweepConfig, SweepPoint, collect_point, point_steps, run_sweep
+from quantspec.eval.sweep import SweepConfig, SweepPoint, collect_point, run_sweep
+from quantspec.eval.sweep_steps import point_steps
 from quantspec.eval.sweep_speed import Timed, bench_argv, median_of, round_order
 
 REPO = Path(__file__).resolve().parents[1]

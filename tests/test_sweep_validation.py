@@ -68,7 +68,7 @@ def test_a_point_given_twice_with_other_extra_args_is_refused():
 
 def test_every_point_command_resolves_to_its_own_recipe():
     """The smoothquant point's command (--w8a8) is accepted by quantize and makes the point's scheme."""
-    from quantspec.eval.sweep import quantize_recipe
+    from quantspec.eval.sweep_check import quantize_recipe
 
     cfg = SweepConfig.from_yaml(REPO / "recipes" / "sweep-default.yaml")
     for point in cfg.all_points()[1:]:

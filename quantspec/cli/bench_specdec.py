@@ -20,6 +20,11 @@ from pathlib import Path
 from ._common import write_json
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "specdec_prompts.jsonl"
+# the defaults of the flags that only a draft uses, and of those that only sampling uses: another
+# value without a draft (at temperature 0) would do nothing, so it is refused (``check_decode_args``)
+DRAFT_DEFAULTS = {"draft_dtype": "auto", "draft_head": "w8gpc", "draft_vocab": None, "k": 4, "adaptive": False,
+                  "fast_verify": None}
+SAMPLING_DEFAULTS = {"top_k": 0, "top_p": 1.0, "seed": None}
 
 
 def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = False) -> None:
@@ -27,21 +32,21 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--draft", required=draft_required, default=None,
                    help="ngram | ngram:MAX_N | self:w4g128 | self:/path/to/quantized | a draft model id/folder")
-    g.add_argument("--draft-dtype", default="auto",
+    g.add_argument("--draft-dtype", default=DRAFT_DEFAULTS["draft_dtype"],
                    help="the draft model's dtype: auto (bfloat16 for an fp32 target on a CPU with "
                         "AVX-512 BF16, else the target's), float32, bfloat16, float16")
-    g.add_argument("--draft-head", default="w8gpc",
+    g.add_argument("--draft-head", default=DRAFT_DEFAULTS["draft_head"],
                    help="output head of a self: draft, and the weights of an eagle: head: a scheme "
                         "(w8gpc, w4g32, ...), same (a self: draft's body scheme) or dense")
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    g.add_argument("--draft-vocab", type=int, default=DRAFT_DEFAULTS["draft_vocab"], metavar="N",
                    help="a draft model's output head scores only the N most frequent tokens of local "
                         "prose and code, plus those of the prompt and of the text written since "
                         "(lossless: the target verifies every draft); 0 = the whole vocabulary "
                         "(default: 65536, so only larger vocabularies are pruned)")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per target call (start value with --adaptive)")
-    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--k", type=int, default=DRAFT_DEFAULTS["k"], help="draft tokens per target call (start value with --adaptive)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DRAFT_DEFAULTS["adaptive"],
                    help="grow k while every draft is accepted, shrink it when fewer than half are")
-    g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--fast-verify", action=argparse.BooleanOptionalAction, default=DRAFT_DEFAULTS["fast_verify"],
                    help="the target verifies through quantspec's static decoder and few-row CPU "
                         "products (default: for fp32 targets; off: transformers' forward)")
     g.add_argument("--tree", default=None,
@@ -50,8 +55,13 @@ def add_specdec_args(parser: argparse.ArgumentParser, draft_required: bool = Fal
     g.add_argument("--tree-nodes", type=int, default=None, help="nodes per tree (default 16)")
     g.add_argument("--tree-topk", type=int, default=None, help="children per expanded node (default 4)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS["top_k"], help="0 = off")
+    g.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS["top_p"], help="1.0 = off")
+
+
+def _changed(args: argparse.Namespace, defaults: dict) -> list[str]:
+    """The flags of ``defaults`` that ``args`` sets to another value (absent ones: unchanged)."""
+    return ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name, value) != value]
 
 
 def check_decode_args(args: argparse.Namespace) -> None:
@@ -66,17 +76,12 @@ def check_decode_args(args: argparse.Namespace) -> None:
         if args.k < (1 if args.adaptive else 0):
             raise QuantspecError(f"--k {args.k} is invalid.", "use --k 1 or more (0: plain decoding, without --adaptive).")
     else:
-        unused = [flag for flag, used in (("--k", args.k != 4), ("--adaptive", args.adaptive),
-                                          ("--draft-head", args.draft_head != "w8gpc"),
-                                          ("--draft-dtype", args.draft_dtype != "auto"),
-                                          ("--draft-vocab", args.draft_vocab is not None),
-                                          ("--fast-verify", args.fast_verify is not None)) if used]
+        unused = _changed(args, DRAFT_DEFAULTS)
         if unused:
             raise QuantspecError(f"{unused[0]} sets speculative decoding, and no --draft was given.",
                                  f"add --draft SPEC, or drop {unused[0]}.")
     if args.temperature == 0:
-        sampled = [flag for flag, used in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
-                                           ("--seed", getattr(args, "seed", None) is not None)) if used]
+        sampled = _changed(args, SAMPLING_DEFAULTS)
         if sampled:
             raise QuantspecError(f"{sampled[0]} shapes sampling, and --temperature 0 decodes greedily.",
                                  f"add --temperature T > 0, or drop {sampled[0]}.")

@@ -156,6 +156,11 @@ def _bundled(name: str) -> TextSource:
     return TextSource("\n\n".join(docs), bundled.split_label(name), origin, docs)
 
 
+def source_names() -> list[str]:
+    """The data names ``load_text`` knows, besides file paths."""
+    return [*LOCAL_FILES, *bundled.SPLITS, "pydoc", "python-stdlib"]
+
+
 def load_text(name: str) -> TextSource:
     """Load a named dataset, the built-in corpus or a local file (see module docstring)."""
     key = str(name).strip()
@@ -187,5 +192,4 @@ def load_text(name: str) -> TextSource:
     if path.suffix.lower() in {".txt", ".jsonl", ".text", ".md"} or path.exists():
         return _from_file(path)
     raise QuantspecError(f"unknown data source '{name}'.",
-                         "use wikitext2, c4, c4-bundled, c4-bundled-heldout, pydoc, python-stdlib, or a path to "
-                         "a .txt or .jsonl file.")
+                         f"use {', '.join(source_names())}, or a path to a .txt or .jsonl file.")

@@ -9,9 +9,9 @@ A sweep YAML maps 1:1 onto ``SweepConfig`` (unknown keys and mistyped values are
     speed: {prompt_lengths: [128], batch_sizes: [1], new_tokens: 16, repeats: 3, rounds: 3}
 
 The whole sweep is checked when it is loaded, before any point runs: every setting, and every
-point's quantize command as ``quantspec quantize`` would parse and resolve it (``check_point``).
-Every point (the dense baseline is one too) runs as subprocesses of the ``quantspec`` CLI:
-``quantize ... --json`` and ``eval ... --json`` (and the lm-eval shim for tasks), each step's
+point's quantize command as ``quantspec quantize`` would parse and resolve it (``sweep_check``).
+Every point (the dense baseline is one too) runs as subprocesses of the ``quantspec`` CLI
+(``sweep_steps``): ``quantize ... --json`` and ``eval ... --json`` (and the lm-eval shim for tasks), each step's
 JSON cached in ``OUT/points/NAME/``. Accuracy is measured on the scheme each checkpoint declares
 (``eval`` and the lm-eval model default to the ``exact`` kernel backend; their JSON names it).
 Resumable: a point whose ``result.json`` exists is not run again, and within a point a step whose
@@ -22,7 +22,6 @@ not), in interleaved rounds (``sweep_speed``: equal kernels then measure equal).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import subprocess
@@ -30,13 +29,22 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import QuantspecError, one_line
-from ..strict import check_types, from_dict_strict, reject_unknown
+from ..strict import check_types, reject_unknown
+from .sweep_check import (
+    check_data_name,
+    check_point,
+    check_settings,
+    command_words,
+    from_dict_typed,
+    point_words,
+    quantize_parser,
+)
 from .sweep_speed import Timed, Timer, subprocess_timer, time_interleaved
+from .sweep_steps import point_steps, point_target
 
 Progress = Callable[[str], None]
 
@@ -185,7 +193,7 @@ class SweepConfig:
     def __post_init__(self) -> None:
         """Every sweep-wide setting and every point checked now, before any point runs."""
         check_settings(self)
-        parser = _quantize_parser()
+        parser = quantize_parser()
         for point in self.all_points():
             check_point(point, self, parser)
 
@@ -197,14 +205,14 @@ class SweepConfig:
         reject_unknown(cls, data, "sweep")
         data["quantize_args"] = command_words(data.get("quantize_args"), "quantize_args")
         for key, sub in (("grid", GridConfig), ("eval", EvalConfig), ("speed", SpeedSettings)):
-            data[key] = _from_dict_typed(sub, data.get(key), key)
+            data[key] = from_dict_typed(sub, data.get(key), key)
         if data.get("serve") is not None:
-            data["serve"] = _from_dict_typed(ServeSettings, data["serve"], "serve")
+            data["serve"] = from_dict_typed(ServeSettings, data["serve"], "serve")
         points = data.get("points")
         if points is not None and not isinstance(points, list):
             raise QuantspecError(f"sweep points must be a list of mappings, got {one_line(repr(points), 80)}.",
                                  "write points: [{method: rtn, bits: 8, group_size: -1, format: gptq}].")
-        data["points"] = tuple(_from_dict_typed(SweepPoint, _point_words(p, i), f"points[{i}]")
+        data["points"] = tuple(from_dict_typed(SweepPoint, point_words(p, i), f"points[{i}]")
                                for i, p in enumerate(points or ()))
         check_types(cls, data, "sweep")  # the sections are built: the plain values are left
         return cls(**data)
@@ -240,121 +248,6 @@ class SweepConfig:
         return list(seen.values())
 
 
-# ---------------------------------------------------------------- checking a sweep before it runs
-
-def _from_dict_typed(cls: type, data: Any, where: str) -> Any:
-    """``from_dict_strict`` with every value type-checked first (before ``cls``'s own checks read it)."""
-    if isinstance(data, dict):
-        reject_unknown(cls, data, where=where)
-        check_types(cls, data, f"sweep {where}")
-    return from_dict_strict(cls, data, where, lists_as_tuples=True)
-
-
-def command_words(value: Any, where: str) -> tuple[str, ...]:
-    """Command-line words from YAML: a list of strings (numbers become words); null is none."""
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(w, (str, int, float)) and not isinstance(w, bool) for w in value):
-        raise QuantspecError(f"sweep {where} must be a list of command-line words, got {one_line(repr(value), 80)}.",
-                             f'write e.g. {where}: [--calib, c4, --calib-samples, "32"].')
-    return tuple(str(w) for w in value)
-
-
-def _point_words(point: Any, i: int) -> Any:
-    if isinstance(point, dict) and "extra_args" in point:
-        return {**point, "extra_args": command_words(point["extra_args"], f"points[{i}].extra_args")}
-    return point
-
-
-def check_data_name(name: str, where: str) -> None:
-    """QuantspecError unless ``name`` is a data set ``data.sources.load_text`` knows or an existing file."""
-    from ..data import bundled
-    from ..data.sources import LOCAL_FILES
-
-    known = [*LOCAL_FILES, *bundled.SPLITS, "pydoc", "python-stdlib"]
-    if str(name).strip().lower() in known or Path(str(name)).expanduser().is_file():
-        return
-    raise QuantspecError(f"sweep {where}: unknown data set {name!r} (and no such file).",
-                         f"use one of {known}, or the path of an existing .txt or .jsonl file.")
-
-
-def _prefixed(where: str, exc: QuantspecError) -> QuantspecError:
-    return QuantspecError(f"sweep {where}: {one_line(exc.problem)}", exc.fix)
-
-
-def check_settings(cfg: SweepConfig) -> None:
-    """The sweep-wide settings every point's commands share: a model that can be found (a local
-    path must exist; a hub id is looked up when it runs), a dtype and device the commands accept."""
-    from ..models.source import check_model_spec, resolve_device, resolve_dtype
-
-    if cfg.timeout_s < 1:
-        raise QuantspecError(f"sweep timeout_s must be at least 1 second, got {cfg.timeout_s}.", "set e.g. timeout_s: 3600.")
-    for key, check in (("model", lambda: check_model_spec(cfg.model)), ("dtype", lambda: resolve_dtype(cfg.dtype, "cpu")),
-                       ("device", lambda: cfg.device is None or resolve_device(cfg.device))):
-        try:
-            check()
-        except QuantspecError as exc:
-            raise _prefixed(key, exc) from None
-
-
-class _Refused(argparse.ArgumentParser):
-    """An argparse parser that prints nothing and whose usage errors (and exits, e.g. --help) are QuantspecErrors."""
-
-    def _print_message(self, message: str, file=None) -> None:
-        pass
-
-    def exit(self, status: int = 0, message: str | None = None):
-        message = message or "its quantize command (quantize_args + extra_args) would stop at once (-h/--help?)"
-        raise QuantspecError(one_line(message).rstrip(".") + ".",
-                             "correct quantize_args or the point's extra_args (see `quantspec quantize --help`).")
-
-    def error(self, message: str):
-        self.exit(2, f"its quantize command (quantize_args + extra_args) is refused: {message}")
-
-
-@lru_cache(maxsize=1)
-def _quantize_parser() -> argparse.ArgumentParser:
-    """``quantspec quantize``'s own parser (its flags, choices and value types)."""
-    from ..cli import quantize
-
-    top = _Refused(prog="quantspec")
-    quantize.add_parser(top.add_subparsers(dest="command"))
-    return top
-
-
-def quantize_recipe(point: SweepPoint, cfg: SweepConfig, parser: argparse.ArgumentParser | None = None):
-    """The recipe a point's quantize step will run: its command line (with the sweep's
-    quantize_args and the point's extra_args) parsed and resolved as ``quantspec quantize`` does."""
-    from ..cli.quantize import recipe_from_args
-
-    step = point_steps(point, cfg, Path("OUT") / "points" / point.name)[0]
-    return recipe_from_args((parser or _quantize_parser()).parse_args(step.argv[3:]))
-
-
-def check_point(point: SweepPoint, cfg: SweepConfig, parser: argparse.ArgumentParser | None = None) -> None:
-    """QuantspecError naming the point when its recipe is impossible, its quantize command would be
-    refused, or its format cannot hold its scheme (on a layer of any common shape, 4096 x 4096)."""
-    from ..formats import get_format
-
-    if point.is_dense:
-        return
-    try:
-        point.validate()
-        recipe = quantize_recipe(point, cfg, parser)
-        made = SweepPoint(recipe.method, recipe.scheme.bits, recipe.scheme.group_size, recipe.format)
-        if made.name != point.name:  # a flag in quantize_args / extra_args overrides the point's own
-            raise QuantspecError(f"its quantize command would make {made.name} instead.",
-                                 "drop the flag of quantize_args or extra_args that overrides the point's "
-                                 "method, bits, group size or format.")
-        reason = get_format(recipe.format).cannot_hold(recipe.scheme, 4096, 4096)
-        if reason:
-            raise QuantspecError(f"the {recipe.format} format cannot hold it: {reason}.",
-                                 "pick a format that holds this scheme (compressed-tensors holds every one) or another scheme.")
-    except QuantspecError as exc:
-        raise _prefixed(f"point {point.name}", exc) from None
-
-
 def default_sweep_path() -> Path:
     """recipes/sweep-default.yaml, shipped in the package (quantspec/recipes)."""
     from ..quant.pipeline import RECIPES_DIR
@@ -366,45 +259,6 @@ def default_sweep_path() -> Path:
 
 
 # ---------------------------------------------------------------- running one point
-
-
-@dataclass
-class Step:
-    name: str
-    argv: list[str]
-    json_path: Path
-
-
-def point_target(point: SweepPoint, cfg: SweepConfig, folder: Path) -> str:
-    """What a point evaluates: its checkpoint folder, or the dense model spec."""
-    return cfg.model if point.is_dense else str(folder / "checkpoint")
-
-
-def point_steps(point: SweepPoint, cfg: SweepConfig, folder: Path) -> list[Step]:
-    """The CLI invocations of one point, in order (speed is timed later, in ``sweep_speed``)."""
-    q = [sys.executable, "-m", "quantspec"]
-    common = ["--dtype", cfg.dtype] + (["--device", cfg.device] if cfg.device else [])
-    target = point_target(point, cfg, folder)
-    steps = []
-    if not point.is_dense:
-        w8a8 = point.method == "smoothquant"  # --w8a8 fixes bits and group size (8, per channel: validate checks)
-        argv = q + ["quantize", cfg.model, "--method", point.method, "--format", point.format,
-                    "--out", target, "--json", str(folder / "quantize.json"), "--no-compare", "--no-progress"]
-        argv += ["--w8a8"] if w8a8 else ["--bits", str(point.bits), "--group-size", str(point.group_size)]
-        argv += ["--overwrite"]  # a half-written checkpoint of an earlier failed attempt
-        steps.append(Step("quantize", argv + list(cfg.quantize_args) + list(point.extra_args), folder / "quantize.json"))
-    ev = cfg.eval
-    if ev.ppl:
-        argv = q + ["eval", target, *[a for d in ev.ppl for a in ("--ppl", d)], "--seqlen", str(ev.seqlen),
-                    "--windows", str(ev.windows), "--no-progress", "--json", str(folder / "eval.json"), *common]
-        steps.append(Step("eval", argv, folder / "eval.json"))
-    if ev.tasks:
-        argv = [sys.executable, "-m", "quantspec.eval.lmeval_adapter", "--model", "quantspec",
-                "--model_args", f"path={target},dtype={cfg.dtype},backend=exact", "--tasks", *ev.tasks,
-                "--output_path", str(folder / "lmeval"), "--device", cfg.device or "cpu"]
-        argv += (["--limit", str(ev.limit)] if ev.limit else []) + (["--include_path", ev.include_path] if ev.include_path else [])
-        steps.append(Step("tasks", argv, folder / "lmeval"))
-    return steps
 
 
 def _lmeval_file(folder: Path) -> dict[str, Any]:

@@ -31,9 +31,12 @@ PROBES = (
 )
 
 
+SCHEME_NAME = re.compile(r"w(\d+)g(\d+|pc)(-asym)?")  # w4g128, w8gpc, w4g64-asym
+
+
 def parse_scheme(text: str) -> QuantScheme:
     """``w4g128`` / ``w8gpc`` / ``w4g64-asym`` -> QuantScheme."""
-    m = re.fullmatch(r"w(\d+)g(\d+|pc)(-asym)?", text.strip().lower())
+    m = SCHEME_NAME.fullmatch(text.strip().lower())
     if not m:
         raise QuantspecError(
             f"'{text}' is not a scheme name.", "use e.g. self:w4g128, self:w4g64, self:w8gpc."
@@ -46,7 +49,7 @@ def head_scheme(text: str) -> QuantScheme | None:
     """The scheme of ``--draft-head`` (None: ``same`` or ``dense``, decided by the draft)."""
     if text in ("same", "dense"):
         return None
-    if not re.fullmatch(r"w(\d+)g(\d+|pc)(-asym)?", text.strip().lower()):
+    if not SCHEME_NAME.fullmatch(text.strip().lower()):
         raise QuantspecError(
             f"draft head '{text}' is not a scheme name.",
             "use e.g. w8gpc (the default), w4g32-asym, same (the body's) or dense.",
